@@ -1,0 +1,11 @@
+"""Collectors: imported by the training job on every rank (standard library + redis-py only).
+
+>>> from collectors import Monitor  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collectors.monitor import Monitor
+from collectors.ranks import detect as detect_rank
+
+__all__ = ["Monitor", "detect_rank"]

@@ -1,0 +1,488 @@
+"""``Monitor``: the handle a training loop uses on every rank.
+
+Hot path (``step``, ``section``, ``log_step``): builds a small dict and appends it to a
+bounded deque; nothing else. A daemon :class:`~collectors.sender.Sender` batches the
+records into Redis. Redis being away, bad values, or a bug here never raise into the
+training loop: they are logged once and counted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from time import perf_counter
+from typing import Any
+
+import redis
+
+from collectors import ranks
+from collectors.sender import Sender
+from trainhealth import config, defaults
+from trainhealth.exceptions import ConfigError
+from trainhealth.keys import run_keys
+
+log = logging.getLogger(__name__)
+
+_LIVE: weakref.WeakSet[Monitor] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (e.g. a DataLoader worker) is not a rank: its copy of the monitor goes quiet.
+    for mon in list(_LIVE):
+        mon._off = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _Section:
+    """Times one named section; reused for every entry of that name (no allocation per step)."""
+
+    __slots__ = ("_mon", "_name", "_t0")
+
+    def __init__(self, mon: Monitor, name: str) -> None:
+        self._mon = mon
+        self._name = name
+        self._t0 = 0.0
+
+    def __enter__(self) -> _Section:
+        self._t0 = perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dt = perf_counter() - self._t0
+        sec = self._mon._sections
+        # Repeated entries in one step (gradient accumulation) add up.
+        sec[self._name] = sec.get(self._name, 0.0) + dt
+
+
+class _Step:
+    """Times one training step; see :meth:`Monitor.step`."""
+
+    __slots__ = ("_mon", "_t0", "metrics", "step")
+
+    def __init__(self, mon: Monitor, step: int) -> None:
+        self._mon = mon
+        self.step = step
+        self.metrics: dict[str, Any] | None = None
+        self._t0 = 0.0
+
+    def __enter__(self) -> _Step:
+        mon = self._mon
+        if mon._held is not None:
+            mon._emit_held()
+        mon._cur = self
+        self._t0 = perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dur = perf_counter() - self._t0
+        mon = self._mon
+        mon._cur = None
+        try:
+            mon._finish_step(self, dur)
+        except Exception:  # never into the training loop
+            mon._internal_error()
+
+
+class _Phase:
+    """Marks a blocking non-training phase (checkpoint save/load, evaluation) and times it."""
+
+    __slots__ = ("_kind", "_mon", "_name", "_step", "_t0")
+
+    def __init__(self, mon: Monitor, kind: str, step: int | None, name: str | None = None) -> None:
+        self._mon, self._kind, self._step, self._name = mon, kind, step, name
+        self._t0 = 0.0
+
+    def __enter__(self) -> _Phase:
+        self._mon._phase = self._kind
+        self._t0 = perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        seconds = perf_counter() - self._t0
+        mon = self._mon
+        mon._phase = "train"
+        if exc[0] is not None:
+            return
+        if self._kind == "checkpoint_save":
+            mon.checkpoint_saved(self._step, seconds)  # type: ignore[arg-type]
+        elif self._kind == "checkpoint_load":
+            mon.checkpoint_loaded(self._step, seconds)  # type: ignore[arg-type]
+        else:
+            mon.badput(self._name or self._kind, seconds, step=self._step)
+
+
+class Monitor:
+    """Per-rank training-health collector.
+
+    Create one per process at start-up, after the process group is set up, on **every** rank::
+
+        mon = Monitor("llama-8b-pretrain", gpu_hour_usd=2.5)
+        for step in range(start, total):
+            with mon.step(step):
+                with mon.section("data"):
+                    batch = next(loader)
+                with mon.section("forward_backward"):
+                    loss = model(batch).loss; loss.backward()
+                with mon.section("optimizer"):
+                    gn = clip_grad_norm_(model.parameters(), 1.0); opt.step()
+            mon.log_step(step, loss=loss.item(), grad_norm=gn.item(), lr=sched.get_last_lr()[0],
+                         tokens=batch_tokens)
+            if step % 500 == 0:
+                with mon.checkpoint_save(step):
+                    save(...)
+        mon.close()
+
+    Time the sections a rank does **before** the gradient all-reduce: the collective makes
+    every rank's whole step equally long, so a slow rank shows only in its own sections.
+    Sections should not nest (their sum is the rank's busy time).
+
+    Parameters
+    ----------
+    run : str
+        Run id shared by all ranks (letters, digits, ``.``, ``_``, ``-``).
+    redis_url : str, optional
+        ``redis://``, ``rediss://`` or ``unix://`` URL; default ``$TRAINHEALTH_REDIS_URL``,
+        then the embedded server started by ``trainhealth serve``.
+    client : redis.Redis, optional
+        A client to use instead of a URL (its connection pool must be thread-safe, as redis-py's is).
+    rank, world_size : int, optional
+        Default from the launcher's environment (see :func:`collectors.ranks.detect`).
+    host : str, optional
+        Node name; default ``socket.gethostname()``.
+    gpu_hour_usd : float, optional
+        Price of one GPU-hour, for the ledger's cost figures (rank 0's value is stored).
+    run_config : dict, optional
+        Hyper-parameters etc., stored with the run start event (JSON-serialisable).
+    buffer_records : int
+        Bound of the in-memory buffer; beyond it the oldest records are dropped and counted.
+    heartbeat_interval : float
+        Seconds between heartbeats (sent by the background thread).
+    retention : int
+        Approximate entries kept in the run's step stream (``XADD MAXLEN ~``).
+
+    Raises
+    ------
+    ConfigError
+        At construction only, for a bad run id, rank, world size or URL. After that no
+        method raises: errors are logged (``collectors`` logger) and counted.
+    """
+
+    def __init__(
+        self,
+        run: str,
+        *,
+        redis_url: str | None = None,
+        client: redis.Redis | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        host: str | None = None,
+        gpu_hour_usd: float | None = None,
+        run_config: dict[str, Any] | None = None,
+        buffer_records: int = defaults.COLLECTOR_BUFFER_RECORDS,
+        batch_records: int = defaults.COLLECTOR_BATCH_RECORDS,
+        flush_interval: float = defaults.COLLECTOR_FLUSH_INTERVAL_S,
+        heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL_S,
+        retention: int | None = None,
+        close_timeout: float = defaults.CLOSE_TIMEOUT_S,
+    ) -> None:
+        self.keys = run_keys(run)
+        self.run = run
+        self.rank, self.world_size, self.local_rank = ranks.detect(rank, world_size)
+        self.host = host or ranks.hostname()
+        for name, value, low in (("buffer_records", buffer_records, 1), ("batch_records", batch_records, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
+        for name, value in (("flush_interval", flush_interval), ("heartbeat_interval", heartbeat_interval),
+                            ("close_timeout", close_timeout)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name}={value!r} must be a number of seconds > 0")
+        if gpu_hour_usd is not None and (not isinstance(gpu_hour_usd, (int, float)) or gpu_hour_usd < 0):
+            raise ConfigError(f"gpu_hour_usd={gpu_hour_usd!r} must be a number >= 0 (USD per GPU-hour)")
+        if run_config is not None:
+            try:
+                config_json = json.dumps(run_config, default=str)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"run_config is not JSON-serialisable: {exc}") from None
+        else:
+            config_json = None
+        if client is None:
+            url = config.redis_url(redis_url)
+            if url is None:
+                log.warning(
+                    "trainhealth collector: no Redis configured (TRAINHEALTH_REDIS_URL unset and no "
+                    "embedded server running); buffering up to %d records", buffer_records,
+                )
+        self.close_timeout = close_timeout
+        self.inc = time.time()  # incarnation: a new value per process start tells the service of restarts
+        self.dropped = 0
+        self._buffer: deque = deque(maxlen=buffer_records)
+        self._sections: dict[str, float] = {}
+        self._section_cache: dict[str, _Section] = {}
+        self._cur: _Step | None = None
+        self._held: dict[str, Any] | None = None
+        self._last_step: int | None = None
+        self._last_step_t: float | None = None
+        self._phase = "train"
+        self._off = False
+        self._closed = False
+        self._errors = 0
+        self._lock = threading.Lock()
+
+        def connect() -> redis.Redis:
+            if client is not None:
+                return client
+            url = config.redis_url(redis_url)
+            if url is None:
+                raise redis.ConnectionError("no Redis URL configured")
+            return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+
+        registry: dict[str, Any] = {"_rank": self.rank, "_inc": repr(self.inc), "status": "running",
+                                    "world_size": self.world_size, "updated_at": repr(self.inc)}
+        if self.rank == 0:
+            registry.update(name=run, started_at=self.inc)
+            if gpu_hour_usd is not None:
+                registry["gpu_hour_usd"] = repr(float(gpu_hour_usd))
+        self._sender = Sender(
+            connect, self.keys, self._buffer, self._heartbeat_body, registry, lambda: self.dropped,
+            batch=batch_records, flush_interval=flush_interval, heartbeat_interval=heartbeat_interval,
+            retention=retention or config.retention_entries(),
+        )
+        self._event("run_start", host=self.host, pid=os.getpid(), world_size=self.world_size,
+                    local_rank=self.local_rank, config=config_json)
+        self._sender.start()
+        _LIVE.add(self)
+        atexit.register(self._atexit)
+
+    # -- hot path ------------------------------------------------------------------------------
+    def _put(self, stream: str, fields: dict[str, Any]) -> None:
+        buf = self._buffer
+        if len(buf) == buf.maxlen:
+            self.dropped += 1  # deque drops the oldest on append
+        buf.append((stream, fields))
+
+    def step(self, step: int) -> _Step:
+        """Context manager timing one training step on this rank.
+
+        Metrics given to :meth:`log_step` for the same step, inside the block or right after
+        it, go into the same record. Sections timed since the previous step belong to it.
+        """
+        return _Step(self, step)
+
+    def section(self, name: str) -> _Section:
+        """Context manager timing a named part of the step (``data``, ``forward_backward``, ...).
+
+        Seconds add up if the same name is entered several times in one step. Names in
+        :data:`trainhealth.defaults.DATA_SECTIONS` count as data-loading wait in the ledger.
+        """
+        s = self._section_cache.get(name)
+        if s is None:
+            s = self._section_cache[name] = _Section(self, str(name))
+        return s
+
+    def log_step(
+        self,
+        step: int,
+        loss: float | None = None,
+        grad_norm: float | None = None,
+        lr: float | None = None,
+        tokens: int | None = None,
+        samples: int | None = None,
+        **unknown: Any,
+    ) -> None:
+        """Record a step's metrics: loss, global grad norm, learning rate, tokens and samples on this rank.
+
+        Values are recorded as given (NaN/Inf included). An unknown keyword is ignored with one
+        warning; a value that is not a number is not recorded, with one warning per field.
+        Never raises.
+        """
+        if self._off:
+            return
+        try:
+            if unknown:
+                self._warn_once(f"unknown:{sorted(unknown)}",
+                                "log_step() got unknown keyword(s) %s; ignored", sorted(unknown))
+            metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "samples": samples}
+            cur = self._cur
+            if cur is not None and cur.step == step:
+                cur.metrics = metrics
+                return
+            held = self._held
+            if held is not None and held["step"] == step:
+                held.update(metrics)
+                self._held = None
+                self._put("steps", held)
+                return
+            if held is not None:
+                self._emit_held()
+            t = time.time()
+            rec = {"rank": self.rank, "step": step, "inc": self.inc, "t": t, **metrics}
+            if self._sections:
+                self._attach_sections(rec)
+            self._put("steps", rec)
+            self._last_step, self._last_step_t = step, t
+        except Exception:
+            self._internal_error()
+
+    def _finish_step(self, st: _Step, dur: float) -> None:
+        t = time.time()
+        rec: dict[str, Any] = {"rank": self.rank, "step": st.step, "inc": self.inc, "t": t, "dur": dur}
+        if self._sections:
+            self._attach_sections(rec)
+        self._last_step, self._last_step_t = st.step, t
+        if self._off:
+            return
+        if st.metrics is not None:
+            rec.update(st.metrics)
+            self._put("steps", rec)
+        else:
+            self._held = rec  # wait for log_step() of this step, sent at the next step otherwise
+
+    def _attach_sections(self, rec: dict[str, Any]) -> None:
+        sec, self._sections = self._sections, {}
+        for name, secs in sec.items():
+            rec["sec." + name] = secs
+
+    def _emit_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self._put("steps", held)
+
+    # -- events ------------------------------------------------------------------------------------
+    def _event(self, kind: str, step: int | None = None, seconds: float | None = None, **extra: Any) -> None:
+        if self._off:
+            return
+        try:
+            self._put("events", {"kind": kind, "rank": self.rank, "t": time.time(), "inc": self.inc,
+                                 "step": step, "seconds": seconds, **extra})
+        except Exception:
+            self._internal_error()
+
+    def checkpoint_saved(self, step: int, seconds: float) -> None:
+        """Record a checkpoint of ``step`` saved, which blocked training for ``seconds``.
+
+        Report it from the ranks that blocked (usually all). Save outside ``step()`` blocks,
+        so the ledger counts the time once, as checkpoint badput.
+        """
+        if _bad_seconds(seconds):
+            self._warn_once("ckpt_seconds", "checkpoint_saved(): seconds=%r is not a duration >= 0; "
+                            "recorded as given", seconds)
+        self._event("checkpoint_save", step=step, seconds=seconds)
+
+    def checkpoint_loaded(self, step: int, seconds: float | None = None) -> None:
+        """Record that training resumed from the checkpoint of ``step`` (restore took ``seconds``)."""
+        self._event("checkpoint_load", step=step, seconds=seconds)
+
+    def checkpoint_save(self, step: int) -> _Phase:
+        """Context manager: time a checkpoint save and record it with :meth:`checkpoint_saved`.
+
+        While inside, heartbeats carry ``phase=checkpoint_save`` so the hang detector waits longer.
+        """
+        return _Phase(self, "checkpoint_save", step)
+
+    def checkpoint_load(self, step: int) -> _Phase:
+        """Context manager: time a checkpoint restore and record it with :meth:`checkpoint_loaded`."""
+        return _Phase(self, "checkpoint_load", step)
+
+    def badput(self, name: str, seconds: float, step: int | None = None) -> None:
+        """Record a custom unproductive interval (``evaluation``, ``profiling``...) of ``seconds``."""
+        self._event("badput", step=step, seconds=seconds, name=name)
+
+    def timed_badput(self, name: str, step: int | None = None) -> _Phase:
+        """Context manager timing a custom unproductive interval; see :meth:`badput`."""
+        return _Phase(self, "badput", step, name)
+
+    # -- heartbeat, flush, close ---------------------------------------------------------------
+    def _heartbeat_body(self) -> tuple[int, str]:
+        return self.rank, json.dumps({
+            "t": time.time(), "step": self._last_step, "step_t": self._last_step_t, "phase": self._phase,
+            "host": self.host, "pid": os.getpid(), "inc": self.inc,
+        })
+
+    @property
+    def connected(self) -> bool:
+        """Whether the last attempt to reach Redis succeeded."""
+        return self._sender.connected
+
+    @property
+    def buffered(self) -> int:
+        """Records waiting to be sent."""
+        return len(self._buffer)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Send what is buffered; wait at most ``timeout`` seconds. True when all was sent."""
+        if self._held is not None:
+            self._emit_held()
+        if self._off or not self._sender.is_alive():
+            return False
+        return self._sender.flush(self.close_timeout if timeout is None else timeout)
+
+    def close(self, status: str = "finished") -> bool:
+        """Record the clean end of this rank, flush (within ``close_timeout``) and stop.
+
+        ``status`` ("finished", "failed", "stopped") is stored on the run by rank 0.
+        Returns True when everything was delivered. Safe to call twice.
+        """
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True
+        if self._off:
+            return False
+        if self._held is not None:
+            self._emit_held()
+        self._event("run_end", status=status)
+        if self.rank == 0:
+            self._sender._registry["status"] = status
+        ok = self._sender.stop(self.close_timeout)
+        if ok and self.rank == 0:
+            try:
+                c = self._sender._connect()
+                c.hset(self.keys.meta, mapping={"status": status, "ended_at": repr(time.time())})
+            except Exception as exc:
+                log.warning("trainhealth collector: could not store run status: %s", exc)
+        if not ok:
+            log.warning("trainhealth collector: %d records not delivered at close", len(self._buffer))
+        _LIVE.discard(self)
+        return ok
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self.close("finished" if exc_type is None else "failed")
+
+    def _atexit(self) -> None:
+        # At interpreter exit: deliver what is buffered within the timeout; no run_end (the
+        # exit may be a crash), so an unclosed run shows up as stopped, not finished.
+        if not self._closed and not self._off:
+            self.flush(self.close_timeout)
+
+    # -- errors ----------------------------------------------------------------------------------------
+    _warned: set[str]
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        warned = self.__dict__.setdefault("_warned", set())
+        if key not in warned:
+            warned.add(key)
+            log.warning("trainhealth collector: " + msg, *args)
+
+    def _internal_error(self) -> None:
+        self._errors += 1
+        if self._errors == 1:
+            log.exception("trainhealth collector: internal error (training continues; further ones counted)")
+
+
+def _bad_seconds(x: Any) -> bool:
+    try:
+        return not float(x) >= 0
+    except (TypeError, ValueError):
+        return True

@@ -1,0 +1,235 @@
+"""The collector's background sender: drains the bounded buffer into Redis in pipelined batches.
+
+Like sentry-python's transport worker, it is the only place that does I/O: the training
+thread only appends to a ``collections.deque(maxlen=N)`` (an atomic, bounded, lock-free
+append; the oldest record is dropped when full and the drop counted by the caller).
+On a Redis error the current batch is kept and retried after a capped exponential
+back-off, so nothing is lost unless the buffer itself overflows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import redis
+
+from trainhealth import defaults
+from trainhealth.keys import RUNS, RunKeys
+
+log = logging.getLogger(__name__)
+
+#: A queued record: (stream, fields). ``stream`` is "steps" or "events".
+Record = tuple[str, dict[str, Any]]
+
+
+def encode_value(v: Any) -> str | int | None:
+    """Encode one field for XADD: ints as is, floats with ``repr`` (keeps nan/inf), else str.
+
+    Returns None for a value that cannot be a number where a number is expected; the caller
+    warns once. Tensors and numpy scalars become Python floats via ``float()``.
+    """
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, str):
+        return v
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return repr(f)
+
+
+class Sender(threading.Thread):
+    """Daemon thread that moves queued records to Redis.
+
+    Parameters
+    ----------
+    connect : callable returning a ``redis.Redis``
+        Called on start and after errors; may raise.
+    keys : RunKeys
+        The run's keys.
+    buffer : deque
+        The bounded buffer the training thread appends to.
+    heartbeat : callable returning ``(rank, json_str)`` or None
+        Called every ``heartbeat_interval`` seconds.
+    registry : dict
+        Run metadata fields written (``HSET``; ``started_at`` with ``HSETNX``) on each connect.
+    dropped : callable returning int
+        Number of records dropped so far (reported as a ``collector_drops`` event).
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], redis.Redis],
+        keys: RunKeys,
+        buffer: deque,
+        heartbeat: Callable[[], tuple[int, str]],
+        registry: dict[str, Any],
+        dropped: Callable[[], int],
+        *,
+        batch: int = defaults.COLLECTOR_BATCH_RECORDS,
+        flush_interval: float = defaults.COLLECTOR_FLUSH_INTERVAL_S,
+        heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL_S,
+        retention: int = defaults.STEPS_RETENTION_ENTRIES,
+        events_retention: int = defaults.EVENTS_RETENTION_ENTRIES,
+    ) -> None:
+        super().__init__(name=f"trainhealth-sender-{keys.run}", daemon=True)
+        self._connect = connect
+        self._keys = keys
+        self._buffer = buffer
+        self._heartbeat = heartbeat
+        self._registry = registry
+        self._dropped = dropped
+        self.batch = batch
+        self.flush_interval = flush_interval
+        self.heartbeat_interval = heartbeat_interval
+        self._maxlen = {"steps": retention, "events": events_retention}
+        self._client: redis.Redis | None = None
+        self._inflight: list[Record] = []
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._idle = threading.Event()
+        self._reported_drops = 0
+        self._next_hb = 0.0
+        self._backoff = 0.0
+        self._warned: set[str] = set()
+        #: Records delivered to Redis, and whether the last attempt reached it.
+        self.sent = 0
+        self.connected = False
+
+    # -- called from other threads ------------------------------------------------------
+    def wake(self) -> None:
+        """Ask for an immediate flush."""
+        self._wake.set()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until everything queued so far is sent; True if it was."""
+        deadline = time.monotonic() + timeout
+        while self._buffer or self._inflight:
+            self._idle.clear()
+            self._wake.set()
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.is_alive():
+                return False
+            self._idle.wait(min(left, 0.05))
+        return True
+
+    def stop(self, timeout: float) -> bool:
+        """Flush within ``timeout`` seconds, then stop the thread; True if all was sent."""
+        ok = self.flush(timeout)
+        self._stopping.set()
+        self._wake.set()
+        self.join(max(0.0, min(timeout, 1.0)))
+        return ok
+
+    # -- the thread ----------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._cycle()
+                self._backoff = 0.0
+            except (redis.RedisError, OSError) as exc:
+                self._on_error(exc)
+            except Exception:  # never let the thread die: log and keep going
+                log.exception("trainhealth collector: unexpected error in sender (records kept)")
+                self._stopping.wait(1.0)
+            if not self._buffer and not self._inflight:
+                self._idle.set()
+            if len(self._buffer) < self.batch:
+                self._wake.wait(self._backoff or self.flush_interval)
+                self._wake.clear()
+
+    def _on_error(self, exc: BaseException) -> None:
+        if self.connected or self._backoff == 0.0:
+            log.warning(
+                "trainhealth collector: Redis unreachable (%s); buffering up to %d records, retrying",
+                exc, self._buffer.maxlen,
+            )
+        self.connected = False
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+            self._client = None
+        self._backoff = min(
+            defaults.RECONNECT_BACKOFF_MAX_S, max(defaults.RECONNECT_BACKOFF_S, self._backoff * 2)
+        )
+
+    def _cycle(self) -> None:
+        if self._client is None:
+            self._client = self._connect()
+            self._client.ping()
+            if not self.connected:
+                log.info("trainhealth collector: connected to Redis for run %s", self._keys.run)
+            self._register(self._client)
+            self.connected = True
+        client = self._client
+        now = time.time()
+        hb_due = now >= self._next_hb
+        drops = self._dropped() - self._reported_drops
+        first = True
+        # Drain everything queued so far, one pipeline per batch.
+        while first or self._inflight or self._buffer:
+            if not self._inflight:
+                n = min(self.batch, len(self._buffer))
+                popleft = self._buffer.popleft
+                self._inflight = [popleft() for _ in range(n)]
+            pipe = client.pipeline(transaction=False)
+            for stream, fields in self._inflight:
+                self._xadd(pipe, stream, fields)
+            if first and drops > 0:
+                self._xadd(pipe, "events", {"kind": "collector_drops", "count": drops,
+                                            **self._registry_event_fields()})
+            if first and hb_due:
+                rank, body = self._heartbeat()
+                pipe.hset(self._keys.heartbeats, str(rank), body)
+            if len(pipe):
+                pipe.execute()
+            self.sent += len(self._inflight)
+            self._inflight = []
+            if first and drops > 0:
+                self._reported_drops += drops
+                log.warning("trainhealth collector: %d records were dropped while Redis was away", drops)
+            if first and hb_due:
+                self._next_hb = now + self.heartbeat_interval
+            first = False
+
+    def _registry_event_fields(self) -> dict[str, Any]:
+        return {"rank": self._registry["_rank"], "t": repr(time.time()), "inc": self._registry["_inc"]}
+
+    def _xadd(self, pipe: Any, stream: str, fields: dict[str, Any]) -> None:
+        enc: dict[str, Any] = {}
+        for k, v in fields.items():
+            if v is None:
+                continue
+            e = encode_value(v)
+            if e is None:
+                if k not in self._warned:
+                    self._warned.add(k)
+                    log.warning("trainhealth collector: field %r has non-numeric value %r; not recorded", k, v)
+                continue
+            enc[k] = e
+        key = self._keys.steps if stream == "steps" else self._keys.events
+        pipe.xadd(key, enc, maxlen=self._maxlen[stream], approximate=True)
+
+    def _register(self, client: redis.Redis) -> None:
+        meta = {k: v for k, v in self._registry.items() if not k.startswith("_") and v is not None}
+        pipe = client.pipeline(transaction=False)
+        pipe.zadd(RUNS, {self._keys.run: float(meta.get("started_at", time.time()))}, nx=True)
+        started = meta.pop("started_at", None)
+        if started is not None:
+            pipe.hsetnx(self._keys.meta, "started_at", repr(float(started)))
+        if meta:
+            pipe.hset(self._keys.meta, mapping={k: json.dumps(v) if isinstance(v, dict) else str(v)
+                                                for k, v in meta.items()})
+        pipe.execute()

@@ -1,0 +1,93 @@
+"""Documented defaults, in one place. Every tunable elsewhere refers here.
+
+Units are in the names: ``_S`` seconds, ``_STEPS`` steps, ``_ENTRIES`` stream entries.
+"""
+
+from __future__ import annotations
+
+# --- Redis -------------------------------------------------------------------
+#: Environment variable holding the Redis URL (``redis://``, ``rediss://``, ``unix://``).
+REDIS_URL_ENV = "TRAINHEALTH_REDIS_URL"
+#: Environment variable overriding the embedded server's home (data, pid, port files).
+HOME_ENV = "TRAINHEALTH_HOME"
+#: Embedded server's default home, under the user's home directory.
+HOME_DIR = "~/.trainhealth"
+#: Port the embedded redis-server tries first; the next free port is taken if it is busy.
+EMBEDDED_PORT = 6390
+#: Seconds to wait for the embedded redis-server to answer PING after starting it.
+EMBEDDED_START_TIMEOUT_S = 10.0
+
+# --- Streams and retention -----------------------------------------------------
+#: Approximate maximum entries kept per run in the per-rank step stream (``XADD MAXLEN ~``).
+#: About 250 bytes an entry: 1,000,000 entries ≈ 250 MB of Redis memory per run.
+STEPS_RETENTION_ENTRIES = 1_000_000
+#: Approximate maximum entries kept in the events, per-step aggregate and ledger streams.
+EVENTS_RETENTION_ENTRIES = 100_000
+AGG_RETENTION_ENTRIES = 200_000
+LEDGER_RETENTION_ENTRIES = 20_000
+#: Environment variable overriding ``STEPS_RETENTION_ENTRIES``.
+RETENTION_ENV = "TRAINHEALTH_RETENTION"
+
+# --- Collectors -----------------------------------------------------------------
+#: Bounded in-memory buffer of records waiting to be sent (oldest dropped, counted, beyond it).
+COLLECTOR_BUFFER_RECORDS = 100_000
+#: Records sent in one Redis pipeline by the collector's background thread.
+COLLECTOR_BATCH_RECORDS = 1_000
+#: Seconds the background thread sleeps between flushes when the buffer is not full.
+COLLECTOR_FLUSH_INTERVAL_S = 0.1
+#: Seconds between heartbeats (written by the background thread, so they go on while the
+#: training thread is stuck; they carry the last completed step so that is visible).
+HEARTBEAT_INTERVAL_S = 5.0
+#: Reconnect back-off after a Redis error: first wait and cap, in seconds (doubling).
+RECONNECT_BACKOFF_S = 0.5
+RECONNECT_BACKOFF_MAX_S = 30.0
+#: Seconds ``close()`` / interpreter exit waits for the last flush; never hangs the job's exit.
+CLOSE_TIMEOUT_S = 5.0
+#: Section names whose time counts as data-loading wait in the goodput ledger.
+DATA_SECTIONS = ("data", "data_loading", "dataloader", "data_wait")
+
+# --- Detector service -------------------------------------------------------------
+#: Consumer group name of the detector service on every run's streams.
+CONSUMER_GROUP = "th-detectors"
+#: Milliseconds one ``XREADGROUP`` blocks waiting for new entries.
+READ_BLOCK_MS = 1_000
+#: Entries read per stream per ``XREADGROUP`` call.
+READ_COUNT = 5_000
+#: Seconds between ledger snapshots written per run.
+LEDGER_SNAPSHOT_INTERVAL_S = 2.0
+#: TTL in seconds of the service's own heartbeat key.
+SERVICE_HEARTBEAT_TTL_S = 30
+#: Seconds after which a step still missing some ranks is closed with the ranks it has.
+AGG_STALE_S = 30.0
+
+# --- Detectors ------------------------------------------------------------------
+#: Loss spike: trailing window (steps), warm-up, robust z thresholds to open and close,
+#: and a minimum relative rise so a nearly flat curve's tiny MAD cannot trigger on noise.
+LOSS_SPIKE_WINDOW_STEPS = 50
+LOSS_SPIKE_WARMUP_STEPS = 10
+LOSS_SPIKE_Z_OPEN = 6.0
+LOSS_SPIKE_Z_CLOSE = 3.0
+LOSS_SPIKE_MIN_REL_RISE = 0.05
+#: A spike still open after this many steps is reported as divergence as well.
+DIVERGENCE_STEPS = 100
+#: Straggler: steps per window, relative score threshold (NVRx/NeMo default 0.7 for
+#: ``gpu_relative_perf_threshold``) and consecutive windows below it before flagging.
+STRAGGLER_WINDOW_STEPS = 20
+STRAGGLER_THRESHOLD = 0.7
+STRAGGLER_MIN_WINDOWS = 2
+#: Ignore section-time differences below this many seconds (timer jitter on tiny steps).
+STRAGGLER_MIN_EXCESS_S = 0.002
+#: Hang: a rank with no completed step for max(HANG_FLOOR_S, HANG_STEP_MULTIPLE x median
+#: step time) is hung; checkpoint saves get HANG_CHECKPOINT_S before they count.
+HANG_FLOOR_S = 120.0
+HANG_STEP_MULTIPLE = 20.0
+HANG_CHECKPOINT_S = 1800.0
+#: Heartbeats older than this many intervals mean the rank's process is gone.
+HEARTBEAT_MISSED_INTERVALS = 4
+
+# --- Dashboard ------------------------------------------------------------------------
+#: Seconds between live refreshes of the dashboard's fragments.
+DASHBOARD_REFRESH_S = 2.0
+#: Steps shown in the dashboard's charts (the newest ones).
+DASHBOARD_STEPS = 2_000
+DASHBOARD_PORT = 8501

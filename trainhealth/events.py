@@ -1,0 +1,133 @@
+"""Record types carried by the streams, and their stream-field encoding (standard library only).
+
+Collectors encode; the detector service and the dashboard decode. Field names and units
+are the documented wire format (``docs/architecture.md``); floats are written with
+``repr`` so NaN and ±Inf travel faithfully as ``nan``/``inf``/``-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+#: Event kinds written by collectors into ``th:{run}:events``.
+EVENT_KINDS = (
+    "run_start",        # a rank's Monitor started: host, pid, inc, world_size, config
+    "run_end",          # a rank's Monitor closed cleanly
+    "checkpoint_save",  # step, seconds the save blocked training
+    "checkpoint_load",  # step, seconds the restore blocked training
+    "badput",           # a custom unproductive interval: name, seconds (e.g. evaluation)
+    "collector_drops",  # count of records the collector dropped while Redis was away
+)
+
+SECTION_PREFIX = "sec."
+
+_STEP_FLOATS = ("t", "dur", "loss", "grad_norm", "lr")
+_STEP_INTS = ("tokens", "samples")
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _f(v: Any) -> float:
+    return float(_s(v))
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One rank's record of one step (an entry of ``th:{run}:steps``).
+
+    Attributes
+    ----------
+    rank, step : int
+        Global rank and training step (optimizer step) number.
+    inc : float
+        Incarnation: the unix time (s) the rank's Monitor started; a new value for a rank
+        means that rank's process restarted.
+    t : float
+        Unix time (s) the step ended on this rank.
+    dur : float | None
+        Step wall time on this rank (s), when the step was timed.
+    loss, grad_norm, lr : float | None
+        As logged; NaN/Inf kept as is.
+    tokens, samples : int | None
+        Tokens and samples this rank processed in the step.
+    sections : dict[str, float]
+        Seconds per named section (``data``, ``forward_backward``, ...) before the collective.
+    """
+
+    rank: int
+    step: int
+    inc: float
+    t: float
+    dur: float | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens: int | None = None
+    samples: int | None = None
+    sections: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def busy_s(self) -> float | None:
+        """Seconds spent in this rank's own sections (None when none were timed)."""
+        return sum(self.sections.values()) if self.sections else None
+
+
+def decode_step(fields: Mapping[Any, Any]) -> StepRecord:
+    """Decode a ``th:{run}:steps`` entry; raises ``KeyError``/``ValueError`` naming the field."""
+    d = {_s(k): v for k, v in fields.items()}
+    kw: dict[str, Any] = {}
+    for name in _STEP_FLOATS:
+        if name in d:
+            try:
+                kw[name] = _f(d[name])
+            except ValueError:
+                raise ValueError(f"field {name!r} has non-numeric value {_s(d[name])!r}") from None
+    for name in _STEP_INTS:
+        if name in d:
+            kw[name] = int(_f(d[name]))
+    sections = {k[len(SECTION_PREFIX):]: _f(v) for k, v in d.items() if k.startswith(SECTION_PREFIX)}
+    return StepRecord(
+        rank=int(_s(d["rank"])), step=int(_s(d["step"])), inc=_f(d["inc"]), sections=sections, **kw
+    )
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of ``th:{run}:events``.
+
+    ``kind`` is one of :data:`EVENT_KINDS`; ``t`` unix seconds; ``step`` and ``seconds``
+    where the kind has them; everything else in ``extra`` (strings).
+    """
+
+    kind: str
+    rank: int
+    t: float
+    inc: float
+    step: int | None = None
+    seconds: float | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def decode_event(fields: Mapping[Any, Any]) -> Event:
+    """Decode a ``th:{run}:events`` entry; raises ``KeyError``/``ValueError`` naming the field."""
+    d = {_s(k): _s(v) for k, v in fields.items()}
+    step = d.pop("step", None)
+    seconds = d.pop("seconds", None)
+    return Event(
+        kind=d.pop("kind"),
+        rank=int(d.pop("rank")),
+        t=float(d.pop("t")),
+        inc=float(d.pop("inc", "0")),
+        step=int(step) if step not in (None, "") else None,
+        seconds=float(seconds) if seconds not in (None, "") else None,
+        extra=d,
+    )
+
+
+def finite(x: float | None) -> bool:
+    """True when ``x`` is a real number (not None, NaN or ±Inf)."""
+    return x is not None and math.isfinite(x)

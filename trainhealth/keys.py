@@ -1,0 +1,111 @@
+"""The Redis key schema: every key trainhealth reads or writes is built here.
+
+A run's keys share the hash tag ``{run}`` so that on Redis Cluster they live in one
+slot and a MULTI/EXEC or pipeline over them stays on one node. See
+``docs/architecture.md`` for each key's fields, units, writer and readers.
+
+>>> run_keys("llama-70b").steps
+'th:{llama-70b}:steps'
+>>> RUNS
+'th:runs'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from trainhealth.exceptions import ConfigError
+
+#: Sorted set of run ids scored by start time (unix seconds): the run registry index.
+RUNS = "th:runs"
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
+
+
+def validate_run_id(run: str) -> str:
+    """Return ``run`` if it is a valid run id, else raise :class:`ConfigError`.
+
+    A run id is 1-128 characters of letters, digits, ``.``, ``_`` and ``-``, starting
+    with a letter or digit (no ``{``, ``}`` or ``:``, which would break the key schema).
+    """
+    if not isinstance(run, str) or not _RUN_ID.match(run):
+        raise ConfigError(
+            f"run={run!r} is not a valid run id: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return run
+
+
+def service_heartbeat(consumer: str) -> str:
+    """Key of a detector service process's heartbeat (string with TTL)."""
+    return f"th:service:{consumer}"
+
+
+SERVICE_HEARTBEAT_PATTERN = "th:service:*"
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """All keys of one run. Build with :func:`run_keys`."""
+
+    run: str
+
+    @property
+    def _p(self) -> str:
+        return f"th:{{{self.run}}}"
+
+    @property
+    def meta(self) -> str:
+        """Hash: run metadata (name, world_size, started_at, gpu_hour_usd, status, ...)."""
+        return f"{self._p}:meta"
+
+    @property
+    def steps(self) -> str:
+        """Stream: one entry per rank per step, written by the collectors."""
+        return f"{self._p}:steps"
+
+    @property
+    def events(self) -> str:
+        """Stream: run start/end, checkpoint save/load, custom badput, collector drops."""
+        return f"{self._p}:events"
+
+    @property
+    def heartbeats(self) -> str:
+        """Hash: rank -> JSON heartbeat (time, last completed step and when, phase, host, pid)."""
+        return f"{self._p}:hb"
+
+    @property
+    def agg(self) -> str:
+        """Stream: one entry per completed step across ranks, written by the service."""
+        return f"{self._p}:agg"
+
+    @property
+    def anomalies(self) -> str:
+        """Hash: anomaly id -> JSON of the anomaly's current state."""
+        return f"{self._p}:anomalies"
+
+    @property
+    def anomaly_log(self) -> str:
+        """Stream: anomaly transitions (opened, updated, resolved), the alerting outbox's source."""
+        return f"{self._p}:anomaly_log"
+
+    @property
+    def ledger(self) -> str:
+        """Stream: goodput ledger snapshots over time."""
+        return f"{self._p}:ledger"
+
+    @property
+    def ledger_latest(self) -> str:
+        """String: JSON of the newest ledger snapshot."""
+        return f"{self._p}:ledger:latest"
+
+    @property
+    def input_streams(self) -> tuple[str, str]:
+        """The streams the detector service consumes, in merge order."""
+        return (self.steps, self.events)
+
+
+def run_keys(run: str) -> RunKeys:
+    """Return the :class:`RunKeys` of ``run``; raises :class:`ConfigError` for a bad run id."""
+    return RunKeys(validate_run_id(run))
