@@ -1,7 +1,4 @@
-"""Collectors: imported by the training job on every rank (standard library + redis-py only).
-
->>> from collectors import Monitor  # doctest: +SKIP
-"""
+"""Collectors: imported by the training job on every rank (standard library + redis-py only)."""
 
 from __future__ import annotations
 

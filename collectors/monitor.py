@@ -168,6 +168,8 @@ class Monitor:
         Seconds between heartbeats (sent by the background thread).
     retention : int
         Approximate entries kept in the run's step stream (``XADD MAXLEN ~``).
+    started_at : float, optional
+        Unix time this process started (default now); for replaying old logs.
 
     Raises
     ------
@@ -193,6 +195,7 @@ class Monitor:
         heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL_S,
         retention: int | None = None,
         close_timeout: float = defaults.CLOSE_TIMEOUT_S,
+        started_at: float | None = None,
     ) -> None:
         self.keys = run_keys(run)
         self.run = run
@@ -222,7 +225,8 @@ class Monitor:
                     "embedded server running); buffering up to %d records", buffer_records,
                 )
         self.close_timeout = close_timeout
-        self.inc = time.time()  # incarnation: a new value per process start tells the service of restarts
+        # Incarnation: a new value per process start tells the service of restarts.
+        self.inc = time.time() if started_at is None else float(started_at)
         self.dropped = 0
         self._buffer: deque = deque(maxlen=buffer_records)
         self._sections: dict[str, float] = {}
@@ -296,10 +300,12 @@ class Monitor:
         lr: float | None = None,
         tokens: int | None = None,
         samples: int | None = None,
+        timestamp: float | None = None,
         **unknown: Any,
     ) -> None:
         """Record a step's metrics: loss, global grad norm, learning rate, tokens and samples on this rank.
 
+        ``timestamp`` (unix s) overrides when the step ended, for replaying logs; default now.
         Values are recorded as given (NaN/Inf included). An unknown keyword is ignored with one
         warning; a value that is not a number is not recorded, with one warning per field.
         Never raises.
@@ -323,7 +329,7 @@ class Monitor:
                 return
             if held is not None:
                 self._emit_held()
-            t = time.time()
+            t = time.time() if timestamp is None else timestamp
             rec = {"rank": self.rank, "step": step, "inc": self.inc, "t": t, **metrics}
             if self._sections:
                 self._attach_sections(rec)
@@ -361,8 +367,12 @@ class Monitor:
         if self._off:
             return
         try:
-            self._put("events", {"kind": kind, "rank": self.rank, "t": time.time(), "inc": self.inc,
-                                 "step": step, "seconds": seconds, **extra})
+            fields = {"kind": kind, "rank": self.rank, "t": time.time(), "inc": self.inc,
+                      "step": step, "seconds": seconds}
+            fields.update(extra)
+            if fields["t"] is None:
+                fields["t"] = time.time()
+            self._put("events", fields)
         except Exception:
             self._internal_error()
 
@@ -392,9 +402,12 @@ class Monitor:
         """Context manager: time a checkpoint restore and record it with :meth:`checkpoint_loaded`."""
         return _Phase(self, "checkpoint_load", step)
 
-    def badput(self, name: str, seconds: float, step: int | None = None) -> None:
-        """Record a custom unproductive interval (``evaluation``, ``profiling``...) of ``seconds``."""
-        self._event("badput", step=step, seconds=seconds, name=name)
+    def badput(self, name: str, seconds: float, step: int | None = None, timestamp: float | None = None) -> None:
+        """Record a custom unproductive interval (``evaluation``, ``profiling``...) of ``seconds``.
+
+        ``timestamp`` (unix s) overrides when it ended, for replaying logs; default now.
+        """
+        self._event("badput", step=step, seconds=seconds, name=name, t=timestamp)
 
     def timed_badput(self, name: str, step: int | None = None) -> _Phase:
         """Context manager timing a custom unproductive interval; see :meth:`badput`."""

@@ -9,12 +9,14 @@ back-off, so nothing is lost unless the buffer itself overflows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -156,10 +158,8 @@ class Sender(threading.Thread):
             )
         self.connected = False
         if self._client is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._client.close()
-            except Exception:
-                pass
             self._client = None
         self._backoff = min(
             defaults.RECONNECT_BACKOFF_MAX_S, max(defaults.RECONNECT_BACKOFF_S, self._backoff * 2)

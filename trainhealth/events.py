@@ -8,8 +8,9 @@ are the documented wire format (``docs/architecture.md``); floats are written wi
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 #: Event kinds written by collectors into ``th:{run}:events``.
 EVENT_KINDS = (

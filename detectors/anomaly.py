@@ -1,0 +1,81 @@
+"""The anomaly record every detector returns, and its stable kinds and severities.
+
+Users route alerts on ``kind`` and ``severity``; both are documented in ``docs/anomalies.md``
+and must not be renamed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Stable snake_case kinds.
+KINDS = ("nan_inf", "loss_spike", "divergence", "straggler", "hang", "restart")
+SEVERITIES = ("info", "warning", "critical")
+ACTIVE, RESOLVED = "active", "resolved"
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    """One detected condition, in its current state.
+
+    A detector returns a new ``Anomaly`` with the same :attr:`id` each time the condition
+    changes (it grows, ends), so one ongoing condition is one anomaly, not one per step.
+
+    Attributes
+    ----------
+    kind : str
+        One of :data:`KINDS`.
+    severity : str
+        ``info``, ``warning`` or ``critical``.
+    step : int
+        Onset step (the first step showing the condition).
+    message : str
+        One line for a human on call.
+    evidence : dict
+        The numbers the decision used (names documented per detector).
+    ranks, hosts : tuple
+        Ranks and hosts involved (empty when the whole job is concerned).
+    end_step : int | None
+        Last step showing the condition, once it is over.
+    status : str
+        ``active`` or ``resolved``.
+    gen : int
+        Restart generation the onset belongs to (0 = first launch).
+    scope : str
+        Overrides the ranks part of :attr:`id` (e.g. ``*`` for a job-wide hang whose rank set grows).
+    """
+
+    kind: str
+    severity: str
+    step: int
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+    end_step: int | None = None
+    status: str = ACTIVE
+    gen: int = 0
+    scope: str = ""
+
+    @property
+    def id(self) -> str:
+        """Deterministic id: ``kind:scope-or-ranks:onset step:generation``."""
+        who = self.scope or ("-".join(map(str, self.ranks)) if self.ranks else "*")
+        return f"{self.kind}:{who}:{self.step}:{self.gen}"
+
+    @property
+    def active(self) -> bool:
+        return self.status == ACTIVE
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (with ``id``), the form stored in ``th:{run}:anomalies``."""
+        d = asdict(self)
+        d["ranks"], d["hosts"] = list(self.ranks), list(self.hosts)
+        d["id"] = self.id
+        d.pop("scope")
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, allow_nan=True)

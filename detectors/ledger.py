@@ -1,0 +1,224 @@
+"""The goodput ledger: where every second of the run's wall time went.
+
+Throughput counts all tokens processed; goodput counts only tokens of steps that survive in
+the final lineage (a step recomputed after a restart or a rollback counts once, its
+discarded attempt is badput). Category names follow Google's ``ml-goodput-measurement``
+(``BadputType``) where one exists. Definitions: ``docs/goodput.md``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from detectors.aggregate import StepAggregate
+from trainhealth.events import Event
+
+#: Ledger categories; their seconds sum to the wall time exactly.
+CATEGORIES = (
+    "productive",                               # step time of surviving steps, minus data wait
+    "program_startup",                          # process start (or run start) to its first step
+    "data_loading",                             # data-loading sections of surviving steps
+    "checkpoint_save",                          # blocking checkpoint saves between steps
+    "checkpoint_restore",                       # checkpoint loads before resuming
+    "wasted_progress_from_disruption",          # steps discarded by a restart or rollback
+    "infrastructure_recovery_from_disruption",  # last step before a failure to the new processes' start
+    "custom",                                   # user-declared badput (evaluation, profiling)
+    "idle",                                     # gaps with no step and nothing declared: hangs, stalls
+)
+
+
+class GoodputLedger:
+    """Incremental goodput/badput accounting over a run's steps and events.
+
+    Feed steps in completion order with :meth:`add_step` and events with :meth:`add_event`;
+    :meth:`snapshot` returns the totals at any time. Each step accounts exactly for the
+    interval from the previous step's end to its own end, so the categories always sum to
+    the wall time (run start to ``now``).
+
+    Parameters
+    ----------
+    world_size : int
+        Ranks (GPUs), for GPU-hours.
+    gpu_hour_usd : float | None
+        Price of one GPU-hour, for costs.
+
+    Examples
+    --------
+    A run starts at t=0, does steps of 1 s (0.25 s of it data wait) from t=5, saves a 2 s
+    checkpoint after step 3, crashes after step 5, restarts at t=20, loads the checkpoint
+    (1 s) and redoes steps 4-5:
+
+    >>> from detectors.aggregate import StepAggregate
+    >>> from trainhealth.events import Event
+    >>> led = GoodputLedger(world_size=8)
+    >>> led.note_start(0.0)
+    >>> def step(s, gen, inc, end):
+    ...     return StepAggregate(s, gen, inc, end - 1.0, end, 2.0, 1.0, None, 1000, None, 8, (), 0.25)
+    >>> for s, end in [(1, 6.0), (2, 7.0), (3, 8.0)]:
+    ...     led.add_step(step(s, 0, 0.0, end))
+    >>> led.add_event(Event("checkpoint_save", 0, 10.0, 0.0, step=3, seconds=2.0))
+    >>> for s, end in [(4, 11.0), (5, 12.0)]:
+    ...     led.add_step(step(s, 0, 0.0, end))
+    >>> led.add_event(Event("checkpoint_load", 0, 24.0, 20.0, step=3, seconds=1.0))
+    >>> for s, end in [(4, 26.0), (5, 27.0)]:
+    ...     led.add_step(step(s, 1, 20.0, end))
+    >>> snap = led.snapshot(now=30.0)
+    >>> {k: v for k, v in snap["seconds"].items() if v}  # doctest: +NORMALIZE_WHITESPACE
+    {'productive': 3.75, 'program_startup': 9.0, 'data_loading': 1.25, 'checkpoint_save': 2.0,
+     'checkpoint_restore': 1.0, 'wasted_progress_from_disruption': 2.0,
+     'infrastructure_recovery_from_disruption': 8.0, 'idle': 3.0}
+    >>> sum(snap["seconds"].values()), snap["tokens_total"], snap["tokens_good"], snap["goodput_pct"]
+    (30.0, 7000, 5000, 12.5)
+    """
+
+    def __init__(self, world_size: int = 1, gpu_hour_usd: float | None = None) -> None:
+        self.world_size = world_size
+        self.gpu_hour_usd = gpu_hour_usd
+        self._start: float | None = None
+        self._last_end: float | None = None
+        self._last_t = 0.0
+        self._gen = 0
+        self._sec = dict.fromkeys(CATEGORIES, 0.0)
+        # Surviving lineage, ascending by step: (step, tokens, productive_s, data_s).
+        self._lineage: list[tuple[int, int, float, float]] = []
+        self._tokens_total = 0
+        self._tokens_good = 0
+        self._steps_done = 0
+        self._restarts = 0
+        self._pending: dict[tuple[str, Any, str], float] = {}
+        self._applied: deque[tuple[str, Any, str]] = deque(maxlen=4096)
+
+    # -- input -------------------------------------------------------------------------------
+    def note_start(self, t: float) -> None:
+        """The run (or its first process) started at unix time ``t``; the earliest value wins."""
+        if self._last_end is None and (self._start is None or t < self._start):
+            self._start = t
+
+    def add_event(self, ev: Event) -> None:
+        """Account a ``checkpoint_save``/``checkpoint_load``/``badput`` event (others are ignored).
+
+        Every rank reports the same checkpoint: per (kind, step, name) the longest report counts.
+        """
+        if ev.kind == "run_start":
+            self.note_start(ev.t)
+            return
+        if ev.kind not in ("checkpoint_save", "checkpoint_load", "badput") or ev.seconds is None:
+            return
+        key = (ev.kind, ev.step, ev.extra.get("name", ""))
+        if key in self._applied:
+            return
+        secs = max(0.0, ev.seconds)
+        self._pending[key] = max(self._pending.get(key, 0.0), secs)
+        self._last_t = max(self._last_t, ev.t)
+
+    def _take(self, kind: str, limit: float) -> float:
+        """Consume pending seconds of ``kind``, at most ``limit``."""
+        total = 0.0
+        for key in [k for k in self._pending if k[0] == kind]:
+            total += self._pending.pop(key)
+            self._applied.append(key)
+        return min(total, max(0.0, limit))
+
+    def add_step(self, agg: StepAggregate) -> None:
+        """Account one completed step (steps in completion order)."""
+        if self._start is None:
+            self._start = min(agg.inc, agg.t_start if agg.t_start is not None else agg.t_end)
+        last = self._last_end if self._last_end is not None else self._start
+        end = max(agg.t_end, last)
+        if agg.t_start is not None:
+            start = min(max(agg.t_start, last), end)
+        else:
+            # An untimed (log-only) step: declared badput since the last step came first.
+            start = min(last + sum(self._pending.values()), end)
+        gap = start - last
+        sec = self._sec
+        if self._last_end is None:
+            restore = self._take("checkpoint_load", gap)
+            sec["checkpoint_restore"] += restore
+            sec["program_startup"] += gap - restore
+        elif agg.gen != self._gen:
+            # Restart or rollback: discard the attempts this generation recomputes.
+            self._restarts += 1
+            while self._lineage and self._lineage[-1][0] >= agg.step:
+                _, tok, prod, data = self._lineage.pop()
+                self._tokens_good -= tok
+                sec["productive"] -= prod
+                sec["data_loading"] -= data
+                sec["wasted_progress_from_disruption"] += prod + data
+            launched = min(max(agg.inc, last), start)  # new processes started here (inc = process start)
+            sec["infrastructure_recovery_from_disruption"] += launched - last
+            rest = start - launched
+            restore = self._take("checkpoint_load", rest)
+            sec["checkpoint_restore"] += restore
+            # New processes spend the rest starting up; an in-process rollback just waited.
+            sec["program_startup" if agg.inc > last else "idle"] += rest - restore
+            self._take("checkpoint_save", 0.0)  # saves of the discarded timeline are not in this gap
+            self._take("badput", 0.0)
+        else:
+            save = self._take("checkpoint_save", gap)
+            custom = self._take("badput", gap - save)
+            restore = self._take("checkpoint_load", gap - save - custom)
+            sec["checkpoint_save"] += save
+            sec["custom"] += custom
+            sec["checkpoint_restore"] += restore
+            sec["idle"] += gap - save - custom - restore
+        self._gen = agg.gen
+        dur = end - start
+        data = min(max(agg.data_s, 0.0), dur)
+        tokens = agg.tokens or 0
+        sec["productive"] += dur - data
+        sec["data_loading"] += data
+        self._lineage.append((agg.step, tokens, dur - data, data))
+        self._tokens_total += tokens
+        self._tokens_good += tokens
+        self._steps_done += 1
+        self._last_end = end
+        self._last_t = max(self._last_t, end)
+
+    # -- output -----------------------------------------------------------------------------------
+    @property
+    def last_activity(self) -> float | None:
+        """Unix time of the newest step end or event seen."""
+        return max(self._last_t, self._last_end or 0.0) or None
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Totals at unix time ``now`` (use :attr:`last_activity` for an ended run).
+
+        Returns a JSON-ready dict: ``wall_s``; ``seconds``, ``gpu_hours`` and ``cost_usd`` per
+        category (:data:`CATEGORIES`, summing to ``wall_s``); ``tokens_total``/``tokens_good``;
+        ``throughput_tok_s`` = tokens_total / wall_s; ``goodput_tok_s`` = tokens_good / wall_s;
+        ``goodput_pct`` = 100 · productive / wall_s; step and restart counts.
+        """
+        start = self._start if self._start is not None else now
+        end = max(now, self._last_end or start)
+        sec = dict(self._sec)
+        last = self._last_end if self._last_end is not None else start
+        tail = end - last
+        # Time since the last step: declared checkpoint/custom time first, the rest idle.
+        pend = {k: sum(v for key, v in self._pending.items() if key[0] == k)
+                for k in ("checkpoint_save", "badput", "checkpoint_load")}
+        save = min(pend["checkpoint_save"], tail)
+        custom = min(pend["badput"], tail - save)
+        restore = min(pend["checkpoint_load"], tail - save - custom)
+        sec["checkpoint_save"] += save
+        sec["custom"] += custom
+        sec["checkpoint_restore"] += restore
+        sec["program_startup" if self._last_end is None else "idle"] += tail - save - custom - restore
+        wall = end - start
+        sec = {k: round(v, 6) for k, v in sec.items()}
+        gh = {k: v * self.world_size / 3600.0 for k, v in sec.items()}
+        price = self.gpu_hour_usd
+        cost = {k: v * price for k, v in gh.items()} if price is not None else None
+        return {
+            "t": end, "started_at": start, "wall_s": round(wall, 6), "world_size": self.world_size,
+            "gpu_hour_usd": price,
+            "last_step": self._lineage[-1][0] if self._lineage else None,
+            "steps_done": self._steps_done, "steps_good": len(self._lineage), "restarts": self._restarts,
+            "tokens_total": self._tokens_total, "tokens_good": self._tokens_good,
+            "throughput_tok_s": self._tokens_total / wall if wall > 0 else 0.0,
+            "goodput_tok_s": self._tokens_good / wall if wall > 0 else 0.0,
+            "goodput_pct": round(100.0 * sec["productive"] / wall, 6) if wall > 0 else 0.0,
+            "seconds": sec, "gpu_hours": gh, "cost_usd": cost,
+            "badput_cost_usd": (sum(v for k, v in cost.items() if k != "productive") if cost else None),
+        }

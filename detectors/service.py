@@ -1,0 +1,348 @@
+"""The detector service: consumes every run's streams from Redis and writes results back.
+
+Loop (like rq's worker): discover runs → blocking ``XREADGROUP`` over their ``steps`` and
+``events`` streams → feed each run's :class:`~detectors.pipeline.RunPipeline` in entry-id
+order → write aggregates, anomaly changes and the ``XACK`` in one ``MULTI/EXEC`` → hang
+checks and ledger snapshots on a timer → heartbeat key with TTL. Connection errors back off
+exponentially (capped); SIGTERM/SIGINT stop it after the current batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from detectors.anomaly import Anomaly
+from detectors.hang import HangDetector
+from detectors.pipeline import Output, RunPipeline, agg_fields
+from trainhealth import defaults
+from trainhealth.events import decode_event, decode_step
+from trainhealth.keys import RUNS, RunKeys, run_keys, service_heartbeat
+
+log = logging.getLogger(__name__)
+
+_VOLATILE = ("first_seen", "last_seen")
+#: A run whose newest heartbeat or step is older than this is not watched for hangs any more.
+RUN_INACTIVE_S = 6 * 3600.0
+_AGG_SEQ_SLOTS = 1024
+
+
+def _sid(entry_id: bytes | str) -> tuple[int, int]:
+    s = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = s.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@dataclass
+class _Run:
+    keys: RunKeys
+    pipeline: RunPipeline
+    stored: dict[str, dict[str, Any]] = field(default_factory=dict)
+    last_agg: tuple[int, int] = (0, 0)
+    last_snapshot: float = 0.0
+    status: str = "running"
+    meta_checked: float = 0.0
+    dirty: bool = True
+
+
+class DetectorService:
+    """Streams → detectors → Redis, for every run in the registry.
+
+    Parameters
+    ----------
+    client : redis.Redis
+        Connection (passed in, never global).
+    consumer : str, optional
+        Consumer name in the group; default ``<host>`` so a restarted service on the same
+        host takes over its own pending entries.
+    group : str
+        Consumer group name (``th-detectors``).
+    block_ms, count : int
+        ``XREADGROUP`` block time (ms) and entries per stream per read.
+    snapshot_interval : float
+        Seconds between ledger snapshots per active run.
+    hang_factory : callable, optional
+        Builds each run's :class:`HangDetector` (tests and the demo use a short floor).
+    clock : callable
+        Unix-time source (tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        consumer: str | None = None,
+        group: str = defaults.CONSUMER_GROUP,
+        block_ms: int = defaults.READ_BLOCK_MS,
+        count: int = defaults.READ_COUNT,
+        snapshot_interval: float = defaults.LEDGER_SNAPSHOT_INTERVAL_S,
+        hang_factory: Callable[[], HangDetector] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.client = client
+        self.consumer = consumer or socket.gethostname()
+        self.group = group
+        self.block_ms = block_ms
+        self.count = count
+        self.snapshot_interval = snapshot_interval
+        self.hang_factory = hang_factory or HangDetector
+        self.clock = clock
+        self.runs: dict[str, _Run] = {}
+        self.processed = 0
+        self._stop = threading.Event()
+        self._last_tick = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the loop to stop after the current batch."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        """Stop cleanly on SIGTERM and SIGINT (main thread only)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def run_forever(self) -> None:
+        """Process until :meth:`stop`; back off exponentially (capped) while Redis is away."""
+        backoff = 0.0
+        log.info("detector service %s started", self.consumer)
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+                backoff = 0.0
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                backoff = min(defaults.RECONNECT_BACKOFF_MAX_S, max(defaults.RECONNECT_BACKOFF_S, backoff * 2))
+                log.warning("Redis unreachable (%s); retrying in %.1f s", exc, backoff)
+                self.runs.clear()  # rebuild from the streams after reconnecting
+                self._stop.wait(backoff)
+        with contextlib.suppress(redis.RedisError):
+            self.client.delete(service_heartbeat(self.consumer))
+        log.info("detector service %s stopped after %d entries", self.consumer, self.processed)
+
+    def run_once(self, block_ms: int | None = None) -> int:
+        """One iteration: discover runs, read and process a batch, then timed work. Returns entries read."""
+        self.discover()
+        n = self._read_batch(self.block_ms if block_ms is None else block_ms)
+        now = self.clock()
+        if now - self._last_tick >= 1.0 or n == 0:
+            self._tick(now)
+            self._last_tick = now
+        return n
+
+    # -- runs -------------------------------------------------------------------------------------
+    def discover(self) -> None:
+        """Start consuming runs newly added to ``th:runs`` (rebuilding their state first)."""
+        for raw in self.client.zrange(RUNS, 0, -1):
+            run = _s(raw)
+            if run not in self.runs:
+                try:
+                    keys = run_keys(run)
+                except ValueError:
+                    log.warning("ignoring run with invalid id %r in %s", run, RUNS)
+                    continue
+                self.runs[run] = self._attach(keys)
+
+    def _attach(self, keys: RunKeys) -> _Run:
+        meta = {_s(k): _s(v) for k, v in self.client.hgetall(keys.meta).items()}
+        price = meta.get("gpu_hour_usd")
+        pipeline = RunPipeline(int(meta.get("world_size", 1)), float(price) if price else None,
+                               hang=self.hang_factory())
+        run = _Run(keys, pipeline, status=meta.get("status", "running"))
+        if "started_at" in meta:
+            pipeline.ledger.note_start(float(meta["started_at"]))
+        for key, raw in self.client.hgetall(keys.anomalies).items():
+            run.stored[_s(key)] = json.loads(raw)
+        last = self.client.xrevrange(keys.agg, count=1)
+        if last:
+            run.last_agg = _sid(last[0][0])
+        delivered: dict[str, str] = {}
+        for stream in keys.input_streams:
+            try:
+                self.client.xgroup_create(stream, self.group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+            for g in self.client.xinfo_groups(stream):
+                if _s(g["name"]) == self.group:
+                    delivered[stream] = _s(g["last-delivered-id"])
+        # Rebuild: replay what the group already delivered; writes happen only where the
+        # stored state differs, so a crash before XACK never duplicates an anomaly.
+        replayed = 0
+        cursors = {s: "-" for s in keys.input_streams}
+        while True:
+            batch: list[tuple[tuple[int, int], str, dict]] = []
+            for stream in keys.input_streams:
+                end = delivered.get(stream, "0-0")
+                if cursors[stream] is None or _sid(end) == (0, 0):
+                    continue
+                entries = self.client.xrange(stream, min=cursors[stream], max=end, count=self.count)
+                if len(entries) < self.count:
+                    cursors[stream] = None  # type: ignore[assignment]
+                elif entries:
+                    cursors[stream] = "(" + _s(entries[-1][0])
+                batch += [(_sid(i), stream, f) for i, f in entries]
+            if not batch:
+                break
+            batch.sort(key=lambda e: e[0])
+            pipe = self.client.pipeline(transaction=True)
+            self._process(run, batch, pipe)
+            pipe.execute()
+            replayed += len(batch)
+        # Everything up to last-delivered is now processed: acknowledge what was pending.
+        pipe = self.client.pipeline(transaction=True)
+        for stream, end in delivered.items():
+            for p in self.client.xpending_range(stream, self.group, min="-", max=end, count=100_000):
+                pipe.xack(stream, self.group, p["message_id"])
+        pipe.execute()
+        if replayed:
+            log.info("run %s: rebuilt state from %d entries", keys.run, replayed)
+        return run
+
+    # -- reading and processing -------------------------------------------------------------------
+    def _read_batch(self, block_ms: int) -> int:
+        streams = {s: ">" for run in self.runs.values() for s in run.keys.input_streams}
+        if not streams:
+            self._stop.wait(block_ms / 1000.0)
+            return 0
+        reply = self.client.xreadgroup(self.group, self.consumer, streams, count=self.count,
+                                       block=block_ms or None)
+        by_run: dict[str, list[tuple[tuple[int, int], str, dict]]] = {}
+        ids: dict[str, list[bytes]] = {}
+        n = 0
+        for stream_raw, entries in reply or []:
+            stream = _s(stream_raw)
+            run = stream.split("{", 1)[1].split("}", 1)[0]
+            by_run.setdefault(run, []).extend((_sid(i), stream, f) for i, f in entries)
+            ids[stream] = [i for i, _ in entries]
+            n += len(entries)
+        for run_id, batch in by_run.items():
+            run = self.runs[run_id]
+            batch.sort(key=lambda e: e[0])
+            pipe = self.client.pipeline(transaction=True)
+            self._process(run, batch, pipe)
+            for stream in run.keys.input_streams:
+                if ids.get(stream):
+                    pipe.xack(stream, self.group, *ids[stream])
+            pipe.execute()
+        self.processed += n
+        return n
+
+    def _process(self, run: _Run, batch: Iterable[tuple[tuple[int, int], str, dict]], pipe: Any) -> None:
+        keys = run.keys
+        for sid, stream, fields in batch:
+            try:
+                if stream == keys.steps:
+                    out = run.pipeline.feed_step(decode_step(fields))
+                else:
+                    out = run.pipeline.feed_event(decode_event(fields))
+            except (KeyError, ValueError) as exc:
+                log.warning("run %s: skipping malformed entry %s-%s in %s: %s", keys.run, *sid, stream, exc)
+                continue
+            self._write(run, out, pipe, sid)
+        run.dirty = True
+
+    def _write(self, run: _Run, out: Output, pipe: Any, sid: tuple[int, int] | None) -> None:
+        keys = run.keys
+        for k, agg in enumerate(out.aggs):
+            # Deterministic entry id derived from the source entry: a replay after a crash
+            # recomputes the same ids and skips those already written.
+            if sid is not None and k < _AGG_SEQ_SLOTS:
+                aid = (sid[0], sid[1] * _AGG_SEQ_SLOTS + k)
+                if aid <= run.last_agg:
+                    continue
+                pipe.xadd(keys.agg, agg_fields(agg), id=f"{aid[0]}-{aid[1]}",
+                          maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)
+                run.last_agg = aid
+            else:
+                now_ms = int(self.clock() * 1000)
+                aid = max((now_ms, 0), (run.last_agg[0], run.last_agg[1] + 1))
+                pipe.xadd(keys.agg, agg_fields(agg), id=f"{aid[0]}-{aid[1]}",
+                          maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)
+                run.last_agg = aid
+        for a in out.anomalies:
+            self._write_anomaly(run, a, pipe)
+
+    def _write_anomaly(self, run: _Run, a: Anomaly, pipe: Any) -> None:
+        d = json.loads(a.to_json())
+        old = run.stored.get(a.id)
+        if old is not None and {k: v for k, v in old.items() if k not in _VOLATILE} == d:
+            return
+        now = self.clock()
+        d["first_seen"] = old["first_seen"] if old else now
+        d["last_seen"] = now
+        run.stored[a.id] = d
+        body = json.dumps(d, sort_keys=True)
+        pipe.hset(run.keys.anomalies, a.id, body)
+        if old is None:
+            transition = "opened"
+        elif d["status"] == "resolved" and old.get("status") != "resolved":
+            transition = "resolved"
+        else:
+            transition = "updated"
+        pipe.xadd(run.keys.anomaly_log, {"id": a.id, "transition": transition, "kind": a.kind,
+                                         "severity": a.severity, "step": a.step, "json": body},
+                  maxlen=defaults.EVENTS_RETENTION_ENTRIES, approximate=True)
+        log.info("run %s: %s %s %s", run.keys.run, transition, a.severity, a.message)
+
+    # -- timed work ---------------------------------------------------------------------------------
+    def _tick(self, now: float) -> None:
+        self.client.set(service_heartbeat(self.consumer),
+                        json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": now,
+                                    "runs": len(self.runs), "processed": self.processed}),
+                        ex=defaults.SERVICE_HEARTBEAT_TTL_S)
+        for run in self.runs.values():
+            if now - run.meta_checked >= 5.0:
+                fields = ("status", "world_size", "gpu_hour_usd")
+                meta = {k: _s(v) for k, v in zip(fields, self.client.hmget(run.keys.meta, fields), strict=False) if v}
+                if meta.get("status") and meta["status"] != run.status:
+                    run.status, run.dirty = meta["status"], True
+                if meta.get("world_size"):
+                    run.pipeline.set_world_size(int(meta["world_size"]))
+                if meta.get("gpu_hour_usd"):
+                    run.pipeline.ledger.gpu_hour_usd = float(meta["gpu_hour_usd"])
+                run.meta_checked = now
+            pipe = self.client.pipeline(transaction=True)
+            out = run.pipeline.flush_stale(now)
+            self._write(run, out, pipe, None)
+            if run.status == "running":
+                hbs = {}
+                for rank, raw in self.client.hgetall(run.keys.heartbeats).items():
+                    try:
+                        hbs[int(_s(rank))] = json.loads(raw)
+                    except ValueError:
+                        continue
+                newest = max((float(h.get("t") or 0) for h in hbs.values()), default=0.0)
+                if hbs and now - newest < RUN_INACTIVE_S:
+                    for a in run.pipeline.check_heartbeats(now, hbs):
+                        self._write_anomaly(run, a, pipe)
+            if (run.dirty or run.status == "running") and now - run.last_snapshot >= self.snapshot_interval:
+                self._snapshot(run, now, pipe)
+            pipe.execute()
+
+    def _snapshot(self, run: _Run, now: float, pipe: Any) -> None:
+        ledger = run.pipeline.ledger
+        if ledger.last_activity is None:
+            return
+        at = now if run.status == "running" else ledger.last_activity
+        snap = ledger.snapshot(at)
+        body = json.dumps(snap)
+        pipe.set(run.keys.ledger_latest, body)
+        pipe.xadd(run.keys.ledger, {"t": repr(snap["t"]), "json": body},
+                  maxlen=defaults.LEDGER_RETENTION_ENTRIES, approximate=True)
+        run.last_snapshot = now
+        run.dirty = False

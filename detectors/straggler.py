@@ -1,0 +1,135 @@
+"""Straggler ranks from per-rank section times (the work a rank does before the collective)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import replace
+
+from detectors.aggregate import StepAggregate
+from detectors.anomaly import RESOLVED, Anomaly
+from trainhealth import defaults
+
+
+class StragglerDetector:
+    """Relative performance score per rank over fixed windows of steps, as NVIDIA's resiliency kit.
+
+    In synchronous data parallelism the all-reduce makes every rank's whole step equally long,
+    so the step time cannot name a slow rank; the time each rank spends in its own sections
+    before the collective can. Every ``window`` complete steps, each rank's median busy
+    seconds ``m_r`` is compared with the best rank's: ``score_r = min_k m_k / m_r`` (1.0 =
+    as fast as the fastest rank, 0.5 = twice as slow). A rank is a straggler once its score
+    is below ``threshold`` for ``min_windows`` windows in a row (and it is at least
+    ``min_excess_s`` slower, to ignore timer jitter on tiny steps); the anomaly resolves at
+    the first window where it is back above the threshold.
+
+    Parameters
+    ----------
+    window : int
+        Steps per scoring window.
+    threshold : float
+        Relative score below which a rank is slow (NVRx / NeMo default 0.7).
+    min_windows : int
+        Consecutive slow windows before flagging (persistence, not one bad window).
+    min_excess_s : float
+        Minimum seconds a rank's median exceeds the best's.
+
+    Evidence: ``score``, ``rank_median_s``, ``best_median_s``, ``typical_median_s`` (median
+    over ranks), ``windows`` (consecutive slow windows).
+
+    Examples
+    --------
+    >>> import random
+    >>> rng = random.Random(1)
+    >>> det = StragglerDetector()
+    >>> for step in range(200):
+    ...     busy = tuple(0.10 * (1.6 if r == 5 and 60 <= step < 140 else 1.0) + rng.uniform(0, 0.005)
+    ...                  for r in range(8))
+    ...     a = StepAggregate(step, 0, 0.0, None, float(step), 1.0, 1.0, None, None, None, 8, busy, 0.0)
+    ...     for an in det.update(a):
+    ...         print(an.kind, an.status, an.ranks, an.step, an.end_step, round(an.evidence["score"], 2))
+    straggler active (5,) 60 None 0.63
+    straggler resolved (5,) 60 139 0.99
+
+    References
+    ----------
+    NVIDIA Resiliency Extension, straggler detection usage guide (relative performance
+    score: best rank as reference); NeMo ``StragglerDetectionCallback``
+    (``gpu_relative_perf_threshold=0.7``).
+    """
+
+    def __init__(
+        self,
+        window: int = defaults.STRAGGLER_WINDOW_STEPS,
+        threshold: float = defaults.STRAGGLER_THRESHOLD,
+        min_windows: int = defaults.STRAGGLER_MIN_WINDOWS,
+        min_excess_s: float = defaults.STRAGGLER_MIN_EXCESS_S,
+    ) -> None:
+        self.window = window
+        self.threshold = threshold
+        self.min_windows = min_windows
+        self.min_excess_s = min_excess_s
+        self._busy: list[deque[float]] = []
+        self._steps: deque[int] = deque(maxlen=window)
+        self._n = 0
+        self._slow_windows: dict[int, int] = {}
+        self._first_slow_step: dict[int, int] = {}
+        self._open: dict[int, Anomaly] = {}
+        self._last_step_prev_window = 0
+
+    def update(self, agg: StepAggregate) -> list[Anomaly]:
+        """Feed one complete step; return anomaly states that changed (at window ends only)."""
+        if len(self._busy) < len(agg.busy):
+            self._busy += [deque(maxlen=self.window) for _ in range(len(agg.busy) - len(self._busy))]
+        for r, b in enumerate(agg.busy):
+            if b is not None:
+                self._busy[r].append(b)
+        self._steps.append(agg.step)
+        self._n += 1
+        if self._n % self.window:
+            return []
+        window_start = self._steps[0]
+        medians = {r: statistics.median(d) for r, d in enumerate(self._busy) if len(d) >= self.window // 2}
+        out: list[Anomaly] = []
+        if len(medians) >= 2:
+            best = min(medians.values())
+            typical = statistics.median(medians.values())
+            for r, m in medians.items():
+                score = best / m if m > 0 else 1.0
+                slow = score < self.threshold and m - best >= self.min_excess_s
+                ev = {"score": score, "rank_median_s": m, "best_median_s": best, "typical_median_s": typical}
+                out += self._judge(r, slow, ev, window_start, agg)
+        for d in self._busy:
+            d.clear()
+        self._last_step_prev_window = agg.step
+        return out
+
+    def _judge(self, r: int, slow: bool, ev: dict, window_start: int, agg: StepAggregate) -> list[Anomaly]:
+        if slow:
+            n = self._slow_windows.get(r, 0) + 1
+            self._slow_windows[r] = n
+            self._first_slow_step.setdefault(r, window_start)
+            ev["windows"] = n
+            cur = self._open.get(r)
+            if cur is None and n >= self.min_windows:
+                onset = self._first_slow_step[r]
+                self._open[r] = Anomaly(
+                    kind="straggler", severity="warning", step=onset, ranks=(r,), gen=agg.gen, evidence=ev,
+                    message=(f"rank {r} is a straggler: its sections take {ev['rank_median_s'] * 1e3:.1f} ms "
+                             f"(median) vs {ev['best_median_s'] * 1e3:.1f} ms on the fastest rank "
+                             f"(score {ev['score']:.2f} < {self.threshold}) since step {onset}; "
+                             "every rank waits for it at the all-reduce"),
+                )
+                return [self._open[r]]
+            if cur is not None:
+                self._open[r] = replace(cur, evidence=ev)  # kept, sent with the next transition
+            return []
+        self._slow_windows.pop(r, None)
+        self._first_slow_step.pop(r, None)
+        cur = self._open.pop(r, None)
+        if cur is None:
+            return []
+        return [replace(cur, status=RESOLVED, end_step=self._last_step_prev_window,
+                        evidence={**cur.evidence, "score": ev["score"]},
+                        message=(f"rank {r} was a straggler from step {cur.step} to "
+                                 f"{self._last_step_prev_window}; back to score {ev['score']:.2f}"))]
