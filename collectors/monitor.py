@@ -427,8 +427,8 @@ class Monitor:
 
     @property
     def buffered(self) -> int:
-        """Records waiting to be sent."""
-        return len(self._buffer)
+        """Records waiting to be sent (in the buffer or in the batch being retried)."""
+        return len(self._buffer) + len(self._sender._inflight)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Send what is buffered; wait at most ``timeout`` seconds. True when all was sent."""

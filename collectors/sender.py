@@ -29,11 +29,11 @@ log = logging.getLogger(__name__)
 Record = tuple[str, dict[str, Any]]
 
 
-def encode_value(v: Any) -> str | int | None:
-    """Encode one field for XADD: ints as is, floats with ``repr`` (keeps nan/inf), else str.
+def encode_value(v: Any, numeric: bool = False) -> str | int | None:
+    """Encode one field for XADD: ints as is, floats with ``repr`` (keeps nan/inf), strings as is.
 
-    Returns None for a value that cannot be a number where a number is expected; the caller
-    warns once. Tensors and numpy scalars become Python floats via ``float()``.
+    With ``numeric`` (every field of a step record) a value must convert with ``float()``
+    (tensors and numpy scalars do); None is returned otherwise and the caller warns once.
     """
     if isinstance(v, bool):
         return int(v)
@@ -41,7 +41,7 @@ def encode_value(v: Any) -> str | int | None:
         return v
     if isinstance(v, float):
         return repr(v)
-    if isinstance(v, str):
+    if isinstance(v, str) and not numeric:
         return v
     try:
         f = float(v)
@@ -209,10 +209,11 @@ class Sender(threading.Thread):
 
     def _xadd(self, pipe: Any, stream: str, fields: dict[str, Any]) -> None:
         enc: dict[str, Any] = {}
+        numeric = stream == "steps"
         for k, v in fields.items():
             if v is None:
                 continue
-            e = encode_value(v)
+            e = encode_value(v, numeric)
             if e is None:
                 if k not in self._warned:
                     self._warned.add(k)

@@ -16,11 +16,13 @@ MAD_TO_SIGMA = 1.4826
 
 
 class LossSpikeDetector:
-    """Hampel-style loss spike detector on a trailing median/MAD window.
+    """Hampel-style loss spike detector on a trailing median/MAD window of log-loss.
 
-    For each finite loss ``x`` the baseline is the median ``m`` of the previous ``window``
-    non-spike losses and the scale ``s = 1.4826 * MAD`` of them. A spike **opens** when
-    ``z = (x - m) / s > z_open`` *and* ``x - m > min_rel_rise * |m|`` (so a very smooth curve's
+    Loss noise is multiplicative (a spike doubles the loss whatever its level), so the
+    statistics run on ``log(loss)`` while every loss seen is positive (cross-entropy), and on
+    the loss itself otherwise. For each finite value ``x`` the baseline is the median ``m`` of
+    the previous ``window`` non-spike values and the scale ``s = 1.4826 * MAD`` of them. A spike **opens** when
+    ``z = (x - m) / s > z_open`` *and* the loss exceeds the median loss by ``min_rel_rise`` of it (so a very smooth curve's
     tiny MAD cannot turn noise into a spike). It stays open while ``z > z_close`` against the
     pre-spike baseline, and spike points never enter the window (the baseline is not dragged
     up by the spike itself, unlike a plain mean of a window). A falling loss curve only gives
@@ -41,8 +43,8 @@ class LossSpikeDetector:
     divergence_steps : int
         Steps (by step number) a spike may stay open before it counts as divergence.
 
-    Evidence: ``loss``, ``baseline`` (median), ``scale`` (1.4826·MAD), ``z``, ``peak``,
-    ``peak_step``; on resolution ``recovery_steps``.
+    Evidence: ``loss``, ``baseline`` (median loss), ``z`` (robust z of the log-loss), ``peak``,
+    ``peak_step``; on resolution ``recovery_steps`` and ``recovered``.
 
     Examples
     --------
@@ -82,11 +84,18 @@ class LossSpikeDetector:
         self.min_rel_rise = min_rel_rise
         self.divergence_steps = divergence_steps
         self._hist: deque[float] = deque(maxlen=window)
+        self._log = True
         self._spike: Anomaly | None = None
         self._base: tuple[float, float] = (0.0, 0.0)
         self._last_spike_step = 0
         self._divergence: Anomaly | None = None
         self._div_base: tuple[float, float] = (0.0, 0.0)
+
+    def _t(self, loss: float) -> float:
+        return math.log(loss) if self._log else loss
+
+    def _inv(self, x: float) -> float:
+        return math.exp(x) if self._log else x
 
     def _baseline(self) -> tuple[float, float]:
         m = statistics.median(self._hist)
@@ -96,15 +105,21 @@ class LossSpikeDetector:
 
     def update(self, agg: StepAggregate) -> list[Anomaly]:
         """Feed one step; return the anomaly states that changed."""
-        x = agg.loss
-        if x is None or not math.isfinite(x):
+        loss = agg.loss
+        if loss is None or not math.isfinite(loss):
             return []
+        if self._log and loss <= 0:
+            # A non-positive loss: not cross-entropy; work on the raw values from here on.
+            self._log = False
+            self._hist = deque((math.exp(v) for v in self._hist), maxlen=self.window)
+            self._spike = None
+        x = self._t(loss)
         out: list[Anomaly] = []
         if self._divergence is not None:
             m0, s0 = self._div_base
             if (x - m0) / s0 <= self.z_close:
                 self._divergence = replace(self._divergence, status=RESOLVED, end_step=agg.step,
-                                           evidence={**self._divergence.evidence, "recovered_loss": x})
+                                           evidence={**self._divergence.evidence, "recovered_loss": loss})
                 out.append(self._divergence)
                 self._divergence = None
         if len(self._hist) < self.warmup:
@@ -113,14 +128,15 @@ class LossSpikeDetector:
         if self._spike is None:
             m, s = self._baseline()
             z = (x - m) / s
-            if z > self.z_open and x - m > self.min_rel_rise * abs(m):
+            med = self._inv(m)
+            if z > self.z_open and loss - med > self.min_rel_rise * abs(med):
                 self._base = (m, s)
                 self._last_spike_step = agg.step
                 self._spike = Anomaly(
                     kind="loss_spike", severity="warning", step=agg.step, gen=agg.gen,
-                    message=(f"loss {x:.4g} at step {agg.step} is {z:.1f} robust SDs above the trailing "
-                             f"median {m:.4g}; watching whether it recovers"),
-                    evidence={"loss": x, "baseline": m, "scale": s, "z": z, "peak": x, "peak_step": agg.step},
+                    message=(f"loss {loss:.4g} at step {agg.step} is {loss / med:.2f}x the trailing median "
+                             f"{med:.4g} ({z:.1f} robust SDs); watching whether it recovers"),
+                    evidence={"loss": loss, "baseline": med, "z": z, "peak": loss, "peak_step": agg.step},
                 )
                 out.append(self._spike)
             else:
@@ -132,18 +148,19 @@ class LossSpikeDetector:
         if z > self.z_close:
             self._last_spike_step = agg.step
             ev = dict(spike.evidence)
-            if x > ev["peak"]:
-                ev.update(peak=x, peak_step=agg.step, z=z)
+            if loss > ev["peak"]:
+                ev.update(peak=loss, peak_step=agg.step, z=z)
             open_for = agg.step - spike.step
             if open_for >= self.divergence_steps:
                 # Not recovering: report divergence, restart the baseline at the new level.
                 self._div_base = (m, s)
                 self._divergence = Anomaly(
                     kind="divergence", severity="critical", step=spike.step, gen=spike.gen,
-                    message=(f"loss has stayed above its pre-spike level {m:.4g} for {open_for} steps "
-                             f"since step {spike.step} (now {x:.4g}): the run is diverging; roll back to "
+                    message=(f"loss has stayed above its pre-spike level {self._inv(m):.4g} for {open_for} steps "
+                             f"since step {spike.step} (now {loss:.4g}): the run is diverging; roll back to "
                              f"a checkpoint before step {spike.step}"),
-                    evidence={"baseline": m, "loss": x, "steps_elevated": open_for, "peak": ev["peak"]},
+                    evidence={"baseline": self._inv(m), "loss": loss, "steps_elevated": open_for,
+                              "peak": ev["peak"]},
                 )
                 out.append(self._divergence)
                 ev["recovered"] = False

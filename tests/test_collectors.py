@@ -1,0 +1,189 @@
+"""Collectors against a real redis-server: batching, record shapes, reconnect, bounds, fork, close."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+import redis
+
+from collectors import Monitor, detect_rank
+from trainhealth.events import decode_event, decode_step
+from trainhealth.exceptions import ConfigError
+
+
+def steps_of(r: redis.Redis, run: str) -> list:
+    return [decode_step(f) for _, f in r.xrange(f"th:{{{run}}}:steps")]
+
+
+def events_of(r: redis.Redis, run: str) -> list:
+    return [decode_event(f) for _, f in r.xrange(f"th:{{{run}}}:events")]
+
+
+def test_step_sections_and_metrics_make_one_record(r: redis.Redis, redis_url: str) -> None:
+    mon = Monitor("run-a", redis_url=redis_url, rank=3, world_size=4, host="node-7", gpu_hour_usd=2.5)
+    for step in range(1, 4):
+        with mon.step(step):
+            with mon.section("data"):
+                time.sleep(0.002)
+            for _ in range(2):  # gradient accumulation: the section is entered twice
+                with mon.section("forward_backward"):
+                    time.sleep(0.001)
+        mon.log_step(step, loss=2.0 / step, grad_norm=1.5, lr=1e-4, tokens=4096, samples=2)
+    assert mon.close() is True
+    recs = steps_of(r, "run-a")
+    assert [(x.rank, x.step, x.loss, x.grad_norm, x.lr, x.tokens, x.samples) for x in recs] == [
+        (3, 1, 2.0, 1.5, 1e-4, 4096, 2), (3, 2, 1.0, 1.5, 1e-4, 4096, 2), (3, 3, 2.0 / 3, 1.5, 1e-4, 4096, 2)]
+    for x in recs:
+        assert set(x.sections) == {"data", "forward_backward"}
+        assert 0.002 <= x.sections["data"] < 0.05
+        assert 0.002 <= x.sections["forward_backward"] < 0.05  # two entries of >= 1 ms add up
+        assert x.dur >= x.sections["data"] + x.sections["forward_backward"]
+        assert x.inc == mon.inc
+    evs = events_of(r, "run-a")
+    assert [e.kind for e in evs] == ["run_start", "run_end"]
+    assert evs[0].extra["host"] == "node-7" and evs[0].extra["world_size"] == "4"
+    meta = {k.decode(): v.decode() for k, v in r.hgetall("th:{run-a}:meta").items()}
+    assert meta["world_size"] == "4" and meta["status"] == "running"  # only rank 0 sets the run's status
+    assert r.zscore("th:runs", "run-a") is not None
+
+
+def test_rank0_registers_run_metadata(r: redis.Redis, redis_url: str) -> None:
+    mon = Monitor("run-b", redis_url=redis_url, rank=0, world_size=2, gpu_hour_usd=3.0)
+    mon.log_step(0, loss=1.0)
+    mon.close()
+    meta = {k.decode(): v.decode() for k, v in r.hgetall("th:{run-b}:meta").items()}
+    assert meta["name"] == "run-b"
+    assert meta["gpu_hour_usd"] == "3.0"
+    assert meta["status"] == "finished"
+    assert float(meta["started_at"]) == mon.inc
+    assert float(meta["ended_at"]) >= mon.inc
+
+
+def test_log_step_after_the_block_merges_and_outside_makes_its_own(r: redis.Redis, redis_url: str) -> None:
+    mon = Monitor("run-c", redis_url=redis_url, rank=0, world_size=1)
+    with mon.step(10):
+        mon.log_step(10, loss=1.0)           # inside the block
+    with mon.step(11):
+        pass
+    mon.log_step(11, loss=2.0)               # right after the block: same record
+    with mon.step(12):
+        pass                                 # never logged: sent when the next step starts
+    mon.log_step(13, loss=4.0)               # no step block: metrics-only record
+    mon.close()
+    recs = steps_of(r, "run-c")
+    assert [(x.step, x.loss, x.dur is not None) for x in recs] == [
+        (10, 1.0, True), (11, 2.0, True), (12, None, True), (13, 4.0, False)]
+
+
+def test_bad_values_are_recorded_faithfully_or_dropped_with_one_warning(
+    r: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    mon = Monitor("run-d", redis_url=redis_url, rank=0, world_size=1)
+    mon.log_step(1, loss=float("nan"), grad_norm=float("inf"), bogus=3)
+    mon.log_step(2, loss="not-a-number", grad_norm=1.0, bogus=4)
+    mon.log_step(3, loss=object(), grad_norm=2.0)
+    mon.checkpoint_saved(3, -1.0)
+    mon.close()
+    recs = steps_of(r, "run-d")
+    assert str(recs[0].loss) == "nan" and recs[0].grad_norm == float("inf")
+    assert [(x.step, x.loss) for x in recs[1:]] == [(2, None), (3, None)]
+    assert [x.grad_norm for x in recs[1:]] == [1.0, 2.0]
+    assert [e.seconds for e in events_of(r, "run-d") if e.kind == "checkpoint_save"] == [-1.0]
+    msgs = [m.getMessage() for m in caplog.records]
+    assert sum("unknown keyword(s) ['bogus']" in m for m in msgs) == 1
+    assert sum("field 'loss' has non-numeric value" in m for m in msgs) == 1
+    assert sum("seconds=-1.0 is not a duration" in m for m in msgs) == 1
+
+
+def test_construction_errors_name_field_and_value(redis_url: str) -> None:
+    with pytest.raises(ConfigError, match=r"rank=4 must be an integer in \[0, world_size=4\)"):
+        Monitor("x", redis_url=redis_url, rank=4, world_size=4)
+    with pytest.raises(ConfigError, match=r"buffer_records=0 must be an integer >= 1"):
+        Monitor("x", redis_url=redis_url, buffer_records=0)
+    with pytest.raises(ConfigError, match=r"gpu_hour_usd=-2 must be a number >= 0"):
+        Monitor("x", redis_url=redis_url, gpu_hour_usd=-2)
+    with pytest.raises(ConfigError, match=r"run='bad run' is not a valid run id"):
+        Monitor("bad run", redis_url=redis_url)
+
+
+def test_rank_from_launcher_environment() -> None:
+    assert detect_rank(env={"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}) == (5, 16, 1)
+    assert detect_rank(env={"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}) == (2, 4, 0)
+    assert detect_rank(env={}) == (0, 1, 0)
+    with pytest.raises(ConfigError, match="environment RANK='x' is not an integer"):
+        detect_rank(env={"RANK": "x"})
+
+
+def test_redis_restart_mid_run_delivers_every_step_exactly_once(own_redis) -> None:
+    client = redis.Redis.from_url(own_redis.url)
+    mon = Monitor("run-e", redis_url=own_redis.url, rank=0, world_size=1, flush_interval=0.01)
+    for s in range(100):
+        mon.log_step(s, loss=1.0)
+    assert mon.flush(5)
+    own_redis.stop()
+    t0 = time.perf_counter()
+    for s in range(100, 300):  # Redis is down: the training loop must not notice
+        mon.log_step(s, loss=1.0)
+    assert time.perf_counter() - t0 < 0.5
+    time.sleep(0.3)
+    assert mon.connected is False and mon.buffered >= 199
+    own_redis.start()  # same port; the data of the first 100 steps is gone (no persistence)
+    client.xadd("th:{run-e}:steps", {"rank": 0, "step": -1, "inc": 0, "t": 0})  # mark the restart
+    assert mon.flush(40), "buffer not delivered after Redis came back"
+    mon.close()
+    steps = [x.step for x in steps_of(client, "run-e")]
+    assert steps[0] == -1
+    # every step logged while Redis was down arrives once, in order (one may have been in flight)
+    tail = [s for s in steps[1:] if s >= 100]
+    assert tail == list(range(100, 300))
+    assert mon.dropped == 0
+
+
+def test_full_buffer_drops_oldest_and_reports_the_count(own_redis) -> None:
+    own_redis.stop()
+    mon = Monitor("run-f", redis_url=own_redis.url, rank=0, world_size=1, buffer_records=50, flush_interval=0.01)
+    for s in range(120):
+        mon.log_step(s, loss=1.0)
+    # run_start plus 120 steps into a 50-record buffer: the oldest 71 (run_start, steps 0-69) are dropped
+    assert mon.dropped == 71
+    own_redis.start()
+    assert mon.flush(40)
+    mon.close()
+    client = redis.Redis.from_url(own_redis.url)
+    assert [x.step for x in steps_of(client, "run-f")] == list(range(70, 120))
+    drops = [e for e in events_of(client, "run-f") if e.kind == "collector_drops"]
+    assert [d.extra["count"] for d in drops] == ["71"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_forked_child_stays_quiet(r: redis.Redis, redis_url: str) -> None:
+    mon = Monitor("run-g", redis_url=redis_url, rank=0, world_size=1)
+    mon.log_step(1, loss=1.0)
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say: logging here must neither send nor raise
+        try:
+            mon.log_step(99, loss=9.0)
+            mon.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    mon.log_step(2, loss=1.0)
+    mon.close()
+    assert [x.step for x in steps_of(r, "run-g")] == [1, 2]
+
+
+def test_no_redis_at_all_never_raises_and_close_returns_within_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    mon = Monitor("run-h", rank=0, world_size=1, close_timeout=0.5)  # nothing configured
+    for s in range(10):
+        with mon.step(s), mon.section("data"):
+            pass
+        mon.log_step(s, loss=1.0)
+    t0 = time.perf_counter()
+    assert mon.close() is False
+    assert time.perf_counter() - t0 < 2.0
+    assert any("no Redis configured" in m.getMessage() for m in caplog.records)
