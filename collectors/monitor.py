@@ -261,7 +261,7 @@ class Monitor:
             retention=retention or config.retention_entries(),
         )
         self._event("run_start", host=self.host, pid=os.getpid(), world_size=self.world_size,
-                    local_rank=self.local_rank, config=config_json)
+                    local_rank=self.local_rank, config=config_json, t=self.inc)
         self._sender.start()
         _LIVE.add(self)
         atexit.register(self._atexit)

@@ -128,8 +128,12 @@ class GoodputLedger:
         end = max(agg.t_end, last)
         if agg.t_start is not None:
             start = min(max(agg.t_start, last), end)
+        elif self._last_end is None or agg.gen != self._gen:
+            # An untimed (log-only) first step of a launch: its compute time is unknown, so it
+            # counts from its end (the wait before it is start-up or recovery, not progress).
+            start = end
         else:
-            # An untimed (log-only) step: declared badput since the last step came first.
+            # An untimed step: declared badput since the last step came first, then the step.
             start = min(last + sum(self._pending.values()), end)
         gap = start - last
         sec = self._sec

@@ -183,6 +183,7 @@ class DetectorService:
         # Rebuild: replay what the group already delivered; writes happen only where the
         # stored state differs, so a crash before XACK never duplicates an anomaly.
         replayed = 0
+        final_states: dict[str, Anomaly] = {}  # only each anomaly's end state is compared and written
         cursors = {s: "-" for s in keys.input_streams}
         while True:
             batch: list[tuple[tuple[int, int], str, dict]] = []
@@ -200,11 +201,13 @@ class DetectorService:
                 break
             batch.sort(key=lambda e: e[0])
             pipe = self.client.pipeline(transaction=True)
-            self._process(run, batch, pipe)
+            self._process(run, batch, pipe, final_states)
             pipe.execute()
             replayed += len(batch)
-        # Everything up to last-delivered is now processed: acknowledge what was pending.
+        # Everything up to last-delivered is now processed: write what differs, acknowledge what was pending.
         pipe = self.client.pipeline(transaction=True)
+        for a in final_states.values():
+            self._write_anomaly(run, a, pipe)
         for stream, end in delivered.items():
             for p in self.client.xpending_range(stream, self.group, min="-", max=end, count=100_000):
                 pipe.xack(stream, self.group, p["message_id"])
@@ -242,7 +245,8 @@ class DetectorService:
         self.processed += n
         return n
 
-    def _process(self, run: _Run, batch: Iterable[tuple[tuple[int, int], str, dict]], pipe: Any) -> None:
+    def _process(self, run: _Run, batch: Iterable[tuple[tuple[int, int], str, dict]], pipe: Any,
+                 collect: dict[str, Anomaly] | None = None) -> None:
         keys = run.keys
         for sid, stream, fields in batch:
             try:
@@ -253,6 +257,9 @@ class DetectorService:
             except (KeyError, ValueError) as exc:
                 log.warning("run %s: skipping malformed entry %s-%s in %s: %s", keys.run, *sid, stream, exc)
                 continue
+            if collect is not None:
+                collect.update((a.id, a) for a in out.anomalies)
+                out.anomalies = []
             self._write(run, out, pipe, sid)
         run.dirty = True
 
@@ -289,15 +296,17 @@ class DetectorService:
         body = json.dumps(d, sort_keys=True)
         pipe.hset(run.keys.anomalies, a.id, body)
         if old is None:
-            transition = "opened"
+            # Every anomaly gets an "opened" transition, also one first seen already over.
+            transitions = ["opened"] + (["resolved"] if d["status"] == "resolved" else [])
         elif d["status"] == "resolved" and old.get("status") != "resolved":
-            transition = "resolved"
+            transitions = ["resolved"]
         else:
-            transition = "updated"
-        pipe.xadd(run.keys.anomaly_log, {"id": a.id, "transition": transition, "kind": a.kind,
-                                         "severity": a.severity, "step": a.step, "json": body},
-                  maxlen=defaults.EVENTS_RETENTION_ENTRIES, approximate=True)
-        log.info("run %s: %s %s %s", run.keys.run, transition, a.severity, a.message)
+            transitions = ["updated"]
+        for transition in transitions:
+            pipe.xadd(run.keys.anomaly_log, {"id": a.id, "transition": transition, "kind": a.kind,
+                                             "severity": a.severity, "step": a.step, "json": body},
+                      maxlen=defaults.EVENTS_RETENTION_ENTRIES, approximate=True)
+        log.info("run %s: %s %s %s", run.keys.run, transitions[-1], a.severity, a.message)
 
     # -- timed work ---------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:

@@ -1,0 +1,124 @@
+"""The detector service on a real redis-server: consumer groups, write-back, restart without duplicates."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from collectors import Monitor
+from detectors.hang import HangDetector
+from detectors.service import DetectorService
+
+T0 = 1_800_000_000.0
+
+
+def write_run(client: redis.Redis, run: str, steps: range, *, world: int = 2, spike_at: int | None = None,
+              nan_at: int | None = None, slow_rank: int | None = None) -> None:
+    """Push a scripted run through real Monitors (one per rank), steps of 1 s from T0 + 10."""
+    mons = [Monitor(run, client=client, rank=r, world_size=world, host=f"node-{r}", started_at=T0,
+                    flush_interval=0.01, gpu_hour_usd=1.0) for r in range(world)]
+    for s in steps:
+        for r, mon in enumerate(mons):
+            loss = 3.0 + 0.001 * ((s * 7 + r) % 5)
+            if s == spike_at:
+                loss = 9.0
+            if s == nan_at:
+                loss = float("nan")
+            busy = 0.2 if r == slow_rank else 0.1
+            mon._sections = {"data": 0.01, "forward_backward": busy}  # as timed by mon.section()
+            mon.log_step(s, loss=loss, grad_norm=1.0, lr=1e-4, tokens=1000, timestamp=T0 + 10 + s)
+    for mon in mons:
+        assert mon.flush(10)
+        mon._sender.stop(1)
+
+
+def drain(service: DetectorService, rounds: int = 50) -> None:
+    for _ in range(rounds):
+        if service.run_once(block_ms=20) == 0:
+            break
+
+
+def log_entries(r: redis.Redis, run: str) -> list[tuple[str, str]]:
+    return [(f[b"transition"].decode(), f[b"id"].decode()) for _, f in r.xrange(f"th:{{{run}}}:anomaly_log")]
+
+
+def test_service_writes_aggregates_anomalies_ledger_and_heartbeat(r: redis.Redis) -> None:
+    write_run(r, "svc", range(0, 120), spike_at=80, nan_at=100, slow_rank=1)
+    svc = DetectorService(r, consumer="test", clock=lambda: T0 + 200, snapshot_interval=0.0,
+                          hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc)
+    # one aggregate per step, both ranks merged
+    aggs = r.xrange("th:{svc}:agg")
+    assert len(aggs) == 120
+    f = aggs[5][1]
+    assert (f[b"step"], f[b"n_ranks"], f[b"tokens"], json.loads(f[b"busy"])) == (b"5", b"2", b"2000", [0.11, 0.21])
+    anomalies = {k.decode(): json.loads(v) for k, v in r.hgetall("th:{svc}:anomalies").items()}
+    assert sorted(anomalies) == ["loss_spike:*:80:0", "nan_inf:*:100:0", "straggler:1:0:0"]
+    st = anomalies["straggler:1:0:0"]
+    assert (st["status"], st["ranks"], st["hosts"], round(st["evidence"]["score"], 3)) == (
+        "active", [1], ["node-1"], round(0.11 / 0.21, 3))
+    spike = anomalies["loss_spike:*:80:0"]
+    assert (spike["status"], spike["end_step"], spike["evidence"]["peak"]) == ("resolved", 80, 9.0)
+    nan = anomalies["nan_inf:*:100:0"]
+    assert (nan["severity"], nan["status"], nan["end_step"], nan["ranks"]) == ("critical", "resolved", 100, [0, 1])
+    assert log_entries(r, "svc") == [
+        ("opened", "straggler:1:0:0"), ("opened", "loss_spike:*:80:0"), ("resolved", "loss_spike:*:80:0"),
+        ("opened", "nan_inf:*:100:0"), ("resolved", "nan_inf:*:100:0")]
+    snap = json.loads(r.get("th:{svc}:ledger:latest"))
+    assert (snap["steps_done"], snap["tokens_total"], snap["last_step"]) == (120, 240_000, 119)
+    assert snap["seconds"]["program_startup"] == 10.0  # T0 -> first step start (untimed steps start at the last end)
+    assert abs(sum(snap["seconds"].values()) - snap["wall_s"]) < 1e-6
+    assert r.ttl("th:service:test") > 0
+    assert r.xpending("th:{svc}:steps", "th-detectors")["pending"] == 0
+
+
+def test_restarted_service_resumes_without_duplicate_alerts(r: redis.Redis) -> None:
+    write_run(r, "rs", range(0, 90), spike_at=70)
+    svc = DetectorService(r, consumer="a", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc)
+    assert log_entries(r, "rs") == [("opened", "loss_spike:*:70:0"), ("resolved", "loss_spike:*:70:0")]
+    n_agg = r.xlen("th:{rs}:agg")
+    # The service dies. More steps arrive; a new service process takes over.
+    write_run(r, "rs", range(90, 150), spike_at=130)
+    svc2 = DetectorService(r, consumer="a", clock=lambda: T0 + 300, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc2)
+    assert log_entries(r, "rs") == [
+        ("opened", "loss_spike:*:70:0"), ("resolved", "loss_spike:*:70:0"),
+        ("opened", "loss_spike:*:130:0"), ("resolved", "loss_spike:*:130:0")]
+    assert n_agg == 90
+    assert [int(f[b"step"]) for _, f in r.xrange("th:{rs}:agg")] == list(range(150))
+
+
+def test_crash_between_read_and_ack_is_processed_once(r: redis.Redis) -> None:
+    write_run(r, "cr", range(0, 100), spike_at=60)
+    # A service read everything (delivered, pending) and died before writing or acknowledging.
+    for key in ("th:{cr}:steps", "th:{cr}:events"):
+        try:
+            r.xgroup_create(key, "th-detectors", id="0")
+        except redis.ResponseError:
+            pass
+        r.xreadgroup("th-detectors", "dead", {key: ">"}, count=10_000)
+    assert r.xpending("th:{cr}:steps", "th-detectors")["pending"] == 200
+    svc = DetectorService(r, consumer="b", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc)
+    assert r.xpending("th:{cr}:steps", "th-detectors")["pending"] == 0
+    assert log_entries(r, "cr") == [("opened", "loss_spike:*:60:0"), ("resolved", "loss_spike:*:60:0")]
+    assert r.xlen("th:{cr}:agg") == 100
+    # And once more: a third service process changes nothing.
+    svc3 = DetectorService(r, consumer="c", clock=lambda: T0 + 250, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc3)
+    assert len(log_entries(r, "cr")) == 2 and r.xlen("th:{cr}:agg") == 100
+
+
+def test_hang_from_heartbeats_and_finished_run_is_left_alone(r: redis.Redis) -> None:
+    write_run(r, "hg", range(0, 30), world=1)
+    now = T0 + 1000.0
+    r.hset("th:{hg}:hb", "0", json.dumps({"t": now - 2, "step": 29, "step_t": T0 + 39, "phase": "train",
+                                          "host": "node-0", "pid": 1, "inc": T0}))
+    svc = DetectorService(r, consumer="h", clock=lambda: now, hang_factory=lambda: HangDetector(floor_s=60))
+    drain(svc)
+    svc._tick(now)
+    a = json.loads(r.hget("th:{hg}:anomalies", "hang:*:29:0"))
+    assert (a["kind"], a["severity"], a["ranks"], a["hosts"], a["evidence"]["stalled_s"]) == (
+        "hang", "critical", [0], ["node-0"], 961.0)
