@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from detectors.aggregate import StepAggregate
 from detectors.anomaly import RESOLVED, Anomaly
@@ -15,18 +15,39 @@ from trainhealth import defaults
 MAD_TO_SIGMA = 1.4826
 
 
+@dataclass(frozen=True)
+class _Baseline:
+    """Trailing baseline: ``level`` at step ``last``, falling ``slope`` per step, robust ``scale``."""
+
+    last: int
+    level: float
+    slope: float
+    scale: float
+    span: int
+
+    def predict(self, step: int) -> float:
+        # Extrapolate the trend at most one window span ahead (a long spike must not chase it down).
+        return self.level + self.slope * min(max(step - self.last, 0), self.span)
+
+    def z(self, step: int, x: float) -> float:
+        return (x - self.predict(step)) / self.scale
+
+
 class LossSpikeDetector:
-    """Hampel-style loss spike detector on a trailing median/MAD window of log-loss.
+    """Hampel-style loss spike detector on a detrended trailing window of log-loss.
 
     Loss noise is multiplicative (a spike doubles the loss whatever its level), so the
     statistics run on ``log(loss)`` while every loss seen is positive (cross-entropy), and on
-    the loss itself otherwise. For each finite value ``x`` the baseline is the median ``m`` of
-    the previous ``window`` non-spike values and the scale ``s = 1.4826 * MAD`` of them. A spike **opens** when
-    ``z = (x - m) / s > z_open`` *and* the loss exceeds the median loss by ``min_rel_rise`` of it (so a very smooth curve's
-    tiny MAD cannot turn noise into a spike). It stays open while ``z > z_close`` against the
-    pre-spike baseline, and spike points never enter the window (the baseline is not dragged
-    up by the spike itself, unlike a plain mean of a window). A falling loss curve only gives
-    negative ``z``, so the natural decay never triggers. A spike still open after
+    the loss itself otherwise. The baseline is fitted on the previous ``window`` non-spike
+    values: a robust falling trend (median of slopes between points an eighth of a window apart,
+    a cheap Theil-Sen; rising trends are not removed, so slow divergence still shows), the
+    median ``m`` of the detrended values and their scale ``s = 1.4826 * MAD``. A spike
+    **opens** when ``z = (x - prediction) / s > z_open`` *and* the loss exceeds the predicted
+    loss by at least ``min_rel_rise`` of it (so a very smooth curve's tiny MAD cannot turn
+    noise into a spike). It stays open while ``z > z_close`` against the frozen pre-spike
+    baseline; spike points never enter the window (the baseline is not dragged up by the
+    spike itself, unlike a plain mean of a window). The steep early decay of a loss curve is
+    removed by the trend instead of widening the scale. A spike still open after
     ``divergence_steps`` steps is also reported as ``divergence`` (critical) and the baseline
     restarts at the new level.
 
@@ -43,7 +64,7 @@ class LossSpikeDetector:
     divergence_steps : int
         Steps (by step number) a spike may stay open before it counts as divergence.
 
-    Evidence: ``loss``, ``baseline`` (median loss), ``z`` (robust z of the log-loss), ``peak``,
+    Evidence: ``loss``, ``baseline`` (predicted loss), ``z`` (robust z of the log-loss), ``peak``,
     ``peak_step``; on resolution ``recovery_steps`` and ``recovered``.
 
     Examples
@@ -83,13 +104,13 @@ class LossSpikeDetector:
         self.z_close = z_close
         self.min_rel_rise = min_rel_rise
         self.divergence_steps = divergence_steps
-        self._hist: deque[float] = deque(maxlen=window)
+        self._hist: deque[tuple[int, float]] = deque(maxlen=window)
         self._log = True
         self._spike: Anomaly | None = None
-        self._base: tuple[float, float] = (0.0, 0.0)
+        self._base: _Baseline | None = None
         self._last_spike_step = 0
         self._divergence: Anomaly | None = None
-        self._div_base: tuple[float, float] = (0.0, 0.0)
+        self._div_base: _Baseline | None = None
 
     def _t(self, loss: float) -> float:
         return math.log(loss) if self._log else loss
@@ -97,11 +118,35 @@ class LossSpikeDetector:
     def _inv(self, x: float) -> float:
         return math.exp(x) if self._log else x
 
-    def _baseline(self) -> tuple[float, float]:
-        m = statistics.median(self._hist)
-        mad = statistics.median(abs(x - m) for x in self._hist)
+    def _baseline(self) -> _Baseline:
+        steps = [p[0] for p in self._hist]
+        ys = [p[1] for p in self._hist]
+        n, h = len(ys), max(1, len(ys) // 8)
+        # Robust slope: median of the slopes between points an eighth of a window apart (a cheap
+        # Theil-Sen). The short lag keeps a level shift inside the window (an epoch boundary)
+        # from being read as a slope: few pairs straddle it. Only a falling trend is removed
+        # (the natural decay); a rising one stays in the level, so slow divergence still shows.
+        slopes = [(ys[i + h] - ys[i]) / (steps[i + h] - steps[i]) for i in range(n - h) if steps[i + h] > steps[i]]
+        slope = min(0.0, statistics.median(slopes)) if slopes else 0.0
+        last = steps[-1]
+        detrended = [y - slope * (st - last) for st, y in zip(steps, ys, strict=True)]
+        level = statistics.median(detrended)
+        mad = statistics.median(abs(d - level) for d in detrended)
         # A scale floor keeps z finite on a perfectly flat baseline; the relative-rise test decides there.
-        return m, max(MAD_TO_SIGMA * mad, 1e-12 * max(1.0, abs(m)))
+        scale = max(MAD_TO_SIGMA * mad, 1e-12 * max(1.0, abs(level)))
+        return _Baseline(last, level, slope, scale, max(last - steps[0], 1))
+
+    def _rewind(self, step: int) -> list[Anomaly]:
+        """Training went back to ``step`` (restart or rollback): forget the discarded timeline."""
+        while self._hist and self._hist[-1][0] >= step:
+            self._hist.pop()
+        spike = self._spike
+        if spike is None or step > spike.step:
+            return []
+        self._spike = None
+        return [replace(spike, status=RESOLVED, end_step=self._last_spike_step,
+                        evidence={**spike.evidence, "recovered": False, "rolled_back": True},
+                        message=spike.message.split(";")[0] + f"; training rolled back to step {step}")]
 
     def update(self, agg: StepAggregate) -> list[Anomaly]:
         """Feed one step; return the anomaly states that changed."""
@@ -111,39 +156,39 @@ class LossSpikeDetector:
         if self._log and loss <= 0:
             # A non-positive loss: not cross-entropy; work on the raw values from here on.
             self._log = False
-            self._hist = deque((math.exp(v) for v in self._hist), maxlen=self.window)
+            self._hist = deque(((st, math.exp(v)) for st, v in self._hist), maxlen=self.window)
             self._spike = None
         x = self._t(loss)
         out: list[Anomaly] = []
-        if self._divergence is not None:
-            m0, s0 = self._div_base
-            if (x - m0) / s0 <= self.z_close:
-                self._divergence = replace(self._divergence, status=RESOLVED, end_step=agg.step,
-                                           evidence={**self._divergence.evidence, "recovered_loss": loss})
-                out.append(self._divergence)
-                self._divergence = None
+        if self._hist and agg.step <= self._hist[-1][0]:
+            out += self._rewind(agg.step)
+        if self._divergence is not None and self._div_base.z(agg.step, x) <= self.z_close:
+            self._divergence = replace(self._divergence, status=RESOLVED, end_step=agg.step,
+                                       evidence={**self._divergence.evidence, "recovered_loss": loss})
+            out.append(self._divergence)
+            self._divergence = None
         if len(self._hist) < self.warmup:
-            self._hist.append(x)
+            self._hist.append((agg.step, x))
             return out
         if self._spike is None:
-            m, s = self._baseline()
-            z = (x - m) / s
-            med = self._inv(m)
+            base = self._baseline()
+            z = base.z(agg.step, x)
+            med = self._inv(base.predict(agg.step))
             if z > self.z_open and loss - med > self.min_rel_rise * abs(med):
-                self._base = (m, s)
+                self._base = base
                 self._last_spike_step = agg.step
                 self._spike = Anomaly(
                     kind="loss_spike", severity="warning", step=agg.step, gen=agg.gen,
-                    message=(f"loss {loss:.4g} at step {agg.step} is {loss / med:.2f}x the trailing median "
+                    message=(f"loss {loss:.4g} at step {agg.step} is {loss / med:.2f}x the expected "
                              f"{med:.4g} ({z:.1f} robust SDs); watching whether it recovers"),
                     evidence={"loss": loss, "baseline": med, "z": z, "peak": loss, "peak_step": agg.step},
                 )
                 out.append(self._spike)
             else:
-                self._hist.append(x)
+                self._hist.append((agg.step, x))
             return out
-        m, s = self._base
-        z = (x - m) / s
+        base = self._base
+        z = base.z(agg.step, x)
         spike = self._spike
         if z > self.z_close:
             self._last_spike_step = agg.step
@@ -153,13 +198,14 @@ class LossSpikeDetector:
             open_for = agg.step - spike.step
             if open_for >= self.divergence_steps:
                 # Not recovering: report divergence, restart the baseline at the new level.
-                self._div_base = (m, s)
+                self._div_base = base
                 self._divergence = Anomaly(
                     kind="divergence", severity="critical", step=spike.step, gen=spike.gen,
-                    message=(f"loss has stayed above its pre-spike level {self._inv(m):.4g} for {open_for} steps "
+                    message=(f"loss has stayed above its pre-spike level {spike.evidence['baseline']:.4g} for "
+                             f"{open_for} steps "
                              f"since step {spike.step} (now {loss:.4g}): the run is diverging; roll back to "
                              f"a checkpoint before step {spike.step}"),
-                    evidence={"baseline": self._inv(m), "loss": loss, "steps_elevated": open_for,
+                    evidence={"baseline": spike.evidence["baseline"], "loss": loss, "steps_elevated": open_for,
                               "peak": ev["peak"]},
                 )
                 out.append(self._divergence)
@@ -169,13 +215,13 @@ class LossSpikeDetector:
                 out.append(self._spike)
                 self._spike = None
                 self._hist.clear()
-                self._hist.append(x)
+                self._hist.append((agg.step, x))
             else:
                 self._spike = replace(spike, evidence=ev)  # kept, sent with the next transition
             return out
         ev = {**spike.evidence, "recovery_steps": agg.step - spike.step, "recovered": True}
         self._spike = None
-        self._hist.append(x)
+        self._hist.append((agg.step, x))
         out.append(replace(spike, status=RESOLVED, end_step=self._last_spike_step, evidence=ev,
                            message=spike.message.split(";")[0]
                            + f"; recovered after {agg.step - spike.step} steps"))

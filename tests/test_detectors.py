@@ -95,9 +95,9 @@ def test_loss_spike_opens_once_and_resolves_with_exact_steps() -> None:
     for s, x in enumerate(losses):
         got += det.update(agg(s, x))
     assert [(a.kind, a.status, a.step, a.end_step) for a in got] == [
-        ("loss_spike", "active", 400, None), ("loss_spike", "resolved", 400, 402)]
-    # step 403 (+0.25) is within 3 robust SDs of the pre-spike baseline: recovered there
-    assert got[1].evidence["peak_step"] == 400 and got[1].evidence["recovery_steps"] == 3
+        ("loss_spike", "active", 400, None), ("loss_spike", "resolved", 400, 404)]
+    # the detrended baseline is tight: step 404 (+0.125) is still elevated, step 405 is back
+    assert got[1].evidence["peak_step"] == 400 and got[1].evidence["recovery_steps"] == 5
 
 
 def test_loss_that_never_recovers_becomes_divergence() -> None:
@@ -215,3 +215,17 @@ def test_ledger_checkpoint_save_in_a_gap_and_hang_tail() -> None:
     assert {k: v for k, v in snap["seconds"].items() if v} == {
         "productive": 2.0, "checkpoint_save": 3.0, "custom": 4.0, "idle": 32.0}
     assert snap["wall_s"] == 41.0
+
+
+def test_restart_rewinds_the_loss_baseline_and_a_rollback_closes_the_spike() -> None:
+    losses = healthy_curve(400)
+    det = LossSpikeDetector()
+    got = [a for s in range(0, 300) for a in det.update(agg(s, losses[s]))]
+    # resume from step 250 (the curve is higher there than at 299): not a spike
+    got += [a for s in range(250, 310) for a in det.update(agg(s, losses[s], gen=1))]
+    assert got == []
+    # a spike at 310, then a rollback to 300 before it recovers
+    got = [a for a in det.update(agg(310, losses[310] + 3.0, gen=1))]
+    got += det.update(agg(300, losses[300], gen=2))
+    assert [(a.status, a.step, a.end_step, a.evidence.get("rolled_back")) for a in got] == [
+        ("active", 310, None, None), ("resolved", 310, 310, True)]

@@ -65,7 +65,7 @@ AGG_STALE_S = 30.0
 #: and a minimum relative rise so a nearly flat curve's tiny MAD cannot trigger on noise.
 LOSS_SPIKE_WINDOW_STEPS = 50
 LOSS_SPIKE_WARMUP_STEPS = 10
-LOSS_SPIKE_Z_OPEN = 6.0
+LOSS_SPIKE_Z_OPEN = 6.5
 LOSS_SPIKE_Z_CLOSE = 3.0
 LOSS_SPIKE_MIN_REL_RISE = 0.05
 #: A spike still open after this many steps is reported as divergence as well.
