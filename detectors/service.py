@@ -27,7 +27,7 @@ from detectors.anomaly import Anomaly
 from detectors.hang import HangDetector
 from detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth import defaults
-from trainhealth.events import decode_event, decode_step
+from trainhealth.events import Event, StepRecord, decode_event, decode_step
 from trainhealth.keys import RUNS, RunKeys, run_keys, service_heartbeat
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 _VOLATILE = ("first_seen", "last_seen")
 #: A run whose newest heartbeat or step is older than this is not watched for hangs any more.
 RUN_INACTIVE_S = 6 * 3600.0
-_AGG_SEQ_SLOTS = 1024
 
 
 def _sid(entry_id: bytes | str) -> tuple[int, int]:
@@ -199,7 +198,6 @@ class DetectorService:
                 batch += [(_sid(i), stream, f) for i, f in entries]
             if not batch:
                 break
-            batch.sort(key=lambda e: e[0])
             pipe = self.client.pipeline(transaction=True)
             self._process(run, batch, pipe, final_states)
             pipe.execute()
@@ -235,7 +233,6 @@ class DetectorService:
             n += len(entries)
         for run_id, batch in by_run.items():
             run = self.runs[run_id]
-            batch.sort(key=lambda e: e[0])
             pipe = self.client.pipeline(transaction=True)
             self._process(run, batch, pipe)
             for stream in run.keys.input_streams:
@@ -248,39 +245,36 @@ class DetectorService:
     def _process(self, run: _Run, batch: Iterable[tuple[tuple[int, int], str, dict]], pipe: Any,
                  collect: dict[str, Anomaly] | None = None) -> None:
         keys = run.keys
+        decoded: list[tuple[tuple[int, float, int], StepRecord | Event]] = []
         for sid, stream, fields in batch:
             try:
-                if stream == keys.steps:
-                    out = run.pipeline.feed_step(decode_step(fields))
-                else:
-                    out = run.pipeline.feed_event(decode_event(fields))
+                rec = decode_step(fields) if stream == keys.steps else decode_event(fields)
             except (KeyError, ValueError) as exc:
                 log.warning("run %s: skipping malformed entry %s-%s in %s: %s", keys.run, *sid, stream, exc)
                 continue
+            decoded.append(((sid[0], rec.t, sid[1]), rec))
+        # Entry ids of two streams are not comparable within one millisecond: there the
+        # records' own times decide (a collector writes them in time order).
+        decoded.sort(key=lambda e: e[0])
+        for _, rec in decoded:
+            out = run.pipeline.feed_step(rec) if isinstance(rec, StepRecord) else run.pipeline.feed_event(rec)
             if collect is not None:
                 collect.update((a.id, a) for a in out.anomalies)
                 out.anomalies = []
-            self._write(run, out, pipe, sid)
+            self._write(run, out, pipe)
         run.dirty = True
 
-    def _write(self, run: _Run, out: Output, pipe: Any, sid: tuple[int, int] | None) -> None:
+    def _write(self, run: _Run, out: Output, pipe: Any) -> None:
         keys = run.keys
-        for k, agg in enumerate(out.aggs):
-            # Deterministic entry id derived from the source entry: a replay after a crash
-            # recomputes the same ids and skips those already written.
-            if sid is not None and k < _AGG_SEQ_SLOTS:
-                aid = (sid[0], sid[1] * _AGG_SEQ_SLOTS + k)
-                if aid <= run.last_agg:
-                    continue
-                pipe.xadd(keys.agg, agg_fields(agg), id=f"{aid[0]}-{aid[1]}",
-                          maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)
-                run.last_agg = aid
-            else:
-                now_ms = int(self.clock() * 1000)
-                aid = max((now_ms, 0), (run.last_agg[0], run.last_agg[1] + 1))
-                pipe.xadd(keys.agg, agg_fields(agg), id=f"{aid[0]}-{aid[1]}",
-                          maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)
-                run.last_agg = aid
+        for agg in out.aggs:
+            # The entry id is (generation + 1)-(step): increasing in the order steps close, and the
+            # same when a restarted service replays the streams, so rewritten steps are skipped.
+            aid = (agg.gen + 1, agg.step)
+            if agg.step < 0 or aid <= run.last_agg:
+                continue
+            pipe.xadd(keys.agg, agg_fields(agg), id=f"{aid[0]}-{aid[1]}",
+                      maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)
+            run.last_agg = aid
         for a in out.anomalies:
             self._write_anomaly(run, a, pipe)
 
@@ -327,7 +321,7 @@ class DetectorService:
                 run.meta_checked = now
             pipe = self.client.pipeline(transaction=True)
             out = run.pipeline.flush_stale(now)
-            self._write(run, out, pipe, None)
+            self._write(run, out, pipe)
             if run.status == "running":
                 hbs = {}
                 for rank, raw in self.client.hgetall(run.keys.heartbeats).items():

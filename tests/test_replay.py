@@ -1,0 +1,105 @@
+"""Replaying real Hugging Face logs from ../shared/real_logs through collectors → Redis → detectors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from detectors.hang import HangDetector
+from detectors.service import DetectorService
+from trainhealth.exceptions import ConfigError, InputFormatError
+from trainhealth.replay import replay
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL_LOGS = ROOT.parent / "shared" / "real_logs"
+TROCR = REAL_LOGS / "hf_trocr_large_gradnorm.trainer_state.json"
+TINYLLAMA = REAL_LOGS / "hf_tinyllama_sft_healthy.trainer_state.json"
+
+
+def drain(client: redis.Redis) -> DetectorService:
+    svc = DetectorService(client, consumer="t", snapshot_interval=0.0, hang_factory=lambda: HangDetector(floor_s=60))
+    for _ in range(100):
+        if svc.run_once(block_ms=20) == 0:
+            break
+    svc._tick(svc.clock() + 10)
+    return svc
+
+
+def anomalies(client: redis.Redis, run: str) -> dict[str, dict]:
+    return {k.decode(): json.loads(v) for k, v in client.hgetall(f"th:{{{run}}}:anomalies").items()}
+
+
+def test_cli_replay_of_trocr_flags_the_one_spike_at_step_682(r: redis.Redis, redis_url: str) -> None:
+    env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
+    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(TROCR), "--run", "trocr"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "replayed 700 steps and 7 evaluations" in out.stdout
+    drain(r)
+    found = anomalies(r, "trocr")
+    assert sorted(found) == ["loss_spike:*:682:0"]
+    a = found["loss_spike:*:682:0"]
+    assert (a["status"], a["end_step"], a["evidence"]["loss"], a["evidence"]["peak_step"]) == (
+        "resolved", 682, 0.4896, 682)
+    assert r.hget("th:{trocr}:meta", "source") == b"replay:hf_trocr_large_gradnorm.trainer_state.json"
+    assert r.hget("th:{trocr}:meta", "status") == b"finished"
+    # Ledger on the synthetic timeline (1 s per step, evaluations for their logged runtime).
+    evals = [e["eval_runtime"] for e in json.loads(TROCR.read_text())["log_history"] if "eval_runtime" in e]
+    snap = json.loads(r.get("th:{trocr}:ledger:latest"))
+    sec = snap["seconds"]
+    assert sec["program_startup"] == 2.0           # start → first logged step (2)
+    assert sec["productive"] == pytest.approx(1398.0, abs=1e-6)
+    assert sec["custom"] == pytest.approx(math.fsum(evals), abs=1e-6)
+    assert snap["wall_s"] == pytest.approx(1400.0 + math.fsum(evals), abs=1e-6)
+    assert sum(sec.values()) == pytest.approx(snap["wall_s"], abs=1e-6)
+
+
+def test_healthy_tinyllama_replay_flags_nothing(r: redis.Redis) -> None:
+    res = replay(TINYLLAMA, r, run="tiny")
+    assert (res.points, res.evals) == (186, 14)
+    drain(r)
+    assert anomalies(r, "tiny") == {}
+    snap = json.loads(r.get("th:{tiny}:ledger:latest"))
+    # tokens come from the cumulative num_tokens: the last train entry's value
+    assert snap["tokens_total"] == 11424256
+
+
+def test_replay_bad_input_is_a_clear_error(tmp_path: Path, r: redis.Redis) -> None:
+    bad = tmp_path / "trainer_state.json"
+    bad.write_text('{"log_history": [{"loss": 1.0, "step": 1}, {"loss": "x", "step": 2}]}')
+    with pytest.raises(InputFormatError, match=r"log_history\[1\] field 'loss' is not a number: 'x'"):
+        replay(bad, r)
+    bad.write_text('{"log_history": [{"loss": 1.0, "step": "3"}]}')
+    with pytest.raises(InputFormatError, match=r"log_history\[0\] field 'step' is not an integer: '3'"):
+        replay(bad, r)
+    bad.write_text("{not json")
+    with pytest.raises(InputFormatError, match=r"not valid JSON \(line 1, column 2\)"):
+        replay(bad, r)
+    with pytest.raises(ConfigError, match=r"speed=-1 must be >= 0"):
+        replay(TROCR, r, speed=-1)
+    assert r.keys("*") == []  # nothing half-written
+
+
+def test_cli_errors_are_one_line_with_exit_2(redis_url: str) -> None:
+    env = {**os.environ, "TRAINHEALTH_REDIS_URL": "http://nope"}
+    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(TROCR)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("trainhealth: error: TRAINHEALTH_REDIS_URL='http://nope' is not a Redis URL: "
+                                  "expected redis://, rediss:// or unix://")
+
+
+def test_doctor_reports_redis_and_missing_service(redis_url: str) -> None:
+    env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
+    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "doctor"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1
+    assert f"Redis: {redis_url} ok" in out.stdout
+    assert "Detector service: NOT RUNNING" in out.stdout
