@@ -63,3 +63,45 @@ def test_no_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(RedisUnavailableError, match="no redis-server found"):
         server.find_redis_server()
+
+
+def test_password_and_unix_socket_urls_work_for_collectors(tmp_path: Path) -> None:
+    import subprocess
+    import time
+
+    from collectors import Monitor
+
+    port, sock = server.free_port(), tmp_path / "r.sock"
+    proc = subprocess.Popen([server.find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+                             "--requirepass", "s3cret", "--unixsocket", str(sock), "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL)
+    try:
+        tcp = f"redis://:s3cret@127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while not server.ping(tcp):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert not server.ping(f"redis://127.0.0.1:{port}/0")  # the password is really required
+        for url, run in ((tcp, "tcp-run"), (f"unix://{sock}?password=s3cret", "unix-run")):
+            mon = Monitor(run, redis_url=url, rank=0, world_size=1)
+            mon.log_step(1, loss=1.0)
+            assert mon.close() is True
+        c = redis.Redis.from_url(tcp)
+        assert c.xlen("th:{tcp-run}:steps") == 1 and c.xlen("th:{unix-run}:steps") == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_step_stream_is_trimmed_to_the_retention(r: redis.Redis, redis_url: str) -> None:
+    from collectors import Monitor
+
+    mon = Monitor("trim", redis_url=redis_url, rank=0, world_size=1, retention=1000, batch_records=100)
+    for s in range(20_000):
+        mon.log_step(s, loss=1.0)
+    assert mon.close() is True
+    n = r.xlen("th:{trim}:steps")
+    # MAXLEN ~ trims whole radix-tree nodes (100 entries by default): bounded near the retention
+    assert 1000 <= n <= 1100
+    last = r.xrevrange("th:{trim}:steps", count=1)[0][1]
+    assert last[b"step"] == b"19999"
