@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from collectors import Monitor  # noqa: E402
-from trainhealth.server import EmbeddedRedis, free_port  # noqa: E402
+from collectors import Monitor
+from trainhealth.server import EmbeddedRedis, free_port
 
 BATCH = 1_000
 BATCHES = 300
@@ -33,7 +33,7 @@ def measure(fn) -> tuple[float, float]:
     """Median and p99 ns per call of ``fn(i)`` over BATCHES batches of BATCH calls."""
     per_call = []
     pc = time.perf_counter_ns
-    for b in range(BATCHES):
+    for _b in range(BATCHES):
         t0 = pc()
         for i in range(BATCH):
             fn(i)

@@ -21,7 +21,7 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from dashboard import charts, data
-from dashboard.common import redact_url
+from dashboard.common import fmt_age, fmt_pct, fmt_rate, fmt_usd, redact_url
 from trainhealth.keys import RUNS, run_keys
 from trainhealth.server import free_port
 
@@ -174,7 +174,9 @@ def figures(at: AppTest) -> list[dict]:
 def arr(v: list | dict) -> list:
     """A Plotly JSON array: a list, or a base64 typed array ``{"dtype", "bdata"}``."""
     if isinstance(v, dict):
-        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"])).tolist()
+        flat = np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"]))
+        shape = [int(n) for n in str(v.get("shape", len(flat))).split(",")]
+        return flat.reshape(shape).tolist()
     return list(v)
 
 
@@ -233,6 +235,8 @@ def test_recent_steps_ascending_with_nan_inf_and_busy(seeded: redis.Redis, dr: r
     # COUNT keeps the newest entries, still returned oldest first.
     tail = data.recent_steps(seeded, RUN, count=3)
     assert list(tail["step"]) == [10, 11, 12] and list(tail["gen"]) == [1, 1, 1]
+    lean = data.recent_steps(seeded, RUN, with_busy=False)  # the overview skips the per-rank lists
+    assert list(lean["busy"]) == [[]] * 14 and lean["loss"].equals(steps["loss"])
 
 
 def test_rank_matrix_shape_cells_and_restart_replay(seeded: redis.Redis) -> None:
@@ -314,15 +318,20 @@ def test_training_curves_markers(seeded: redis.Redis) -> None:
     fig = charts.training_curves(data.recent_steps(seeded, RUN), data.anomalies(seeded, RUN),
                                  data.events(seeded, RUN))
     names = [t.name for t in fig.data]
-    assert names == ["gen 0", "grad norm · gen 0", "gen 1", "grad norm · gen 1", "events"]
+    assert names == ["gen 0", "grad norm · gen 0", "gen 1", "grad norm · gen 1", "critical span", "warning span",
+                     "events"]
     lane = fig.data[-1]
     assert list(lane.y) == ["anomaly", "anomaly", "restart", "anomaly", "checkpoint", "checkpoint", "checkpoint"]
     assert list(lane.x) == [12, 4, 10, 5, 8, 8, 12]
     assert "rank 2 has not completed a step for 300 s" in lane.hovertext[0]
+    # Lane bars: hang 12 (active) and NaN 5-6 in red; the straggler from step 4 to the newest step.
+    assert list(fig.data[4].x) == [11.5, 12.5, None, 4.5, 6.5, None]
+    assert list(fig.data[5].x) == [3.5, 12.5, None]
     shapes = fig.layout.shapes
-    # 3 shaded anomaly ranges × 3 panels + 1 restart line × 3 panels.
-    assert len(shapes) == 12
-    assert {s.fillcolor for s in shapes if s.type == "rect"} == {"#d62728", "#ff7f0e"}
+    # Only the loss-related NaN anomaly is shaded on the panels (×3), plus the restart line (×3).
+    assert len(shapes) == 6
+    assert [(s.type, s.x0, s.line.dash) for s in shapes[:3]] == [("line", 10.0, "dash")] * 3
+    assert [(s.type, s.x0, s.x1, s.fillcolor) for s in shapes[3:]] == [("rect", 4.5, 6.5, "#d62728")] * 3
     assert fig.layout.yaxis2.type == "log"
     # inf grad norm and NaN loss become gaps, not points.
     assert math.isnan(fig.data[1].y[5]) and math.isnan(fig.data[0].y[4])
@@ -349,6 +358,14 @@ def test_downsample_keeps_small_matrix_and_ignores_nan() -> None:
     assert list(out.columns) == [2, 4] and list(out.iloc[0]) == [1.0, 4.0]
 
 
+def test_compact_formats() -> None:
+    assert [fmt_rate(x) for x in (573.44, 41_600.0, 804_817.0, 2_500_000.0, None, math.nan)] == [
+        "573", "41,600", "804.8k", "2.50M", "—", "—"]
+    assert [fmt_usd(x) for x in (0.0791, 12.3, 1234.5, 123_456.0, None)] == ["$0.08", "$12.30", "$1,234", "$123k", "—"]
+    assert [fmt_pct(x) for x in (71.5, 100.0, None)] == ["71.5%", "100.0%", "—"]
+    assert [fmt_age(x) for x in (42.0, 210.0, 7300.0, 200_000.0)] == ["42 s", "3.5 min", "2.0 h", "2.3 d"]
+
+
 def test_redact_url() -> None:
     assert redact_url("redis://:s3cret@db.example:6380/2") == "redis://:***@db.example:6380/2"
     assert redact_url("rediss://ops:pw@h/0") == "rediss://ops:***@h/0"
@@ -363,12 +380,12 @@ def test_overview_kpis_and_charts(seeded: redis.Redis, redis_url: str) -> None:
     assert at.session_state["th_run"] == RUN
     assert at.query_params["run"] == RUN
     assert metrics(at) == {
-        "Step": ("12", None),
-        "Throughput (tokens/s)": ("573", None),
-        "Goodput (tokens/s)": ("492", None),
-        "Goodput %": ("71.5%", None),
-        "Active anomalies": ("2", "1 critical"),
-        "Badput cost (USD)": ("$0.08", None),
+        "Step": ("12", "restart gen 1"),
+        "Throughput": ("573", "tokens/s"),
+        "Goodput": ("492", "tokens/s"),
+        "Goodput %": ("71.5%", "of wall time"),
+        "Anomalies": ("2", "active, 1 critical"),
+        "Badput cost": ("$0.08", "at $2.5/GPU-h"),
     }
     figs = figures(at)
     assert len(figs) == 3
@@ -403,6 +420,18 @@ def test_ranks_page_heatmap_table_and_straggler(seeded: redis.Redis) -> None:
     assert table.loc[0, "ratio"] == pytest.approx(2.6087, abs=1e-4)
     assert [w.value for w in at.warning] == [
         "**Straggler**: rank 3 on node-b since step 4 — rank 3 is 2.6x slower than the median rank"]
+    heat = figs[0]["data"][0]
+    assert "zmid" not in heat and heat["colorbar"]["title"]["text"] == "s"  # seconds, Viridis
+    assert arr(heat["x"]) == list(range(1, 13)) and arr(heat["y"]) == [0, 1, 2, 3]
+
+    at.segmented_control(key="ranks_mode").select("ratio to step median").run()
+    at.segmented_control(key="ranks_window").select(100).run()
+    assert not at.exception
+    heat = figures(at)[0]["data"][0]
+    assert heat["zmid"] == 1.0 and heat["colorbar"]["title"]["text"] == "× step median"
+    # Step 4: busy [0.10, 0.11, 0.12, 0.30], median 0.115 → rank 3 at 0.30 / 0.115.
+    z = np.array(arr(heat["z"]))
+    assert z.shape == (4, 12) and z[3, 3] == pytest.approx(0.30 / 0.115) and z[0, 3] == pytest.approx(0.10 / 0.115)
 
 
 def test_anomalies_page_table_filters_and_evidence(seeded: redis.Redis) -> None:
@@ -430,6 +459,9 @@ def test_anomalies_page_table_filters_and_evidence(seeded: redis.Redis) -> None:
 
     at.selectbox(key="anomaly_detail").select("straggler:3:4:0").run()
     assert json.loads(at.json[0].value) == {"score": 0.38, "threshold": 0.7}
+    at.selectbox(key="anomaly_detail").select("nan_inf:*:5:0").run()
+    assert json.loads(at.json[0].value) == {"loss": "nan"}  # NaN evidence shown as text, valid JSON
+    assert "loss is NaN at step 5" in [m.value for m in at.main.markdown]
 
 
 def test_run_link_picker_and_page_switch_keep_the_run(seeded: redis.Redis) -> None:
@@ -441,6 +473,7 @@ def test_run_link_picker_and_page_switch_keep_the_run(seeded: redis.Redis) -> No
     at.sidebar.selectbox[0].select("empty-run").run()
     assert at.session_state["th_run"] == "empty-run" and at.query_params["run"] == "empty-run"
     assert metrics(at)["Step"] == ("—", None)
+    assert metrics(at)["Badput time"] == ("—", "no GPU price set")
     at.query_params.clear()  # a sidebar page switch clears the URL's query string
     at.switch_page("pages/anomalies.py").run()
     assert not at.exception
@@ -466,14 +499,16 @@ def test_no_runs_message(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_redis_unreachable_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"  # nothing listens there
-    monkeypatch.setenv("TRAINHEALTH_REDIS_URL", url)
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv("TRAINHEALTH_REDIS_URL", f"redis://:hunter2@127.0.0.1:{port}/0")
     at = app()
     assert not at.exception
     assert len(at.error) == 1
     text = at.error[0].value
-    assert text.startswith(f"Redis is unreachable at `redis://:***@127.0.0.1:{url.rsplit(':', 1)[1][:-2]}/0`")
-    assert "hunter2" not in text
+    assert text.startswith(f"Redis is unreachable at `redis://:***@127.0.0.1:{port}/0`: ")
+    assert "`trainhealth serve` starts the embedded server" in text
+    assert "hunter2" not in text and all("hunter2" not in c.value for c in at.sidebar.caption)
+    assert not at.get("plotly_chart")
 
 
 def test_no_redis_configured_message() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import redis
@@ -94,10 +95,8 @@ def test_crash_between_read_and_ack_is_processed_once(r: redis.Redis) -> None:
     write_run(r, "cr", range(0, 100), spike_at=60)
     # A service read everything (delivered, pending) and died before writing or acknowledging.
     for key in ("th:{cr}:steps", "th:{cr}:events"):
-        try:
+        with contextlib.suppress(redis.ResponseError):
             r.xgroup_create(key, "th-detectors", id="0")
-        except redis.ResponseError:
-            pass
         r.xreadgroup("th-detectors", "dead", {key: ">"}, count=10_000)
     assert r.xpending("th:{cr}:steps", "th-detectors")["pending"] == 200
     svc = DetectorService(r, consumer="b", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))

@@ -1,0 +1,259 @@
+"""Plotly figures of the dashboard, built from :mod:`dashboard.data` frames (no Redis, no Streamlit)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+#: Colour of an anomaly by severity (Grafana-like: red critical, orange warning, blue info).
+SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
+#: Most heatmap cells sent to the browser; wider matrices are averaged over step bins
+#: (1,024 ranks × 2,000 steps = 2 M cells would be ~20 MB of JSON every refresh).
+HEATMAP_MAX_CELLS = 250_000
+#: Anomalies about the curves themselves: their step range is shaded on the loss/grad-norm panels.
+SHADED_KINDS = frozenset({"nan_inf", "loss_spike", "divergence"})
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+_LANES = ["anomaly", "checkpoint", "restart"]
+
+
+def label(category: str) -> str:
+    """``checkpoint_save`` → ``checkpoint save``."""
+    return category.replace("_", " ")
+
+
+def _finite(s: pd.Series) -> pd.Series:
+    x = pd.to_numeric(s, errors="coerce").astype("float64")
+    return x.where(np.isfinite(x))
+
+
+def _anomaly_span(a: Any, last_step: float) -> tuple[float, float]:
+    start = float(a.step)
+    end = float(a.end_step) if not pd.isna(a.end_step) else (last_step if a.status == "active" else start)
+    return start - 0.5, max(end, start) + 0.5
+
+
+def training_curves(steps: pd.DataFrame, anomalies: pd.DataFrame, checkpoints: pd.DataFrame) -> go.Figure:
+    """Loss and grad norm (log) vs step, with anomaly, checkpoint and restart markers.
+
+    Three stacked panels sharing the step axis: loss; grad norm on a log axis; an event lane
+    whose markers carry the hover text (anomaly message, checkpoint seconds) and whose bars
+    show each anomaly's step range in its severity colour. Loss-related anomalies (NaN/inf,
+    spike, divergence) also shade their range on the curves; restarts draw a dashed line.
+    One line per restart generation, so replayed steps after a rollback show as a second
+    curve over the first. NaN/inf values leave gaps (the ``nan_inf`` anomaly marks them).
+    """
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.04,
+                        row_heights=[0.52, 0.34, 0.14])
+    if not steps.empty:
+        steps = steps.assign(gen=steps["gen"].fillna(0))  # an entry without gen counts as the first launch
+    gens = sorted(int(g) for g in steps["gen"].unique()) if not steps.empty else []
+    palette = ["#1f77b4", "#9467bd", "#2ca02c", "#8c564b", "#e377c2", "#17becf"]
+    for i, gen in enumerate(gens):
+        part = steps[steps["gen"] == gen]
+        name = f"gen {gen}" if len(gens) > 1 else "loss"
+        color = palette[i % len(palette)]
+        fig.add_trace(go.Scatter(x=part["step"].astype("int64"), y=_finite(part["loss"]), mode="lines",
+                                 name=name, legendgroup=f"g{gen}", line={"color": color, "width": 1.5},
+                                 hovertemplate="step %{x}<br>loss %{y:.4g}<extra>" + name + "</extra>"),
+                      row=1, col=1)
+        gn = _finite(part["grad_norm"])
+        fig.add_trace(go.Scatter(x=part["step"].astype("int64"), y=gn.where(gn > 0), mode="lines",
+                                 name=f"grad norm · {name}" if len(gens) > 1 else "grad norm",
+                                 legendgroup=f"g{gen}", showlegend=len(gens) == 1,
+                                 line={"color": color if len(gens) > 1 else "#ff7f0e", "width": 1},
+                                 hovertemplate="step %{x}<br>grad norm %{y:.4g}<extra>" + name + "</extra>"),
+                      row=2, col=1)
+    first = float(steps["step"].min()) if not steps.empty else -math.inf
+    last = float(steps["step"].max()) if not steps.empty else math.inf
+
+    lane_x: list[float] = []
+    lane_y: list[str] = []
+    lane_text: list[str] = []
+    lane_color: list[str] = []
+    lane_symbol: list[str] = []
+    spans: dict[str, tuple[list[float | None], list[str | None]]] = {}
+    for a in anomalies.itertuples(index=False) if not anomalies.empty else []:
+        if pd.isna(a.step):
+            continue
+        x0, x1 = _anomaly_span(a, last)
+        if x1 < first or x0 > last:
+            continue  # outside the window shown: would only stretch the axis
+        color = SEVERITY_COLORS.get(a.severity, "#7f7f7f")
+        where = f" ranks {_short_list(a.ranks)}" if a.ranks else ""
+        text = f"<b>{a.severity} {label(a.kind)}</b> ({a.status}){where}<br>{a.message}"
+        if a.kind == "restart":
+            fig.add_vline(x=float(a.step), line={"color": color, "dash": "dash", "width": 1.5}, row="all", col=1,
+                          exclude_empty_subplots=False)
+            lane_y.append("restart")
+            lane_symbol.append("x")
+        else:
+            if a.kind in SHADED_KINDS:
+                fig.add_vrect(x0=x0, x1=x1, fillcolor=color, opacity=0.13, line_width=0, layer="below",
+                              row="all", col=1, exclude_empty_subplots=False)
+            # Every anomaly's step range as a bar in the lane; rank-level ones (straggler, hang)
+            # only there, so a long-lived straggler does not tint the whole loss curve.
+            xs, ys = spans.setdefault(a.severity, ([], []))
+            xs.extend([max(x0, first - 0.5), min(x1, last + 0.5), None])
+            ys.extend(["anomaly", "anomaly", None])
+            lane_y.append("anomaly")
+            lane_symbol.append("triangle-down")
+        lane_x.append(float(a.step))
+        lane_text.append(text)
+        lane_color.append(color)
+    for severity in sorted(spans, key=lambda sv: SEVERITY_ORDER.get(sv, 9)):
+        xs, ys = spans[severity]
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"{severity} span", showlegend=False,
+                                 hoverinfo="skip", opacity=0.35,
+                                 line={"color": SEVERITY_COLORS.get(severity, "#7f7f7f"), "width": 6}),
+                      row=3, col=1)
+    for c in checkpoints.itertuples(index=False) if not checkpoints.empty else []:
+        if c.step < first or c.step > last:
+            continue
+        blocked = "" if pd.isna(c.seconds) else f", blocked {c.seconds:.1f} s"
+        lane_x.append(float(c.step))
+        lane_y.append("checkpoint")
+        lane_text.append(f"<b>{label(c.kind)}</b> of step {c.step}{blocked} ({c.n_ranks} ranks)")
+        lane_color.append("#2ca02c" if c.kind == "checkpoint_save" else "#17becf")
+        lane_symbol.append("square" if c.kind == "checkpoint_save" else "diamond")
+    fig.add_trace(go.Scatter(x=lane_x, y=lane_y, mode="markers", name="events", showlegend=False,
+                             marker={"color": lane_color, "symbol": lane_symbol, "size": 11},
+                             hovertext=lane_text, hoverinfo="text+x"), row=3, col=1)
+
+    fig.update_yaxes(title_text="loss", row=1, col=1)
+    # "complete": label minor log ticks 20, 50 rather than a bare 2, 5.
+    fig.update_yaxes(title_text="grad norm", type="log", minorloglabels="complete", row=2, col=1)
+    fig.update_yaxes(categoryorder="array", categoryarray=_LANES, fixedrange=True, row=3, col=1)
+    fig.update_xaxes(title_text="step", row=3, col=1)
+    fig.update_layout(height=560, margin={"l": 10, "r": 10, "t": 30, "b": 10}, hovermode="closest",
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.01, "x": 0,
+                              "title": {"text": "restart generation:" if len(gens) > 1 else "", "side": "left"}},
+                      title={"text": "Loss and grad norm per step", "x": 0, "y": 0.995, "font": {"size": 14}})
+    return fig
+
+
+def _short_list(values: list[Any], limit: int = 8) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (f", … (+{len(values) - limit})" if len(values) > limit else "")
+
+
+def _local_times(t: pd.Series, tz: str | None) -> pd.Series:
+    # Plotly draws wall-clock strings; convert to the viewer's zone and drop it.
+    return pd.to_datetime(t, unit="s", utc=True).dt.tz_convert(tz or "UTC").dt.tz_localize(None)
+
+
+def goodput_over_time(history: pd.DataFrame, tz: str | None = None) -> go.Figure:
+    """Throughput and goodput (tokens/s since the run started) over wall-clock time.
+
+    From ``ledger_history``: both are cumulative rates of each snapshot, so the shaded gap
+    between them is the badput rate. The time axis is in ``tz`` (IANA name; UTC if None).
+    """
+    fig = go.Figure()
+    if not history.empty:
+        x = _local_times(history["t"], tz)
+        fig.add_trace(go.Scatter(x=x, y=history["goodput_tok_s"], name="goodput", mode="lines",
+                                 line={"color": "#2ca02c", "width": 2},
+                                 hovertemplate="%{y:,.0f} tokens/s<extra>goodput</extra>"))
+        fig.add_trace(go.Scatter(x=x, y=history["throughput_tok_s"], name="throughput (gap = badput)",
+                                 mode="lines", fill="tonexty", fillcolor="rgba(214,39,40,0.18)",
+                                 line={"color": "#1f77b4", "width": 2},
+                                 hovertemplate="%{y:,.0f} tokens/s<extra>throughput</extra>"))
+    fig.update_layout(height=340, margin={"l": 10, "r": 10, "t": 40, "b": 10}, hovermode="x unified",
+                      title={"text": "Throughput vs goodput (tokens/s, since start)", "x": 0, "font": {"size": 14}},
+                      # Inside the plot, bottom right: the y axis starts at 0, so that corner is empty.
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 0.02, "x": 0.99, "xanchor": "right",
+                              "bgcolor": "rgba(255,255,255,0.7)"},
+                      xaxis_title=f"time ({tz or 'UTC'})", yaxis_title="tokens/s", yaxis_rangemode="tozero")
+    return fig
+
+
+def badput_bar(breakdown: pd.DataFrame, wall_s: float | None = None) -> go.Figure:
+    """Horizontal bar of badput seconds per category (from :func:`dashboard.data.badput_seconds`).
+
+    The largest category is on top; hover adds the share of wall time and USD when priced.
+    """
+    frame = breakdown.iloc[::-1]  # plotly draws the first bar at the bottom
+    share = (frame["seconds"] / wall_s * 100) if wall_s else frame["seconds"] * math.nan
+    cost = frame["cost_usd"]
+    hover = [
+        f"{s:,.1f} s" + (f" · {p:.1f}% of wall time" if not math.isnan(p) else "")
+        + (f" · ${c:,.2f}" if not math.isnan(c) else "")
+        for s, p, c in zip(frame["seconds"], share, cost, strict=True)
+    ]
+    fig = go.Figure(go.Bar(x=frame["seconds"], y=[label(c) for c in frame["category"]], orientation="h",
+                           marker_color="#d62728", text=[f"{s:,.1f} s" for s in frame["seconds"]],
+                           textposition="auto", hovertext=hover, hoverinfo="text+y"))
+    fig.update_layout(height=340, margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      title={"text": "Badput by category (seconds of wall time)", "x": 0, "font": {"size": 14}},
+                      xaxis_title="seconds", yaxis={"automargin": True})
+    return fig
+
+
+def downsample_steps(matrix: pd.DataFrame, max_cells: int = HEATMAP_MAX_CELLS) -> pd.DataFrame:
+    """Average consecutive step columns so ``ranks × columns <= max_cells``.
+
+    Each kept column is labelled by the last step of its bin; ranks are never merged (a
+    single slow rank must stay visible).
+    """
+    n_ranks, n_steps = matrix.shape
+    if n_ranks == 0 or n_ranks * n_steps <= max_cells:
+        return matrix
+    bins = math.ceil(n_steps / max(1, max_cells // n_ranks))
+    groups = np.arange(n_steps) // bins
+    values = matrix.to_numpy()
+    out_cols = []
+    out_vals = []
+    with np.errstate(all="ignore"):
+        for g in np.unique(groups):
+            sel = groups == g
+            out_cols.append(matrix.columns[sel][-1])
+            block = values[:, sel]
+            counts = np.sum(~np.isnan(block), axis=1)
+            sums = np.nansum(block, axis=1)
+            out_vals.append(np.where(counts > 0, sums / np.maximum(counts, 1), np.nan))
+    return pd.DataFrame(np.column_stack(out_vals), index=matrix.index,
+                        columns=pd.Index(out_cols, name=matrix.columns.name))
+
+
+def rank_heatmap(matrix: pd.DataFrame, relative: bool = False, highlight: list[int] | None = None) -> go.Figure:
+    """Per-rank busy-time heatmap: rank on y, step on x, one ``go.Heatmap`` trace.
+
+    ``relative`` colours each cell by its ratio to that step's median rank (1.0 = typical)
+    instead of seconds. Wide matrices are step-binned by :func:`downsample_steps`.
+    ``highlight`` ranks (active stragglers) get an outline.
+    """
+    shown = downsample_steps(matrix)
+    z = shown.to_numpy()
+    if relative and z.size:
+        with np.errstate(all="ignore"):
+            med = np.nanmedian(z, axis=0)
+            z = z / np.where(med > 0, med, np.nan)
+    unit = "× step median" if relative else "s"
+    binned = shown.shape[1] < matrix.shape[1]
+    scale: dict[str, Any] = {"zmid": 1.0} if relative else {}
+    if not relative and np.isfinite(z).sum() > 100:
+        # Clip the colour range to p0.5-p99.5 so one slow step (a GC pause, a checkpoint) does
+        # not wash every other cell into the same colour; hover still shows the real value.
+        lo, hi = np.nanpercentile(z, [0.5, 99.5])
+        if hi > lo:
+            scale = {"zmin": float(lo), "zmax": float(hi)}
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[int(c) for c in shown.columns], y=[int(r) for r in shown.index],
+        colorscale="RdBu_r" if relative else "Viridis", colorbar={"title": {"text": unit}},
+        hovertemplate="rank %{y}<br>step %{x}<br>busy %{z:.3f} " + unit + "<extra></extra>", **scale,
+    ))
+    for rank in highlight or []:
+        fig.add_shape(type="rect", xref="paper", x0=0, x1=1, y0=rank - 0.5, y1=rank + 0.5,
+                      line={"color": "#d62728", "width": 2}, fillcolor="rgba(0,0,0,0)")
+    n_ranks = matrix.shape[0]
+    title = "Busy time per rank and step" + (" (ratio to the step's median rank)" if relative else " (s)")
+    if binned:
+        title += f" — averaged over bins of {math.ceil(matrix.shape[1] / shown.shape[1])} steps"
+    fig.update_layout(height=min(900, max(320, 120 + 14 * n_ranks)), margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      title={"text": title, "x": 0, "font": {"size": 14}}, xaxis_title="step",
+                      yaxis={"title": "rank", "autorange": "reversed", **({"dtick": 1} if n_ranks <= 32 else {})})
+    return fig

@@ -1,0 +1,427 @@
+"""Every Redis read of the dashboard, as plain functions returning pandas objects or dicts.
+
+No Streamlit here: each function takes a ``redis.Redis`` client (``decode_responses`` on or
+off) and a run id, and returns a DataFrame with fixed columns even when the key is missing,
+so the pages never special-case "no data yet" beyond ``frame.empty``.
+
+Cost per call is bounded: streams are read newest-first with ``XREVRANGE … COUNT`` (never
+whole), hashes are small (one field per anomaly, per rank or per meta field).
+
+Numbers in Redis are decimal strings; ``"nan"``, ``"inf"``, ``"-inf"`` come back as floats,
+JSON ``null`` and empty strings as NaN/None. Times are unix seconds, durations seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import redis
+
+from trainhealth import defaults
+from trainhealth.events import decode_event
+from trainhealth.keys import RUNS, run_keys
+
+#: Runs listed in the picker (newest first); older ones are reachable by ``?run=`` links.
+RUNS_LIMIT = 200
+#: Newest entries of the events stream scanned for checkpoint markers and hosts. Every rank
+#: reports each checkpoint, so at 1,024 ranks this covers the last ~10 checkpoints.
+EVENTS_SCAN_ENTRIES = 10_000
+#: Oldest events scanned as well for ``run_start`` hosts (the first launch's are at the head).
+EVENTS_HEAD_ENTRIES = 4_096
+#: Ledger snapshots shown: one per 2 s, so 1,800 ≈ the last hour.
+LEDGER_HISTORY_ENTRIES = 1_800
+
+RUN_COLUMNS = ["run", "started_at", "name", "status", "world_size", "gpu_hour_usd", "updated_at",
+               "ended_at", "source"]
+STEP_COLUMNS = ["step", "gen", "t_start", "t_end", "dur", "loss", "grad_norm", "lr", "tokens", "samples",
+                "n_ranks", "data_s"]
+_STEP_INTS = ("step", "gen", "tokens", "samples", "n_ranks")
+EVENT_COLUMNS = ["kind", "step", "t", "seconds", "n_ranks"]
+CHECKPOINT_KINDS = ("checkpoint_save", "checkpoint_load")
+HOST_COLUMNS = ["rank", "host"]
+ANOMALY_COLUMNS = ["id", "kind", "severity", "status", "step", "end_step", "ranks", "hosts", "message",
+                   "first_seen", "last_seen", "evidence"]
+SEVERITIES = ("critical", "warning", "info")
+ANOMALY_KINDS = ("nan_inf", "loss_spike", "divergence", "straggler", "hang", "restart")
+ANOMALY_STATUSES = ("active", "resolved")
+LEDGER_COLUMNS = ["t", "started_at", "wall_s", "world_size", "gpu_hour_usd", "last_step", "steps_done",
+                  "steps_good", "restarts", "tokens_total", "tokens_good", "throughput_tok_s",
+                  "goodput_tok_s", "goodput_pct", "badput_cost_usd"]
+#: Goodput ledger categories (seconds of wall time); everything but ``productive`` is badput.
+LEDGER_CATEGORIES = ("productive", "program_startup", "data_loading", "checkpoint_save", "checkpoint_restore",
+                     "wasted_progress_from_disruption", "infrastructure_recovery_from_disruption", "idle",
+                     "custom")
+RANK_SUMMARY_COLUMNS = ["rank", "host", "median_busy_s", "ratio", "steps"]
+
+
+# --- decoding ----------------------------------------------------------------------------
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _num(v: Any) -> float:
+    """A Redis number string as a float: ``nan``/``inf`` kept, missing/empty/``null`` → NaN."""
+    if v is None:
+        return math.nan
+    if isinstance(v, (int, float)):
+        return float(v)
+    text = _s(v).strip()
+    if text == "" or text.lower() in ("none", "null"):
+        return math.nan
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+def _opt_num(v: Any) -> float | None:
+    x = _num(v)
+    return None if math.isnan(x) else x
+
+
+def _decode_map(fields: Mapping[Any, Any]) -> dict[str, str]:
+    return {_s(k): _s(v) for k, v in fields.items()}
+
+
+def _json(v: Any) -> Any:
+    # Python's json writes NaN/Infinity and reads them back, which is what the service emits.
+    return json.loads(_s(v))
+
+
+# --- runs --------------------------------------------------------------------------------
+
+def _typed_meta(raw: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = dict(raw)
+    if "world_size" in raw:
+        ws = _num(raw["world_size"])
+        out["world_size"] = int(ws) if math.isfinite(ws) else None
+    for name in ("started_at", "gpu_hour_usd", "updated_at", "ended_at"):
+        if name in raw:
+            out[name] = _opt_num(raw[name])
+    return out
+
+
+def run_meta(client: redis.Redis, run: str) -> dict[str, Any]:
+    """The run's ``meta`` hash with typed values, or ``{}`` when the run has none.
+
+    ``world_size`` is an int; ``started_at``, ``updated_at``, ``ended_at`` (unix s) and
+    ``gpu_hour_usd`` (USD per GPU-hour) are floats or None; other fields stay strings.
+    """
+    return _typed_meta(_decode_map(client.hgetall(run_keys(run).meta)))
+
+
+def list_runs(client: redis.Redis, limit: int = RUNS_LIMIT) -> pd.DataFrame:
+    """Runs of the ``th:runs`` registry, newest first (by start time), with their meta.
+
+    Returns one row per run with columns :data:`RUN_COLUMNS`: ``run`` (id), ``started_at``
+    (the registry score, unix s), ``name``, ``status``, ``world_size``, ``gpu_hour_usd``,
+    ``updated_at``, ``ended_at``, ``source`` (None where the meta hash lacks the field).
+    Reads one ``ZREVRANGE`` and one pipelined ``HGETALL`` per run (at most ``limit``).
+    """
+    members = client.zrevrange(RUNS, 0, limit - 1, withscores=True)
+    if not members:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in RUN_COLUMNS})
+    pipe = client.pipeline(transaction=False)
+    runs = [_s(m) for m, _ in members]
+    for run in runs:
+        pipe.hgetall(run_keys(run).meta)
+    metas = pipe.execute()
+    rows = []
+    for run, (_, score), raw in zip(runs, members, metas, strict=True):
+        meta = _typed_meta(_decode_map(raw))
+        rows.append({
+            "run": run, "started_at": float(score), "name": meta.get("name"), "status": meta.get("status"),
+            "world_size": meta.get("world_size"), "gpu_hour_usd": meta.get("gpu_hour_usd"),
+            "updated_at": meta.get("updated_at"), "ended_at": meta.get("ended_at"),
+            "source": meta.get("source"),
+        })
+    return pd.DataFrame(rows, columns=RUN_COLUMNS)
+
+
+def run_exists(client: redis.Redis, run: str) -> bool:
+    """True when ``run`` is in the ``th:runs`` registry (so a ``?run=`` link can open it)."""
+    return client.zscore(RUNS, run) is not None
+
+
+# --- per-step aggregates -----------------------------------------------------------------
+
+def _empty_steps() -> pd.DataFrame:
+    frame = pd.DataFrame({c: pd.Series(dtype="float64") for c in STEP_COLUMNS})
+    for c in _STEP_INTS:
+        frame[c] = frame[c].astype("Int64")
+    frame["busy"] = pd.Series(dtype=object)
+    return frame
+
+
+def _busy_list(v: Any) -> list[float]:
+    try:
+        values = _json(v)
+    except (TypeError, ValueError):
+        return []
+    if not isinstance(values, list):
+        return []
+    try:  # the fast path: numbers and nulls, as the service writes them
+        return [math.nan if x is None else float(x) for x in values]
+    except (TypeError, ValueError):
+        return [math.nan if x is None else _num(x) for x in values]
+
+
+def recent_steps(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_STEPS,
+                 with_busy: bool = True) -> pd.DataFrame:
+    """The newest ``count`` entries of the run's ``agg`` stream, oldest first (stream order).
+
+    One ``XREVRANGE … COUNT count``. Columns :data:`STEP_COLUMNS` plus ``busy``:
+
+    - ``step``, ``gen`` (restart generation), ``tokens``, ``samples`` (sums over ranks),
+      ``n_ranks``: nullable ints;
+    - ``t_start``, ``t_end`` (unix s), ``dur``, ``data_s`` (s), ``loss``, ``grad_norm``, ``lr``:
+      floats, NaN/±inf kept;
+    - ``busy``: list of per-rank busy seconds (index = rank, NaN = rank missing); an empty
+      list for every row when ``with_busy`` is False (skips decoding world-size floats per step).
+
+    After a restart a step can appear twice (once per generation); both rows are kept.
+    """
+    entries = client.xrevrange(run_keys(run).agg, count=count)
+    if not entries:
+        return _empty_steps()
+    rows = []
+    for _id, fields in reversed(entries):
+        d = _decode_map(fields)
+        row: dict[str, Any] = {c: _num(d.get(c)) for c in STEP_COLUMNS}
+        row["busy"] = _busy_list(d.get("busy", "[]")) if with_busy else []
+        rows.append(row)
+    frame = pd.DataFrame(rows, columns=[*STEP_COLUMNS, "busy"])
+    for c in _STEP_INTS:
+        # Float → nullable int: NaN (missing field) becomes <NA>, not a bogus number.
+        frame[c] = frame[c].where(np.isfinite(frame[c])).round().astype("Int64")
+    return frame
+
+
+def busy_matrix(steps: pd.DataFrame) -> pd.DataFrame:
+    """Rank × step matrix of busy seconds from :func:`recent_steps`' ``busy`` lists.
+
+    Index ``rank`` (0..max world size seen − 1), columns ``step`` (ascending), float seconds,
+    NaN where a rank did not report. A step present twice (replayed after a restart) keeps
+    its newest entry, i.e. the generation that counted.
+    """
+    if steps.empty:
+        return pd.DataFrame(index=pd.Index([], name="rank", dtype="int64"),
+                            columns=pd.Index([], name="step", dtype="int64"), dtype="float64")
+    latest = steps.drop_duplicates("step", keep="last").sort_values("step")
+    width = max((len(b) for b in latest["busy"]), default=0)
+    values = np.full((width, len(latest)), np.nan)
+    for j, busy in enumerate(latest["busy"]):
+        values[: len(busy), j] = busy
+    return pd.DataFrame(values, index=pd.Index(range(width), name="rank"),
+                        columns=pd.Index(latest["step"].astype("int64").to_numpy(), name="step"))
+
+
+def rank_matrix(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_STEPS) -> pd.DataFrame:
+    """Rank × step DataFrame of busy seconds over the newest ``count`` aggregated steps.
+
+    See :func:`busy_matrix` for the shape; one ``XREVRANGE`` of the ``agg`` stream.
+    """
+    return busy_matrix(recent_steps(client, run, count))
+
+
+def rank_summary(matrix: pd.DataFrame, hosts: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per-rank median busy seconds and its ratio to the median rank's, slowest first.
+
+    ``matrix`` is a :func:`busy_matrix`; ``hosts`` a :func:`rank_hosts` frame. Columns
+    :data:`RANK_SUMMARY_COLUMNS`: ``rank``, ``host`` (None if unknown), ``median_busy_s``
+    (s), ``ratio`` (rank median / median of all rank medians; 1.0 = typical, 1.5 = 50 %
+    slower), ``steps`` (steps the rank reported). Ranks that never reported are dropped.
+    """
+    if matrix.empty:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in RANK_SUMMARY_COLUMNS})
+    med = matrix.median(axis=1, skipna=True)
+    n = matrix.notna().sum(axis=1)
+    typical = float(med.median(skipna=True))
+    ratio = med / typical if typical > 0 else med * math.nan
+    out = pd.DataFrame({"rank": matrix.index.astype("int64"), "median_busy_s": med.to_numpy(),
+                        "ratio": ratio.to_numpy(), "steps": n.to_numpy().astype("int64")})
+    host_map = {} if hosts is None or hosts.empty else dict(zip(hosts["rank"], hosts["host"], strict=True))
+    out["host"] = [host_map.get(int(r)) for r in out["rank"]]
+    out = out[out["steps"] > 0]
+    out = out.sort_values(["ratio", "rank"], ascending=[False, True], kind="stable").reset_index(drop=True)
+    return out[RANK_SUMMARY_COLUMNS]
+
+
+# --- events ------------------------------------------------------------------------------
+
+def _read_events(client: redis.Redis, run: str, count: int, head: int = 0) -> list[tuple[str, Any]]:
+    key = run_keys(run).events
+    tail = client.xrevrange(key, count=count)
+    entries = {_s(i): f for i, f in tail}
+    if head:
+        for i, f in client.xrange(key, count=head):
+            entries.setdefault(_s(i), f)
+    # Stream ids are "<ms>-<seq>": order numerically, not as strings.
+    return sorted(entries.items(), key=lambda kv: tuple(int(p) for p in kv[0].split("-")))
+
+
+def events(client: redis.Redis, run: str, count: int = EVENTS_SCAN_ENTRIES) -> pd.DataFrame:
+    """Checkpoint save/load markers among the newest ``count`` events, one row per checkpoint.
+
+    Every rank reports the same checkpoint, so rows are merged per (``kind``, ``step``):
+    ``t`` is the earliest report (unix s), ``seconds`` the longest block over ranks (s, NaN
+    when not reported), ``n_ranks`` how many ranks reported it. Columns :data:`EVENT_COLUMNS`,
+    sorted by ``t``. One ``XREVRANGE … COUNT``; malformed entries are skipped.
+    """
+    rows = []
+    for _id, fields in _read_events(client, run, count):
+        kind = _s(fields.get(b"kind", fields.get("kind", "")))
+        if kind not in CHECKPOINT_KINDS:
+            continue
+        try:
+            ev = decode_event(fields)
+        except (KeyError, ValueError):
+            continue
+        if ev.step is None:
+            continue
+        rows.append({"kind": ev.kind, "step": ev.step, "t": ev.t,
+                     "seconds": math.nan if ev.seconds is None else ev.seconds, "rank": ev.rank})
+    if not rows:
+        frame = pd.DataFrame({c: pd.Series(dtype="float64") for c in EVENT_COLUMNS})
+        return frame.astype({"kind": object, "step": "int64", "n_ranks": "int64"})
+    raw = pd.DataFrame(rows)
+    out = (raw.groupby(["kind", "step"], as_index=False)
+              .agg(t=("t", "min"), seconds=("seconds", "max"), n_ranks=("rank", "nunique")))
+    return out.sort_values(["t", "kind"], kind="stable").reset_index(drop=True)[EVENT_COLUMNS]
+
+
+def rank_hosts(client: redis.Redis, run: str, count: int = EVENTS_SCAN_ENTRIES,
+               head: int = EVENTS_HEAD_ENTRIES) -> pd.DataFrame:
+    """Host of each rank, from its newest ``run_start`` event (``host`` field).
+
+    Scans the newest ``count`` and the oldest ``head`` events (the first launch's
+    ``run_start`` records sit at the head of the stream); ranks without a ``run_start`` in
+    that window fall back to the ``host`` of their heartbeat (``hb`` hash). Columns
+    :data:`HOST_COLUMNS`, sorted by rank.
+    """
+    hosts: dict[int, str] = {}
+    for _id, fields in _read_events(client, run, count, head=head):
+        d = _decode_map(fields)
+        if d.get("kind") != "run_start" or not d.get("host"):
+            continue
+        try:
+            hosts[int(d["rank"])] = d["host"]  # ascending stream order: the newest start wins
+        except (KeyError, ValueError):
+            continue
+    for rank, beat in client.hgetall(run_keys(run).heartbeats).items():
+        try:
+            r, info = int(_s(rank)), _json(beat)
+        except (TypeError, ValueError):
+            continue
+        if r not in hosts and isinstance(info, dict) and info.get("host"):
+            hosts[r] = str(info["host"])
+    frame = pd.DataFrame(sorted(hosts.items()), columns=HOST_COLUMNS)
+    return frame.astype({"rank": "int64", "host": object})
+
+
+# --- anomalies ---------------------------------------------------------------------------
+
+def anomalies(client: redis.Redis, run: str) -> pd.DataFrame:
+    """All anomalies of the run (``anomalies`` hash), active first, then newest first.
+
+    Columns :data:`ANOMALY_COLUMNS`: ``step`` / ``end_step`` nullable ints (``end_step`` is
+    set once resolved), ``ranks`` list[int], ``hosts`` list[str], ``evidence`` dict,
+    ``first_seen`` / ``last_seen`` unix s. "Newest" orders by ``first_seen`` descending (the
+    id breaks ties, so the order is deterministic). Undecodable values are skipped.
+    """
+    rows = []
+    for _field, value in client.hgetall(run_keys(run).anomalies).items():
+        try:
+            a = _json(value)
+        except (TypeError, ValueError):
+            continue
+        if not isinstance(a, dict):
+            continue
+        rows.append({
+            "id": str(a.get("id", _s(_field))), "kind": a.get("kind"), "severity": a.get("severity"),
+            "status": a.get("status"), "step": _num(a.get("step")), "end_step": _num(a.get("end_step")),
+            "ranks": [int(x) for x in a.get("ranks") or []], "hosts": [str(x) for x in a.get("hosts") or []],
+            "message": a.get("message") or "", "first_seen": _num(a.get("first_seen")),
+            "last_seen": _num(a.get("last_seen")), "evidence": a.get("evidence") or {},
+        })
+    frame = pd.DataFrame(rows, columns=ANOMALY_COLUMNS)
+    for c in ("step", "end_step"):
+        frame[c] = pd.to_numeric(frame[c]).astype("float64")
+        frame[c] = frame[c].where(np.isfinite(frame[c])).round().astype("Int64")
+    for c in ("first_seen", "last_seen"):
+        frame[c] = frame[c].astype("float64")
+    if frame.empty:
+        return frame
+    frame["_inactive"] = frame["status"] != "active"
+    frame = frame.sort_values(["_inactive", "first_seen", "id"], ascending=[True, False, True],
+                              kind="stable", na_position="last")
+    return frame.drop(columns="_inactive").reset_index(drop=True)
+
+
+# --- goodput ledger ----------------------------------------------------------------------
+
+def ledger_latest(client: redis.Redis, run: str) -> dict[str, Any] | None:
+    """The newest goodput ledger snapshot (``ledger:latest``) as a dict, or None if none yet.
+
+    Keys as documented: ``t``/``started_at`` (unix s), ``wall_s`` (s), ``throughput_tok_s`` and
+    ``goodput_tok_s`` (tokens/s since start), ``goodput_pct`` (% of wall time productive),
+    ``seconds`` / ``gpu_hours`` / ``cost_usd`` per category, ``badput_cost_usd`` (None when no
+    GPU-hour price is set).
+    """
+    raw = client.get(run_keys(run).ledger_latest)
+    if raw is None:
+        return None
+    try:
+        snap = _json(raw)
+    except (TypeError, ValueError):
+        return None
+    return snap if isinstance(snap, dict) else None
+
+
+def ledger_history(client: redis.Redis, run: str, count: int = LEDGER_HISTORY_ENTRIES) -> pd.DataFrame:
+    """The newest ``count`` ledger snapshots (``ledger`` stream, field ``json``), oldest first.
+
+    Columns :data:`LEDGER_COLUMNS` (floats; NaN where a snapshot lacks the value) plus one
+    ``seconds.<category>`` column (s of wall time) per category of :data:`LEDGER_CATEGORIES`.
+    One ``XREVRANGE … COUNT``.
+    """
+    cat_cols = [f"seconds.{c}" for c in LEDGER_CATEGORIES]
+    rows = []
+    for _id, fields in reversed(client.xrevrange(run_keys(run).ledger, count=count)):
+        d = {_s(k): v for k, v in fields.items()}
+        try:
+            snap = _json(d["json"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if not isinstance(snap, dict):
+            continue
+        row = {c: _num(snap.get(c)) for c in LEDGER_COLUMNS}
+        seconds = snap.get("seconds") or {}
+        row.update({f"seconds.{c}": _num(seconds.get(c)) for c in LEDGER_CATEGORIES})
+        rows.append(row)
+    return pd.DataFrame(rows, columns=[*LEDGER_COLUMNS, *cat_cols], dtype="float64")
+
+
+def badput_seconds(snapshot: Mapping[str, Any] | None) -> pd.DataFrame:
+    """Badput breakdown of a ledger snapshot: one row per non-productive category.
+
+    Columns ``category``, ``seconds`` (s of wall time), ``cost_usd`` (USD or NaN when no
+    price is set), sorted by seconds descending; categories absent from the snapshot are 0 s.
+    """
+    cols = ["category", "seconds", "cost_usd"]
+    if not snapshot:
+        return pd.DataFrame({c: pd.Series(dtype=object if c == "category" else "float64") for c in cols})
+    seconds = snapshot.get("seconds") or {}
+    costs = snapshot.get("cost_usd") or {}
+    names: Iterable[str] = [c for c in LEDGER_CATEGORIES if c != "productive"]
+    names = [*names, *sorted(k for k in seconds if k not in LEDGER_CATEGORIES)]
+    rows = [{"category": c, "seconds": _num(seconds.get(c, 0.0)), "cost_usd": _num(costs.get(c))}
+            for c in names]
+    out = pd.DataFrame(rows, columns=cols)
+    return out.sort_values("seconds", ascending=False, kind="stable").reset_index(drop=True)

@@ -1,0 +1,151 @@
+"""The frame around every page: navigation, the Redis connection and the run picker.
+
+``app.py`` calls :func:`navigation` and :func:`sidebar` and then runs the selected page. A
+page file starts with :func:`page_run`, which returns the selected run and, when the page
+was executed *without* ``app.py``, builds the frame itself. That happens because a
+``pages/`` directory next to the entry point switches Streamlit to its legacy multipage
+mode until the first ``st.navigation`` call of the server process (so for the first
+request after start, e.g. a bookmarked ``/ranks?run=x``) and in every ``AppTest`` run:
+Streamlit then executes ``pages/<name>.py`` directly for the URL path ``<name>``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import redis
+import streamlit as st
+from streamlit.navigation.page import StreamlitPage
+
+from dashboard import data
+from dashboard.common import NO_RUNS, RUN_KEY, URL_KEY, current_run, fmt_age, get_client, redact_url, resolve_url
+from trainhealth.exceptions import ConfigError
+from trainhealth.keys import validate_run_id
+
+HERE = Path(__file__).resolve().parent
+_PICKER = "th_run_picker"
+#: Set by app.py right before it runs a page, consumed by the page's :func:`page_run`.
+_FRAMED = "th_framed"
+
+
+def page_config() -> None:
+    """Wide layout and the tab title (may be called more than once per run)."""
+    st.set_page_config(layout="wide", page_title="trainhealth", page_icon=":material/monitor_heart:")
+
+
+def navigation() -> StreamlitPage:
+    """Declare the three pages (Overview is the default, at ``/``); returns the selected one."""
+    return st.navigation([
+        st.Page(HERE / "pages" / "overview.py", title="Overview", icon=":material/monitoring:", default=True),
+        st.Page(HERE / "pages" / "ranks.py", title="Ranks", icon=":material/grid_view:"),
+        st.Page(HERE / "pages" / "anomalies.py", title="Anomalies", icon=":material/warning:"),
+    ])
+
+
+def run_page(page: StreamlitPage) -> None:
+    """Run the page ``navigation()`` selected, telling it the frame is already drawn."""
+    st.session_state[_FRAMED] = True
+    page.run()
+
+
+def page_run() -> str | None:
+    """First call of every page file: the selected run, or None when there is nothing to show."""
+    if st.session_state.pop(_FRAMED, False):
+        return current_run()
+    # Executed directly by Streamlit's legacy pages/ mode: draw the frame here. Calling
+    # st.navigation also ends that mode for the whole server process.
+    page_config()
+    navigation()
+    return current_run() if sidebar() else None
+
+
+def _picked() -> None:
+    st.session_state[RUN_KEY] = st.session_state[_PICKER]
+
+
+def _run_label(runs: dict[str, dict], run: str) -> str:
+    info = runs.get(run) or {}
+    status = info.get("status") or "?"
+    ws = info.get("world_size")
+    return f"{run} · {status}" + (f" · {ws} ranks" if ws else "")
+
+
+def sidebar() -> bool:
+    """Connect, pick the run; True when a run is selected and the page can render."""
+    try:
+        url = resolve_url()
+    except ConfigError as exc:
+        st.error(str(exc), icon=":material/error:")
+        return False
+    if not url:
+        st.error("No Redis configured: set `TRAINHEALTH_REDIS_URL` or start the embedded one with "
+                 "`trainhealth serve` (or `trainhealth demo`).", icon=":material/error:")
+        return False
+    st.session_state[URL_KEY] = url
+    shown_url = redact_url(url)
+    client = get_client(url)
+
+    wanted = st.query_params.get("run")
+    try:
+        runs = data.list_runs(client)
+        if RUN_KEY not in st.session_state and wanted:
+            # First load of this session: a ?run= link picks the run, if it exists.
+            try:
+                validate_run_id(wanted)
+                known = wanted in set(runs["run"]) or data.run_exists(client, wanted)
+            except ConfigError:
+                known = False
+            if known:
+                st.session_state[RUN_KEY] = wanted
+            else:
+                st.warning(f"Run `{wanted}` from the link is not in Redis; showing the newest run.",
+                           icon=":material/link_off:")
+        selected = st.session_state.get(RUN_KEY)
+        extra = None  # meta of a selected run beyond the picker's list (opened by an old link)
+        if selected and selected not in set(runs["run"]) and data.run_exists(client, selected):
+            extra = data.run_meta(client, selected)
+    except redis.RedisError as exc:
+        st.sidebar.caption(f"Redis: `{shown_url}`")
+        st.error(f"Redis is unreachable at `{shown_url}`: {exc}\n\nIs it running? `trainhealth serve` starts "
+                 "the embedded server; `TRAINHEALTH_REDIS_URL` points at another one.",
+                 icon=":material/cloud_off:")
+        return False
+
+    if runs.empty and extra is None:
+        st.sidebar.caption(f"Redis: `{shown_url}`")
+        st.info(NO_RUNS, icon=":material/hourglass_empty:")
+        return False
+
+    info = {row["run"]: row for row in runs.to_dict("records")}
+    options = list(runs["run"])
+    if extra is not None and selected:
+        # An old run opened by link (beyond the picker's RUNS_LIMIT newest): keep it selectable.
+        info[selected] = {"run": selected, **extra}
+        options.append(selected)
+    if selected not in options:
+        selected = options[0]
+    st.session_state[RUN_KEY] = selected
+    # Re-seed the widget from our own key each run: a new run appearing in the list (or a
+    # page switch) must never silently move the picker to another run.
+    st.session_state[_PICKER] = selected
+
+    sb = st.sidebar
+    sb.selectbox("Run", options, key=_PICKER, on_change=_picked, format_func=lambda r: _run_label(info, r),
+                 help="Newest first. The URL's `?run=` follows the selection, so links open this run.")
+    st.query_params["run"] = selected
+    meta = info[selected]
+    started = meta.get("started_at")
+    bits = [f"**{meta.get('status') or 'unknown'}**"]
+    if meta.get("world_size"):
+        bits.append(f"{meta['world_size']} ranks")
+    if started:
+        bits.append(f"started {fmt_age(time.time() - started)} ago")
+    if meta.get("source"):
+        bits.append(f"source `{meta['source']}`")
+    sb.caption(" · ".join(bits))
+    sb.divider()
+    sb.caption(f"Redis: `{shown_url}`")
+    return True
+
+

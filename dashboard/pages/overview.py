@@ -1,0 +1,144 @@
+"""Overview page: KPIs, loss/grad-norm curves with anomaly markers, goodput over time, badput."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pandas as pd
+import redis
+import streamlit as st
+
+from dashboard import charts, data
+from dashboard.common import (
+    URL_KEY,
+    client,
+    fmt_age,
+    fmt_int,
+    fmt_pct,
+    fmt_rate,
+    fmt_usd,
+    get_client,
+    redis_trouble,
+    viewer_tz,
+)
+from dashboard.frame import page_run
+from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS
+
+#: Slow-moving reads (checkpoint markers, hour-long ledger history) are re-read at most this
+#: often (s) instead of on every 2 s refresh; the KPIs and loss curve stay fully live.
+SLOW_TTL_S = 10
+
+
+@st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
+def _checkpoints(url: str, run: str) -> pd.DataFrame:
+    return data.events(get_client(url), run)
+
+
+@st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
+def _ledger_history(url: str, run: str) -> pd.DataFrame:
+    return data.ledger_history(get_client(url), run)
+
+
+def kpis(steps: pd.DataFrame, snap: dict | None, anomalies: pd.DataFrame, meta: dict) -> None:
+    """The KPI strip: step, throughput, goodput, goodput %, active anomalies, badput cost."""
+    last = steps.iloc[-1] if not steps.empty else None
+    step = last["step"] if last is not None else (snap or {}).get("last_step")
+    active = anomalies[anomalies["status"] == "active"] if not anomalies.empty else anomalies
+    n_crit = int((active["severity"] == "critical").sum()) if not active.empty else 0
+    snap = snap or {}
+    gen = int(last["gen"]) if last is not None and pd.notna(last["gen"]) else 0
+    # Short labels and compact values so six cards fit a 1,366 px screen; units go in the
+    # grey sub-line (the metric's delta slot, arrow off).
+    unit = {"delta_color": "gray", "delta_arrow": "off", "border": True}
+    cols = st.columns(6)
+    cols[0].metric("Step", fmt_int(step), delta=f"restart gen {gen}" if gen > 0 else None,
+                   **unit, help="Newest step aggregated across ranks by the detector service "
+                                "(gen = restarts so far).")
+    cols[1].metric("Throughput", fmt_rate(snap.get("throughput_tok_s")), delta="tokens/s", **unit,
+                   help="All tokens processed / wall time since the run started, including steps later "
+                        "lost to a rollback.")
+    cols[2].metric("Goodput", fmt_rate(snap.get("goodput_tok_s")), delta="tokens/s", **unit,
+                   help="Tokens of steps that counted (not redone after a restart) / wall time since start.")
+    cols[3].metric("Goodput %", fmt_pct(snap.get("goodput_pct")), delta="of wall time", **unit,
+                   help="Share of wall time spent on productive training (goodput ledger).")
+    cols[4].metric("Anomalies", str(len(active)), delta=f"active, {n_crit} critical" if n_crit else "active",
+                   delta_color="red" if n_crit else "gray", delta_arrow="off", border=True,
+                   help="Open anomalies (see the Anomalies page) and how many of them are critical.")
+    cost = snap.get("badput_cost_usd")
+    if cost is not None:
+        price = snap.get("gpu_hour_usd") or meta.get("gpu_hour_usd")
+        cols[5].metric("Badput cost", fmt_usd(cost), delta=f"at ${price:g}/GPU-h" if price else None, **unit,
+                       help="USD spent on badput: non-productive wall time × ranks × the GPU-hour price.")
+    else:
+        badput_s = (snap.get("wall_s") or math.nan) - ((snap.get("seconds") or {}).get("productive") or 0.0)
+        cols[5].metric("Badput time", fmt_age(badput_s), delta="no GPU price set", **unit,
+                       help="Wall time not spent productively. Set `gpu_hour_usd` on the Monitor for USD cost.")
+
+
+def status_line(steps: pd.DataFrame, meta: dict) -> None:
+    """How fresh the data is: an on-call's first question."""
+    bits = [f"status **{meta.get('status') or 'unknown'}**"]
+    if not steps.empty:
+        last = steps.iloc[-1]
+        if pd.notna(last["t_end"]):
+            bits.append(f"step {fmt_int(last['step'])} ended {fmt_age(time.time() - float(last['t_end']))} ago")
+        if pd.notna(last["n_ranks"]) and meta.get("world_size"):
+            bits.append(f"{int(last['n_ranks'])}/{meta['world_size']} ranks reported it")
+        if pd.notna(last["gen"]) and int(last["gen"]) > 0:
+            bits.append(f"restart generation {int(last['gen'])}")
+    if meta.get("gpu_hour_usd"):
+        bits.append(f"${meta['gpu_hour_usd']:g}/GPU-hour")
+    st.caption(" · ".join(bits) + f" · refreshes every {DASHBOARD_REFRESH_S:g} s")
+
+
+@st.fragment(run_every=DASHBOARD_REFRESH_S)
+def live(run: str) -> None:
+    """Everything that updates: re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
+    url = st.session_state.get(URL_KEY, "")
+    try:
+        cl = client()
+        meta = data.run_meta(cl, run)
+        steps = data.recent_steps(cl, run, DASHBOARD_STEPS, with_busy=False)
+        snap = data.ledger_latest(cl, run)
+        anomalies = data.anomalies(cl, run)
+        checkpoints = _checkpoints(url, run)
+        history = _ledger_history(url, run)
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+
+    status_line(steps, meta)
+    kpis(steps, snap, anomalies, meta)
+
+    if steps.empty:
+        st.info("No aggregated steps yet for this run. The detector service (`trainhealth serve`) writes "
+                "them as the ranks report steps.", icon=":material/hourglass_empty:")
+    else:
+        fig = charts.training_curves(steps, anomalies, checkpoints)
+        fig.update_layout(uirevision=run)  # keep the user's zoom across refreshes
+        st.plotly_chart(fig, config={"displaylogo": False}, key="curves")
+
+    left, right = st.columns([3, 2])
+    with left:
+        if history.empty:
+            st.info("No goodput ledger snapshots yet.", icon=":material/hourglass_empty:")
+        else:
+            fig = charts.goodput_over_time(history, viewer_tz())
+            fig.update_layout(uirevision=run)
+            st.plotly_chart(fig, config={"displaylogo": False}, key="goodput")
+    with right:
+        if snap:
+            fig = charts.badput_bar(data.badput_seconds(snap), snap.get("wall_s"))
+            st.plotly_chart(fig, config={"displaylogo": False}, key="badput")
+            productive = (snap.get("seconds") or {}).get("productive")
+            if productive is not None and snap.get("wall_s"):
+                st.caption(f"Productive: {productive:,.1f} s of {snap['wall_s']:,.1f} s wall time · "
+                           f"{fmt_int(snap.get('restarts'))} restart(s) · "
+                           f"{fmt_int(snap.get('steps_good'))} of {fmt_int(snap.get('steps_done'))} steps counted")
+
+
+run = page_run()
+if run:
+    st.subheader(f"{run} · overview")
+    live(run)

@@ -1,0 +1,87 @@
+"""Ranks page: per-rank busy-time heatmap and the ranks sorted by how slow they are, with hosts."""
+
+from __future__ import annotations
+
+import pandas as pd
+import redis
+import streamlit as st
+
+from dashboard import charts, data
+from dashboard.common import URL_KEY, client, get_client, redis_trouble
+from dashboard.frame import page_run
+from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS
+
+#: Hosts change only when ranks restart: re-read at most this often (s).
+HOSTS_TTL_S = 30
+WINDOWS = (100, 500, DASHBOARD_STEPS)
+MODES = ("busy seconds", "ratio to step median")
+
+
+@st.cache_data(ttl=HOSTS_TTL_S, show_spinner=False)
+def _hosts(url: str, run: str) -> pd.DataFrame:
+    return data.rank_hosts(get_client(url), run)
+
+
+def _highlight(row: pd.Series) -> list[str]:
+    style = "background-color: rgba(214, 39, 40, 0.18)" if row["straggler"] else ""
+    return [style] * len(row)
+
+
+@st.fragment(run_every=DASHBOARD_REFRESH_S)
+def live(run: str, window: int, relative: bool) -> None:
+    """Heatmap and rank table, re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
+    try:
+        cl = client()
+        matrix = data.rank_matrix(cl, run, window)
+        anomalies = data.anomalies(cl, run)
+        hosts = _hosts(st.session_state.get(URL_KEY, ""), run)
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+
+    active = anomalies[(anomalies["status"] == "active") & (anomalies["kind"] == "straggler")] \
+        if not anomalies.empty else anomalies
+    straggler_ranks = sorted({int(r) for ranks in active["ranks"] for r in ranks}) if not active.empty else []
+    for a in active.itertuples(index=False):
+        where = ", ".join(f"rank {r}" for r in a.ranks) or "ranks ?"
+        on = f" on {', '.join(a.hosts)}" if a.hosts else ""
+        since = f" since step {a.step}" if pd.notna(a.step) else ""
+        st.warning(f"**Straggler**: {where}{on}{since} — {a.message}", icon=":material/slow_motion_video:")
+
+    if matrix.shape[1] == 0:
+        st.info("No aggregated steps yet for this run.", icon=":material/hourglass_empty:")
+        return
+    if matrix.shape[0] == 0:
+        st.info("No per-rank section times in these steps: time the step's work with `mon.section(...)` "
+                "so each rank's busy time can be compared.", icon=":material/timer_off:")
+        return
+    st.plotly_chart(charts.rank_heatmap(matrix, relative=relative, highlight=straggler_ranks).update_layout(
+        uirevision=run), config={"displaylogo": False}, key="heatmap")
+
+    summary = data.rank_summary(matrix, hosts)
+    summary["straggler"] = summary["rank"].isin(straggler_ranks)
+    st.markdown("##### Ranks, slowest first")
+    st.caption("Busy = seconds a rank spends in its own timed sections before the collective; a slow rank "
+               "makes all others wait. Ratio = the rank's median busy time / the median rank's "
+               f"(over the last {matrix.shape[1]:,} steps).")
+    st.dataframe(
+        summary.style.apply(_highlight, axis=1), hide_index=True, key="rank_table",
+        column_config={
+            "rank": st.column_config.NumberColumn("rank", format="%d"),
+            "host": st.column_config.TextColumn("host"),
+            "median_busy_s": st.column_config.NumberColumn("median busy (s)", format="%.3f"),
+            "ratio": st.column_config.NumberColumn("ratio vs median rank", format="%.2f×"),
+            "steps": st.column_config.NumberColumn("steps reported", format="%d"),
+            "straggler": st.column_config.CheckboxColumn("active straggler"),
+        },
+    )
+
+
+run = page_run()
+if run:
+    st.subheader(f"{run} · ranks")
+    c1, c2 = st.columns(2)
+    window = c1.segmented_control("Steps shown", WINDOWS, default=500, format_func=lambda n: f"last {n:,}",
+                                  key="ranks_window") or 500
+    mode = c2.segmented_control("Colour", MODES, default=MODES[0], key="ranks_mode") or MODES[0]
+    live(run, int(window), mode == MODES[1])
