@@ -300,10 +300,18 @@ class Monitor:
         lr: float | None = None,
         tokens: int | None = None,
         samples: int | None = None,
+        consumed_samples: int | None = None,
+        batch_index: int | None = None,
+        skipped: bool | None = None,
         timestamp: float | None = None,
         **unknown: Any,
     ) -> None:
         """Record a step's metrics: loss, global grad norm, learning rate, tokens and samples on this rank.
+
+        ``consumed_samples`` (global samples consumed so far, as Megatron counts them) and/or
+        ``batch_index`` (the data loader's batch index) give the **data position** after this
+        step, so a rollback recommendation can name the exact batches to skip. ``skipped=True``
+        marks an optimizer step skipped by the loss scaler (fp16 overflow).
 
         ``timestamp`` (unix s) overrides when the step ended, for replaying logs; default now.
         Values are recorded as given (NaN/Inf included). An unknown keyword is ignored with one
@@ -316,7 +324,8 @@ class Monitor:
             if unknown:
                 self._warn_once(f"unknown:{sorted(unknown)}",
                                 "log_step() got unknown keyword(s) %s; ignored", sorted(unknown))
-            metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "samples": samples}
+            metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "samples": samples,
+                       "consumed_samples": consumed_samples, "batch_index": batch_index, "skipped": skipped}
             cur = self._cur
             if cur is not None and cur.step == step:
                 cur.metrics = metrics

@@ -37,6 +37,10 @@ class StepAggregate:
         Lowest rank's learning rate.
     tokens, samples : int | None
         Sums over ranks.
+    consumed_samples, batch_index : int | None
+        Data position after the step: the highest any rank reported.
+    skipped : bool
+        Whether any rank reported the optimizer step as skipped (fp16 overflow).
     n_ranks : int
         Ranks that reported.
     busy : tuple[float | None, ...]
@@ -61,6 +65,9 @@ class StepAggregate:
     busy: tuple[float | None, ...]
     data_s: float
     bad_ranks: tuple[int, ...] = ()
+    consumed_samples: int | None = None
+    batch_index: int | None = None
+    skipped: bool = False
 
     @property
     def dur(self) -> float | None:
@@ -71,7 +78,8 @@ class StepAggregate:
 def _merge(a: StepRecord, b: StepRecord) -> StepRecord:
     # Same rank, same step, two records (timing, then metrics): keep what each has.
     kw = {f: getattr(b, f) if getattr(b, f) is not None else getattr(a, f)
-          for f in ("dur", "loss", "grad_norm", "lr", "tokens", "samples")}
+          for f in ("dur", "loss", "grad_norm", "lr", "tokens", "samples", "consumed_samples", "batch_index",
+                    "skipped")}
     return StepRecord(rank=a.rank, step=a.step, inc=a.inc, t=max(a.t, b.t),
                       sections={**a.sections, **b.sections}, **kw)
 
@@ -203,4 +211,7 @@ class StepAggregator:
             loss=loss, grad_norm=gn, lr=next((r.lr for r in rs if r.lr is not None), None),
             tokens=sum(tokens) if tokens else None, samples=sum(samples) if samples else None,
             n_ranks=len(rs), busy=tuple(busy), data_s=data, bad_ranks=bad,
+            consumed_samples=max((r.consumed_samples for r in rs if r.consumed_samples is not None), default=None),
+            batch_index=max((r.batch_index for r in rs if r.batch_index is not None), default=None),
+            skipped=any(r.skipped for r in rs),
         )

@@ -134,8 +134,10 @@ def agg_fields(agg: StepAggregate) -> dict[str, Any]:
         v = getattr(agg, name)
         if v is not None:
             d[name] = repr(float(v)) if math.isfinite(v) else str(v)
-    for name in ("tokens", "samples"):
+    for name in ("tokens", "samples", "consumed_samples", "batch_index"):
         v = getattr(agg, name)
         if v is not None:
             d[name] = v
+    if agg.skipped:
+        d["skipped"] = 1
     return d

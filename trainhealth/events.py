@@ -25,7 +25,7 @@ EVENT_KINDS = (
 SECTION_PREFIX = "sec."
 
 _STEP_FLOATS = ("t", "dur", "loss", "grad_norm", "lr")
-_STEP_INTS = ("tokens", "samples")
+_STEP_INTS = ("tokens", "samples", "consumed_samples", "batch_index", "skipped")
 
 
 def _s(v: Any) -> str:
@@ -55,6 +55,10 @@ class StepRecord:
         As logged; NaN/Inf kept as is.
     tokens, samples : int | None
         Tokens and samples this rank processed in the step.
+    consumed_samples, batch_index : int | None
+        Data position after the step (global samples consumed; data-loader batch index).
+    skipped : int | None
+        1 when the optimizer skipped this step (fp16 loss-scale overflow).
     sections : dict[str, float]
         Seconds per named section (``data``, ``forward_backward``, ...) before the collective.
     """
@@ -69,6 +73,9 @@ class StepRecord:
     lr: float | None = None
     tokens: int | None = None
     samples: int | None = None
+    consumed_samples: int | None = None
+    batch_index: int | None = None
+    skipped: int | None = None
     sections: dict[str, float] = field(default_factory=dict)
 
     @property
