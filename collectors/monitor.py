@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from pathlib import Path
 from time import perf_counter
 from typing import Any
 
@@ -23,6 +24,8 @@ import redis
 
 from collectors import ranks
 from collectors.sender import Sender
+from collectors.spill import Spill
+from collectors.spill import default_directory as default_spill_directory
 from trainhealth import config, defaults
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import run_keys
@@ -170,6 +173,12 @@ class Monitor:
         Approximate entries kept in the run's step stream (``XADD MAXLEN ~``).
     started_at : float, optional
         Unix time this process started (default now); for replaying old logs.
+    spill_dir : path or False, optional
+        Where records go when Redis is away and the buffer is half full: default
+        ``$TRAINHEALTH_SPILL_DIR`` or ``~/.trainhealth/spill``; ``False`` disables spilling.
+        Everything is delivered in order after reconnecting.
+    spill_bytes : int
+        Bound of the spill on disk (bytes); beyond it the oldest records are dropped and counted.
 
     Raises
     ------
@@ -196,6 +205,8 @@ class Monitor:
         retention: int | None = None,
         close_timeout: float = defaults.CLOSE_TIMEOUT_S,
         started_at: float | None = None,
+        spill_dir: str | os.PathLike[str] | bool | None = None,
+        spill_bytes: int = defaults.COLLECTOR_SPILL_BYTES,
     ) -> None:
         self.keys = run_keys(run)
         self.run = run
@@ -255,10 +266,20 @@ class Monitor:
             registry.update(name=run, started_at=self.inc)
             if gpu_hour_usd is not None:
                 registry["gpu_hour_usd"] = repr(float(gpu_hour_usd))
+        if not isinstance(spill_bytes, int) or spill_bytes < 1:
+            raise ConfigError(f"spill_bytes={spill_bytes!r} must be an integer >= 1 (bytes)")
+        spill = None
+        if spill_dir is not False:
+            directory = Path(spill_dir) if spill_dir not in (None, True) else default_spill_directory()
+            try:
+                spill = Spill(directory, f"{run}-r{self.rank}-p{os.getpid()}", spill_bytes)
+            except OSError as exc:
+                log.warning("trainhealth collector: no spill directory %s (%s); records beyond the "
+                            "buffer will be dropped while Redis is away", directory, exc)
         self._sender = Sender(
             connect, self.keys, self._buffer, self._heartbeat_body, registry, lambda: self.dropped,
             batch=batch_records, flush_interval=flush_interval, heartbeat_interval=heartbeat_interval,
-            retention=retention or config.retention_entries(),
+            retention=retention or config.retention_entries(), spill=spill,
         )
         self._event("run_start", host=self.host, pid=os.getpid(), world_size=self.world_size,
                     local_rank=self.local_rank, config=config_json, t=self.inc)
@@ -436,8 +457,14 @@ class Monitor:
 
     @property
     def buffered(self) -> int:
-        """Records waiting to be sent (in the buffer or in the batch being retried)."""
-        return len(self._buffer) + len(self._sender._inflight)
+        """Records waiting to be sent (in the buffer, the batch being retried, or the spill)."""
+        spill = self._sender._spill
+        return len(self._buffer) + len(self._sender._inflight) + (len(spill) if spill is not None else 0)
+
+    @property
+    def dropped_total(self) -> int:
+        """Records lost so far: buffer overflow, spill bound exceeded or spill write failures."""
+        return self._sender.dropped_total
 
     def flush(self, timeout: float | None = None) -> bool:
         """Send what is buffered; wait at most ``timeout`` seconds. True when all was sent."""

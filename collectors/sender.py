@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from collectors.spill import Spill
 from trainhealth import defaults
 from trainhealth.keys import RUNS, RunKeys
 
@@ -83,6 +84,7 @@ class Sender(threading.Thread):
         heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL_S,
         retention: int = defaults.STEPS_RETENTION_ENTRIES,
         events_retention: int = defaults.EVENTS_RETENTION_ENTRIES,
+        spill: Spill | None = None,
     ) -> None:
         super().__init__(name=f"trainhealth-sender-{keys.run}", daemon=True)
         self._connect = connect
@@ -97,10 +99,14 @@ class Sender(threading.Thread):
         self._maxlen = {"steps": retention, "events": events_retention}
         self._client: redis.Redis | None = None
         self._inflight: list[Record] = []
+        self._inflight_spilled = False  # the in-flight batch came from the spill (commit it once sent)
+        self._spill = spill
+        self._next_attempt = 0.0
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._idle = threading.Event()
         self._reported_drops = 0
+        self._spill_failed = 0
         self._next_hb = 0.0
         self._backoff = 0.0
         self._warned: set[str] = set()
@@ -116,7 +122,7 @@ class Sender(threading.Thread):
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until everything queued so far is sent; True if it was."""
         deadline = time.monotonic() + timeout
-        while self._buffer or self._inflight:
+        while self._buffer or self._inflight or (self._spill is not None and len(self._spill)):
             self._idle.clear()
             self._wake.set()
             left = deadline - time.monotonic()
@@ -136,19 +142,38 @@ class Sender(threading.Thread):
     # -- the thread ----------------------------------------------------------------------------
     def run(self) -> None:
         while not self._stopping.is_set():
-            try:
-                self._cycle()
-                self._backoff = 0.0
-            except (redis.RedisError, OSError) as exc:
-                self._on_error(exc)
-            except Exception:  # never let the thread die: log and keep going
-                log.exception("trainhealth collector: unexpected error in sender (records kept)")
-                self._stopping.wait(1.0)
-            if not self._buffer and not self._inflight:
+            if self.connected or time.monotonic() >= self._next_attempt:
+                try:
+                    self._cycle()
+                    self._backoff = 0.0
+                except (redis.RedisError, OSError) as exc:
+                    self._on_error(exc)
+                except Exception:  # never let the thread die: log and keep going
+                    log.exception("trainhealth collector: unexpected error in sender (records kept)")
+                    self._stopping.wait(1.0)
+            if not self.connected:
+                self._spill_overflow()
+            if not self._buffer and not self._inflight and not (self._spill is not None and len(self._spill)):
                 self._idle.set()
             if len(self._buffer) < self.batch:
-                self._wake.wait(self._backoff or self.flush_interval)
+                # While disconnected keep waking at the flush interval: the buffer may need spilling.
+                self._wake.wait(self.flush_interval)
                 self._wake.clear()
+
+    def _spill_overflow(self) -> None:
+        """Redis is away: move the buffer to disk once it is half full, oldest first, in order."""
+        spill, buf = self._spill, self._buffer
+        if spill is None or len(buf) < (buf.maxlen or 0) // 2:
+            return
+        popleft = buf.popleft
+        records = [popleft() for _ in range(len(buf))]
+        encoded = [(stream, enc) for stream, fields in records if (enc := self._encode(stream, fields)) is not None]
+        try:
+            spill.write(encoded)
+        except OSError as exc:
+            log.warning("trainhealth collector: cannot spill to %s (%s); dropping %d records",
+                        spill.directory, exc, len(encoded))
+            self._spill_failed += len(encoded)
 
     def _on_error(self, exc: BaseException) -> None:
         if self.connected or self._backoff == 0.0:
@@ -164,6 +189,7 @@ class Sender(threading.Thread):
         self._backoff = min(
             defaults.RECONNECT_BACKOFF_MAX_S, max(defaults.RECONNECT_BACKOFF_S, self._backoff * 2)
         )
+        self._next_attempt = time.monotonic() + self._backoff
 
     def _cycle(self) -> None:
         if self._client is None:
@@ -176,26 +202,39 @@ class Sender(threading.Thread):
         client = self._client
         now = time.time()
         hb_due = now >= self._next_hb
-        drops = self._dropped() - self._reported_drops
+        drops = self.dropped_total - self._reported_drops
         first = True
-        # Drain everything queued so far, one pipeline per batch.
-        while first or self._inflight or self._buffer:
+        # Oldest first: the batch that failed, then the spill, then the in-memory buffer.
+        while True:
             if not self._inflight:
-                n = min(self.batch, len(self._buffer))
-                popleft = self._buffer.popleft
-                self._inflight = [popleft() for _ in range(n)]
-            pipe = client.pipeline(transaction=False)
+                if self._spill is not None and len(self._spill):
+                    self._inflight = self._spill.peek(self.batch)
+                    self._inflight_spilled = True
+                elif self._buffer:
+                    n = min(self.batch, len(self._buffer))
+                    popleft = self._buffer.popleft
+                    self._inflight = [popleft() for _ in range(n)]
+                    self._inflight_spilled = False
+            if not self._inflight and not first:
+                return
+            # One MULTI/EXEC per batch: a batch lands whole or not at all, so a retry after a
+            # dropped connection does not write part of it twice.
+            pipe = client.pipeline(transaction=True)
             for stream, fields in self._inflight:
-                self._xadd(pipe, stream, fields)
+                enc = fields if self._inflight_spilled else self._encode(stream, fields)
+                if enc is not None:
+                    self._xadd(pipe, stream, enc)
             if first and drops > 0:
-                self._xadd(pipe, "events", {"kind": "collector_drops", "count": drops,
-                                            **self._registry_event_fields()})
+                self._xadd(pipe, "events", self._encode("events", {
+                    "kind": "collector_drops", "count": drops, **self._registry_event_fields()}) or {})
             if first and hb_due:
                 rank, body = self._heartbeat()
                 pipe.hset(self._keys.heartbeats, str(rank), body)
             if len(pipe):
                 pipe.execute()
             self.sent += len(self._inflight)
+            if self._inflight_spilled:
+                self._spill.commit(len(self._inflight))  # type: ignore[union-attr]
             self._inflight = []
             if first and drops > 0:
                 self._reported_drops += drops
@@ -204,10 +243,16 @@ class Sender(threading.Thread):
                 self._next_hb = now + self.heartbeat_interval
             first = False
 
+    @property
+    def dropped_total(self) -> int:
+        """Records lost so far: buffer overflow, spill bound exceeded, spill write failures."""
+        return self._dropped() + (self._spill.dropped if self._spill is not None else 0) + self._spill_failed
+
     def _registry_event_fields(self) -> dict[str, Any]:
         return {"rank": self._registry["_rank"], "t": repr(time.time()), "inc": self._registry["_inc"]}
 
-    def _xadd(self, pipe: Any, stream: str, fields: dict[str, Any]) -> None:
+    def _encode(self, stream: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        """Stream fields of a record; a value that cannot be encoded is left out with one warning."""
         enc: dict[str, Any] = {}
         numeric = stream == "steps"
         for k, v in fields.items():
@@ -220,6 +265,9 @@ class Sender(threading.Thread):
                     log.warning("trainhealth collector: field %r has non-numeric value %r; not recorded", k, v)
                 continue
             enc[k] = e
+        return enc
+
+    def _xadd(self, pipe: Any, stream: str, enc: dict[str, Any]) -> None:
         key = self._keys.steps if stream == "steps" else self._keys.events
         pipe.xadd(key, enc, maxlen=self._maxlen[stream], approximate=True)
 

@@ -38,8 +38,8 @@ def test_step_sections_and_metrics_make_one_record(r: redis.Redis, redis_url: st
         (3, 1, 2.0, 1.5, 1e-4, 4096, 2), (3, 2, 1.0, 1.5, 1e-4, 4096, 2), (3, 3, 2.0 / 3, 1.5, 1e-4, 4096, 2)]
     for x in recs:
         assert set(x.sections) == {"data", "forward_backward"}
-        assert 0.002 <= x.sections["data"] < 0.05
-        assert 0.002 <= x.sections["forward_backward"] < 0.05  # two entries of >= 1 ms add up
+        assert 0.002 <= x.sections["data"] < 0.5
+        assert 0.002 <= x.sections["forward_backward"] < 0.5  # two entries of >= 1 ms add up
         assert x.dur >= x.sections["data"] + x.sections["forward_backward"]
         assert x.inc == mon.inc
     evs = events_of(r, "run-a")
@@ -145,7 +145,8 @@ def test_redis_restart_mid_run_delivers_every_step_exactly_once(own_redis) -> No
 
 def test_full_buffer_drops_oldest_and_reports_the_count(own_redis) -> None:
     own_redis.stop()
-    mon = Monitor("run-f", redis_url=own_redis.url, rank=0, world_size=1, buffer_records=50, flush_interval=0.01)
+    mon = Monitor("run-f", redis_url=own_redis.url, rank=0, world_size=1, buffer_records=50, flush_interval=0.01,
+                  spill_dir=False)
     for s in range(120):
         mon.log_step(s, loss=1.0)
     # run_start plus 120 steps into a 50-record buffer: the oldest 71 (run_start, steps 0-69) are dropped
@@ -187,3 +188,72 @@ def test_no_redis_at_all_never_raises_and_close_returns_within_timeout(caplog: p
     assert mon.close() is False
     assert time.perf_counter() - t0 < 2.0
     assert any("no Redis configured" in m.getMessage() for m in caplog.records)
+
+
+def test_spill_to_disk_while_redis_is_down_delivers_everything_in_order_once(own_redis, tmp_path) -> None:
+    spill = tmp_path / "spill"
+    mon = Monitor("run-s", redis_url=own_redis.url, rank=0, world_size=1, buffer_records=1000,
+                  flush_interval=0.005, spill_dir=spill)
+    mon.log_step(0, loss=1.0)
+    assert mon.flush(5)
+    own_redis.stop()
+    for s in range(1, 20_001):
+        mon.log_step(s, loss=1.0, consumed_samples=s * 8)
+        if s % 200 == 0:
+            time.sleep(0.02)  # a training step's worth of time: the sender moves the buffer to disk
+    assert mon.dropped_total == 0
+    assert mon.buffered == 20_000
+    pid = os.getpid()
+    assert sorted(p.name for p in spill.iterdir()) == [f"run-s-r0-p{pid}-00000000.jsonl",
+                                                       f"run-s-r0-p{pid}-00000001.jsonl"]
+    own_redis.start()
+    assert mon.flush(60)
+    mon.close()
+    client = redis.Redis.from_url(own_redis.url)
+    recs = steps_of(client, "run-s")
+    assert [x.step for x in recs] == list(range(1, 20_001))  # the server restarted empty: step 0 is gone
+    assert recs[-1].consumed_samples == 160_000
+    assert list(spill.iterdir()) == []  # delivered segments are deleted
+    assert not [e for e in events_of(client, "run-s") if e.kind == "collector_drops"]
+
+
+def test_spill_bound_drops_oldest_segments_and_counts_them(tmp_path) -> None:
+    from collectors.spill import Spill
+
+    sp = Spill(tmp_path, "p", max_bytes=5_000, segment_records=100)
+    sp.write([("steps", {"step": i, "loss": "1.0"}) for i in range(1000)])
+    line = len('["steps",{"step":999,"loss":"1.0"}]\n')
+    kept = len(sp)
+    # within the bound, and never more than one segment (an eighth of the bound, plus a line) below it
+    assert 5_000 - (5_000 // 8 + line) <= sp.bytes <= 5_000
+    assert sp.dropped == 1000 - kept
+    got = []
+    while len(sp):
+        batch = sp.peek(64)
+        got += [f["step"] for _, f in batch]
+        sp.commit(len(batch))
+    assert got == list(range(1000 - kept, 1000))  # the newest survive, in order
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_drops_beyond_buffer_and_spill_are_reported_as_an_event(own_redis, tmp_path) -> None:
+    own_redis.stop()
+    mon = Monitor("run-x", redis_url=own_redis.url, rank=0, world_size=1, buffer_records=100,
+                  flush_interval=0.005, spill_dir=tmp_path, spill_bytes=2_000)
+    for s in range(3000):
+        mon.log_step(s, loss=1.0)
+        if s % 40 == 0:
+            time.sleep(0.01)
+    assert mon.dropped_total > 0
+    own_redis.start()
+    assert mon.flush(60)
+    mon.close()
+    lost = mon.dropped_total
+    client = redis.Redis.from_url(own_redis.url)
+    evs = events_of(client, "run-x")
+    drops = [int(e.extra["count"]) for e in evs if e.kind == "collector_drops"]
+    starts = [e for e in evs if e.kind == "run_start"]
+    steps = [x.step for x in steps_of(client, "run-x")]
+    assert sum(drops) == lost
+    assert len(starts) + len(steps) + lost == 3001  # run_start + 3000 steps: each arrived or was counted
+    assert steps == sorted(steps) and steps[-1] == 2999

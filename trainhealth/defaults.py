@@ -31,6 +31,8 @@ RETENTION_ENV = "TRAINHEALTH_RETENTION"
 # --- Collectors -----------------------------------------------------------------
 #: Bounded in-memory buffer of records waiting to be sent (oldest dropped, counted, beyond it).
 COLLECTOR_BUFFER_RECORDS = 100_000
+#: Bound of the on-disk spill used when Redis is away and the buffer is half full (bytes).
+COLLECTOR_SPILL_BYTES = 256 * 1024 * 1024
 #: Records sent in one Redis pipeline by the collector's background thread.
 COLLECTOR_BATCH_RECORDS = 1_000
 #: Seconds the background thread sleeps between flushes when the buffer is not full.

@@ -1,0 +1,145 @@
+"""Bounded on-disk spill for the collector: where records wait when Redis is away and memory is full.
+
+Segments of JSON lines, oldest first; the total is bounded in bytes, and beyond it the
+oldest segment is deleted and its records counted as dropped. Only the collector's sender
+thread touches it, never the training loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class Spill:
+    """Append-only record spill in ``directory`` (segments named ``{prefix}-{n}.jsonl``).
+
+    Parameters
+    ----------
+    directory : Path
+        Created if missing. Leftover segments of this prefix are removed at start: they belong
+        to a dead process of the same rank and incarnation, which cannot happen, or to a crash
+        whose records are already lost to the ledger (documented, not replayed).
+    prefix : str
+        Unique per process (run, rank, pid).
+    max_bytes : int
+        Bound of all segments together (bytes).
+    segment_records : int
+        Records per segment at most; a segment also closes at an eighth of ``max_bytes``
+        (segments are the unit in which the oldest records are dropped).
+
+    Raises
+    ------
+    OSError
+        When the directory cannot be created (the caller then spills nothing).
+    """
+
+    def __init__(self, directory: Path, prefix: str, max_bytes: int, segment_records: int = 10_000) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.prefix = prefix
+        self.max_bytes = max_bytes
+        self.segment_records = segment_records
+        for old in self.directory.glob(f"{prefix}-*.jsonl"):
+            old.unlink(missing_ok=True)
+        # [path, records, bytes]; the last one is open for appending.
+        self._segments: deque[list[Any]] = deque()
+        self._n = 0
+        self._file: Any = None
+        self._head: list[tuple[str, dict[str, Any]]] = []  # oldest segment, loaded for sending
+        self._head_pos = 0
+        self._records = 0
+        self._bytes = 0
+        #: Records deleted because the spill bound was exceeded.
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return self._records
+
+    @property
+    def bytes(self) -> int:
+        """Bytes on disk now."""
+        return self._bytes
+
+    def write(self, records: list[tuple[str, dict[str, Any]]]) -> None:
+        """Append encoded records (stream, fields) after everything already spilled."""
+        for stream, fields in records:
+            seg = self._segments[-1] if self._segments else None
+            # Segments hold at most an eighth of the bound, so dropping the oldest keeps the bound.
+            if self._file is None or seg[1] >= self.segment_records or seg[2] >= self.max_bytes // 8:
+                self._rotate()
+            line = json.dumps([stream, fields], separators=(",", ":")) + "\n"
+            self._file.write(line)
+            seg = self._segments[-1]
+            seg[1] += 1
+            seg[2] += len(line)
+            self._records += 1
+            self._bytes += len(line)
+        if self._file is not None:
+            self._file.flush()
+        while self._bytes > self.max_bytes and len(self._segments) > 1:
+            self._drop_oldest()
+
+    def _rotate(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        path = self.directory / f"{self.prefix}-{self._n:08d}.jsonl"
+        self._n += 1
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open across calls)
+        self._segments.append([path, 0, 0])
+
+    def _drop_oldest(self) -> None:
+        path, n, size = self._segments.popleft()
+        sent = self._head_pos if self._head else 0
+        self._head, self._head_pos = [], 0
+        path.unlink(missing_ok=True)
+        self.dropped += n - sent
+        self._records -= n - sent
+        self._bytes -= size
+        log.warning("trainhealth collector: spill over %d bytes; dropped %d oldest records", self.max_bytes, n - sent)
+
+    def peek(self, n: int) -> list[tuple[str, dict[str, Any]]]:
+        """Up to ``n`` oldest records, without removing them (see :meth:`commit`)."""
+        if not self._segments:
+            return []
+        if self._head_pos >= len(self._head):
+            # (Re)load the oldest segment; it may have grown if it is also the one being appended to.
+            with open(self._segments[0][0], encoding="utf-8") as f:
+                self._head = [tuple(json.loads(line)) for line in f]  # type: ignore[misc]
+        return self._head[self._head_pos:self._head_pos + n]
+
+    def commit(self, n: int) -> None:
+        """The ``n`` records last peeked were delivered: forget them (deleting emptied segments)."""
+        self._head_pos += n
+        self._records -= n
+        seg = self._segments[0]
+        if self._head_pos >= seg[1]:
+            self._segments.popleft()
+            if not self._segments and self._file is not None:
+                self._file.close()
+                self._file = None
+            seg[0].unlink(missing_ok=True)
+            self._bytes -= seg[2]
+            self._head, self._head_pos = [], 0
+
+    def close(self) -> None:
+        """Close the open segment (records on disk stay until delivered or the process exits)."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+
+def default_directory() -> Path:
+    """``$TRAINHEALTH_SPILL_DIR``, else ``<trainhealth home>/spill``."""
+    from trainhealth import config
+
+    env = os.environ.get("TRAINHEALTH_SPILL_DIR")
+    return Path(env) if env else config.home_dir() / "spill"
