@@ -1,5 +1,9 @@
 """The collector's background sender: drains the bounded buffer into Redis in pipelined batches.
 
+Wire format: consecutive step records of one rank go into one ``th:{run}:steps`` entry
+(``rank``, ``n``, ``recs`` = a JSON list of records), so Redis and the detector service
+handle one entry per batch instead of one per record; events are one entry each.
+
 Like sentry-python's transport worker, it is the only place that does I/O: the training
 thread only appends to a ``collections.deque(maxlen=N)`` (an atomic, bounded, lock-free
 append; the oldest record is dropped when full and the drop counted by the caller).
@@ -30,11 +34,10 @@ log = logging.getLogger(__name__)
 Record = tuple[str, dict[str, Any]]
 
 
-def encode_value(v: Any, numeric: bool = False) -> str | int | None:
-    """Encode one field for XADD: ints as is, floats with ``repr`` (keeps nan/inf), strings as is.
+def encode_value(v: Any) -> str | int | None:
+    """Encode one event field for XADD: ints as is, floats with ``repr`` (keeps nan/inf), strings as is.
 
-    With ``numeric`` (every field of a step record) a value must convert with ``float()``
-    (tensors and numpy scalars do); None is returned otherwise and the caller warns once.
+    Other values (tensors, numpy scalars) go through ``float()``; None when that fails.
     """
     if isinstance(v, bool):
         return int(v)
@@ -42,13 +45,24 @@ def encode_value(v: Any, numeric: bool = False) -> str | int | None:
         return v
     if isinstance(v, float):
         return repr(v)
-    if isinstance(v, str) and not numeric:
+    if isinstance(v, str):
         return v
     try:
-        f = float(v)
+        return repr(float(v))
     except (TypeError, ValueError):
         return None
-    return repr(f)
+
+
+_PLAIN = frozenset({int, float, bool, type(None)})
+
+
+def _as_number(v: Any) -> float | None:
+    if isinstance(v, str):
+        return None  # a string in a metric is a caller's mistake: never guess
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
 
 
 class Sender(threading.Thread):
@@ -167,7 +181,7 @@ class Sender(threading.Thread):
             return
         popleft = buf.popleft
         records = [popleft() for _ in range(len(buf))]
-        encoded = [(stream, enc) for stream, fields in records if (enc := self._encode(stream, fields)) is not None]
+        encoded = [(stream, enc) for stream, fields in records if (enc := self._clean(stream, fields)) is not None]
         try:
             spill.write(encoded)
         except OSError as exc:
@@ -220,13 +234,11 @@ class Sender(threading.Thread):
             # One MULTI/EXEC per batch: a batch lands whole or not at all, so a retry after a
             # dropped connection does not write part of it twice.
             pipe = client.pipeline(transaction=True)
-            for stream, fields in self._inflight:
-                enc = fields if self._inflight_spilled else self._encode(stream, fields)
-                if enc is not None:
-                    self._xadd(pipe, stream, enc)
+            self._add_batch(pipe, self._inflight, clean=not self._inflight_spilled)
             if first and drops > 0:
-                self._xadd(pipe, "events", self._encode("events", {
-                    "kind": "collector_drops", "count": drops, **self._registry_event_fields()}) or {})
+                ev = self._clean("events", {"kind": "collector_drops", "count": drops,
+                                            **self._registry_event_fields()})
+                self._add_batch(pipe, [("events", ev)], clean=False)
             if first and hb_due:
                 rank, body = self._heartbeat()
                 pipe.hset(self._keys.heartbeats, str(rank), body)
@@ -243,6 +255,30 @@ class Sender(threading.Thread):
                 self._next_hb = now + self.heartbeat_interval
             first = False
 
+    def _add_batch(self, pipe: Any, records: list[Record], clean: bool) -> None:
+        """Queue ``records`` on ``pipe``: each run of consecutive step records becomes one entry
+        (``rank``, ``n``, ``recs`` = JSON list), each event its own entry, so entry ids keep the order."""
+        steps: list[dict[str, Any]] = []
+        for stream, fields in records:
+            rec = self._clean(stream, fields) if clean else fields
+            if rec is None:
+                continue
+            if stream == "steps":
+                steps.append(rec)
+                continue
+            if steps:
+                self._xadd_steps(pipe, steps)
+                steps = []
+            pipe.execute_command("XADD", self._keys.events, "MAXLEN", "~", self._maxlen["events"], "*",
+                                 *[x for kv in rec.items() for x in kv])
+        if steps:
+            self._xadd_steps(pipe, steps)
+
+    def _xadd_steps(self, pipe: Any, steps: list[dict[str, Any]]) -> None:
+        body = json.dumps(steps, separators=(",", ":"))  # NaN/Infinity kept as JSON5-style tokens
+        pipe.execute_command("XADD", self._keys.steps, "MAXLEN", "~", self._maxlen["steps"], "*",
+                             "rank", self._registry["_rank"], "n", len(steps), "recs", body)
+
     @property
     def dropped_total(self) -> int:
         """Records lost so far: buffer overflow, spill bound exceeded, spill write failures."""
@@ -251,25 +287,28 @@ class Sender(threading.Thread):
     def _registry_event_fields(self) -> dict[str, Any]:
         return {"rank": self._registry["_rank"], "t": repr(time.time()), "inc": self._registry["_inc"]}
 
-    def _encode(self, stream: str, fields: dict[str, Any]) -> dict[str, Any] | None:
-        """Stream fields of a record; a value that cannot be encoded is left out with one warning."""
-        enc: dict[str, Any] = {}
+    def _clean(self, stream: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        """A record ready to send: step records keep numbers only (JSON-encoded later), event fields
+        become strings/ints. A value that cannot be a number in a step record is left out, with one
+        warning per field; tensors and numpy scalars become Python floats."""
+        if stream == "steps" and _PLAIN.issuperset(map(type, fields.values())):
+            return {k: v for k, v in fields.items() if v is not None}  # the usual case, cheap
         numeric = stream == "steps"
+        out: dict[str, Any] = {}
         for k, v in fields.items():
             if v is None:
                 continue
-            e = encode_value(v, numeric)
+            if numeric:
+                e: Any = v if type(v) in _PLAIN else _as_number(v)
+            else:
+                e = encode_value(v)
             if e is None:
                 if k not in self._warned:
                     self._warned.add(k)
                     log.warning("trainhealth collector: field %r has non-numeric value %r; not recorded", k, v)
                 continue
-            enc[k] = e
-        return enc
-
-    def _xadd(self, pipe: Any, stream: str, enc: dict[str, Any]) -> None:
-        key = self._keys.steps if stream == "steps" else self._keys.events
-        pipe.xadd(key, enc, maxlen=self._maxlen[stream], approximate=True)
+            out[k] = e
+        return out
 
     def _register(self, client: redis.Redis) -> None:
         meta = {k: v for k, v in self._registry.items() if not k.startswith("_") and v is not None}

@@ -27,7 +27,7 @@ from detectors.anomaly import Anomaly
 from detectors.hang import HangDetector
 from detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth import defaults
-from trainhealth.events import Event, StepRecord, decode_event, decode_step
+from trainhealth.events import Event, StepRecord, decode_event, decode_steps
 from trainhealth.keys import RUNS, RunKeys, run_keys, service_heartbeat
 
 log = logging.getLogger(__name__)
@@ -248,11 +248,12 @@ class DetectorService:
         decoded: list[tuple[tuple[int, float, int], StepRecord | Event]] = []
         for sid, stream, fields in batch:
             try:
-                rec = decode_step(fields) if stream == keys.steps else decode_event(fields)
+                recs: list[StepRecord] | list[Event] = (
+                    decode_steps(fields) if stream == keys.steps else [decode_event(fields)])
             except (KeyError, ValueError) as exc:
                 log.warning("run %s: skipping malformed entry %s-%s in %s: %s", keys.run, *sid, stream, exc)
                 continue
-            decoded.append(((sid[0], rec.t, sid[1]), rec))
+            decoded += [((sid[0], rec.t, sid[1]), rec) for rec in recs]
         # Entry ids of two streams are not comparable within one millisecond: there the
         # records' own times decide (a collector writes them in time order).
         decoded.sort(key=lambda e: e[0])

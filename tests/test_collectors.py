@@ -10,12 +10,12 @@ import pytest
 import redis
 
 from collectors import Monitor, detect_rank
-from trainhealth.events import decode_event, decode_step
+from trainhealth.events import decode_event, decode_steps
 from trainhealth.exceptions import ConfigError
 
 
 def steps_of(r: redis.Redis, run: str) -> list:
-    return [decode_step(f) for _, f in r.xrange(f"th:{{{run}}}:steps")]
+    return [rec for _, f in r.xrange(f"th:{{{run}}}:steps") for rec in decode_steps(f)]
 
 
 def events_of(r: redis.Redis, run: str) -> list:
@@ -132,7 +132,7 @@ def test_redis_restart_mid_run_delivers_every_step_exactly_once(own_redis) -> No
     time.sleep(0.3)
     assert mon.connected is False and mon.buffered >= 199
     own_redis.start()  # same port; the data of the first 100 steps is gone (no persistence)
-    client.xadd("th:{run-e}:steps", {"rank": 0, "step": -1, "inc": 0, "t": 0})  # mark the restart
+    client.xadd("th:{run-e}:steps", {"rank": 0, "n": 1, "recs": '[{"rank":0,"step":-1,"inc":0,"t":0}]'})  # marker
     assert mon.flush(40), "buffer not delivered after Redis came back"
     mon.close()
     steps = [x.step for x in steps_of(client, "run-e")]
@@ -202,6 +202,9 @@ def test_spill_to_disk_while_redis_is_down_delivers_everything_in_order_once(own
         if s % 200 == 0:
             time.sleep(0.02)  # a training step's worth of time: the sender moves the buffer to disk
     assert mon.dropped_total == 0
+    deadline = time.monotonic() + 5  # the sender may be mid-way moving a batch to disk
+    while mon.buffered != 20_000 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert mon.buffered == 20_000
     pid = os.getpid()
     assert sorted(p.name for p in spill.iterdir()) == [f"run-s-r0-p{pid}-00000000.jsonl",

@@ -96,7 +96,8 @@ def test_password_and_unix_socket_urls_work_for_collectors(tmp_path: Path) -> No
 def test_step_stream_is_trimmed_to_the_retention(r: redis.Redis, redis_url: str) -> None:
     from collectors import Monitor
 
-    mon = Monitor("trim", redis_url=redis_url, rank=0, world_size=1, retention=1000, batch_records=100)
+    # one record per entry here (batch_records=1), so entries = steps
+    mon = Monitor("trim", redis_url=redis_url, rank=0, world_size=1, retention=1000, batch_records=1)
     for s in range(20_000):
         mon.log_step(s, loss=1.0)
     assert mon.close() is True
@@ -104,4 +105,4 @@ def test_step_stream_is_trimmed_to_the_retention(r: redis.Redis, redis_url: str)
     # MAXLEN ~ trims whole radix-tree nodes (100 entries by default): bounded near the retention
     assert 1000 <= n <= 1100
     last = r.xrevrange("th:{trim}:steps", count=1)[0][1]
-    assert last[b"step"] == b"19999"
+    assert json.loads(last[b"recs"])[0]["step"] == 19999

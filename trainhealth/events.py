@@ -7,6 +7,7 @@ are the documented wire format (``docs/architecture.md``); floats are written wi
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,13 +33,9 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _f(v: Any) -> float:
-    return float(_s(v))
-
-
 @dataclass(frozen=True)
 class StepRecord:
-    """One rank's record of one step (an entry of ``th:{run}:steps``).
+    """One rank's record of one step (a record in a ``th:{run}:steps`` entry's ``recs`` list).
 
     Attributes
     ----------
@@ -84,23 +81,47 @@ class StepRecord:
         return sum(self.sections.values()) if self.sections else None
 
 
-def decode_step(fields: Mapping[Any, Any]) -> StepRecord:
-    """Decode a ``th:{run}:steps`` entry; raises ``KeyError``/``ValueError`` naming the field."""
-    d = {_s(k): v for k, v in fields.items()}
+def step_record(d: Mapping[str, Any]) -> StepRecord:
+    """Build a :class:`StepRecord` from one decoded record; raises ``KeyError``/``ValueError`` naming the field."""
     kw: dict[str, Any] = {}
     for name in _STEP_FLOATS:
-        if name in d:
-            try:
-                kw[name] = _f(d[name])
-            except ValueError:
-                raise ValueError(f"field {name!r} has non-numeric value {_s(d[name])!r}") from None
+        v = d.get(name)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"field {name!r} has non-numeric value {v!r}")
+            kw[name] = float(v)
     for name in _STEP_INTS:
-        if name in d:
-            kw[name] = int(_f(d[name]))
-    sections = {k[len(SECTION_PREFIX):]: _f(v) for k, v in d.items() if k.startswith(SECTION_PREFIX)}
-    return StepRecord(
-        rank=int(_s(d["rank"])), step=int(_s(d["step"])), inc=_f(d["inc"]), sections=sections, **kw
-    )
+        v = d.get(name)
+        if v is not None:
+            if not isinstance(v, (int, float)):
+                raise ValueError(f"field {name!r} has non-numeric value {v!r}")
+            kw[name] = int(v)
+    sections = {k[len(SECTION_PREFIX):]: float(v) for k, v in d.items() if k.startswith(SECTION_PREFIX)}
+    for name in ("rank", "step", "inc"):
+        if name not in d:
+            raise KeyError(f"record has no {name!r} field")
+    return StepRecord(rank=int(d["rank"]), step=int(d["step"]), inc=float(d["inc"]), sections=sections, **kw)
+
+
+def decode_steps(fields: Mapping[Any, Any]) -> list[StepRecord]:
+    """Decode a ``th:{run}:steps`` entry (one rank's batch: ``rank``, ``n``, ``recs`` JSON list).
+
+    Raises ``KeyError``/``ValueError`` naming the field for a malformed entry.
+
+    >>> [r.step for r in decode_steps({b"rank": b"0", b"n": b"2",
+    ...   b"recs": b'[{"rank":0,"step":5,"inc":1.0,"t":2.0,"loss":NaN},{"rank":0,"step":6,"inc":1.0,"t":3.0}]'})]
+    [5, 6]
+    """
+    d = {_s(k): v for k, v in fields.items()}
+    if "recs" not in d:
+        raise KeyError("entry has no 'recs' field")
+    try:
+        recs = json.loads(d["recs"])
+    except ValueError:
+        raise ValueError("field 'recs' is not a JSON list of records") from None
+    if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
+        raise ValueError("field 'recs' is not a JSON list of records")
+    return [step_record(r) for r in recs]
 
 
 @dataclass(frozen=True)

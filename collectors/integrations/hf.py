@@ -1,0 +1,242 @@
+"""Hugging Face ``transformers.Trainer`` → :class:`collectors.Monitor`, as a ``TrainerCallback``.
+
+::
+
+    from collectors.integrations.hf import TrainHealthCallback
+
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[TrainHealthCallback(gpu_hour_usd=2.5)])
+    trainer.train()
+
+The Trainer runs callbacks on every process, so every rank gets its own Monitor (rank and
+world size from ``args.process_index`` / ``args.world_size``). Mapping, per hook (source:
+``Trainer._inner_training_loop`` and ``_maybe_log_save_evaluate`` in transformers 4.4x–5.x):
+
+- ``on_step_begin`` → ``on_step_end``: one **optimizer** step, timed with ``Monitor.step``.
+  With ``gradient_accumulation_steps=n`` it spans the n forward/backward passes; the n
+  micro-batches are fetched *before* ``on_step_begin``, so data-loader time falls between
+  steps (the goodput ledger shows it as idle, not as data loading). Step numbers are
+  ``state.global_step`` after the step (1-based), the numbers HF logs.
+- Section ``forward``: the model's forward passes of the step (forward pre/post hooks on
+  the model, summed over micro-batches). This is the rank's own work before the gradient
+  all-reduce, which under DDP overlaps backward, so a slow rank shows here and the
+  straggler detector can name it. ``time_forward=False`` turns the hooks off (they are off
+  under ``torch_compile``).
+- ``on_log`` (every ``logging_steps``): ``loss``, ``grad_norm``, ``learning_rate`` of
+  ``state.global_step``, exactly as logged: the loss is HF's mean over the steps since the
+  previous log and over ranks, recorded at the step where HF logs it; steps in between carry
+  timing only. ``num_input_tokens_seen`` (with ``include_num_input_tokens_seen``) is global
+  and cumulative: its increase since the previous log is recorded as that step's tokens,
+  split evenly over the ranks (rank 0 takes the remainder) so the sum over ranks is exact.
+- ``on_save``: HF calls it *after* the checkpoint is written, so the save time is the gap
+  since the previous hook of that step (``on_step_end``, ``on_log`` or ``on_evaluate``).
+- ``on_evaluate``: ``badput("evaluation", eval_runtime)``.
+- ``on_train_begin`` with ``state.global_step > 0`` (``resume_from_checkpoint``):
+  ``checkpoint_loaded(global_step)``; the restore itself happens before any hook, so its
+  seconds are unknown.
+- ``on_train_end``: ``close()`` of a Monitor the callback created (a Monitor passed in is
+  the caller's to close).
+
+Every hook swallows its own errors (logged once per hook): monitoring never stops training.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter
+from typing import Any, TypeVar
+
+from transformers import TrainerCallback
+
+from collectors.monitor import Monitor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TrainHealthCallback", "run_id"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_NOT_RUN_ID = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def run_id(*candidates: str | None, default: str = "train") -> str:
+    """First candidate that gives a valid run id: runs of other characters become ``-``, at most 128.
+
+    >>> run_id(None, "llama 8b (sft)")
+    'llama-8b-sft'
+    >>> run_id("", "//", default="hf-trainer")
+    'hf-trainer'
+    """
+    for c in candidates:
+        rid = _NOT_RUN_ID.sub("-", str(c or "")).strip("-")[:128]
+        if rid:
+            return rid
+    return default
+
+
+def _guarded(fn: _F) -> _F:
+    """Run a hook body; log its first error and return None instead of raising into training."""
+
+    @functools.wraps(fn)
+    def hook(self: TrainHealthCallback, *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(self, *args, **kwargs)
+        except Exception:
+            if fn.__name__ not in self._failed_hooks:
+                self._failed_hooks.add(fn.__name__)
+                log.exception("trainhealth: %s failed (training continues; further errors there are silent)",
+                              fn.__name__)
+        return None
+
+    return hook  # type: ignore[return-value]
+
+
+class TrainHealthCallback(TrainerCallback):
+    """Feed a ``transformers.Trainer`` run to trainhealth, on every rank.
+
+    Parameters
+    ----------
+    monitor : collectors.Monitor, optional
+        Use this Monitor (the caller closes it). Default: one is created at
+        ``on_train_begin`` and closed at ``on_train_end``.
+    run : str, optional
+        Run id for the created Monitor; default ``args.run_name``, else the name of
+        ``args.output_dir``, made a valid run id (``[A-Za-z0-9._-]``, see :func:`run_id`).
+        Every rank must get the same id.
+    time_forward : bool
+        Time the model's forward passes as section ``forward`` (module hooks; off under
+        ``torch_compile``).
+    **monitor_kwargs
+        Passed to :class:`collectors.Monitor` (``redis_url``, ``gpu_hour_usd``, ``host``...);
+        ``rank``/``world_size`` default to ``args.process_index``/``args.world_size``.
+
+    Notes
+    -----
+    Creating the Monitor validates its arguments; a bad value (e.g. ``redis_url``) is logged
+    and the callback stays inactive rather than failing the job.
+    """
+
+    def __init__(self, monitor: Monitor | None = None, run: str | None = None, *, time_forward: bool = True,
+                 **monitor_kwargs: Any) -> None:
+        self.monitor = monitor
+        self.run = run
+        self.time_forward = time_forward
+        self.monitor_kwargs = monitor_kwargs
+        self._owns = monitor is None
+        self._active = False  # between on_train_begin and on_train_end
+        self._step: Any = None  # the open Monitor.step() context
+        self._in_step = False
+        self._fwd_open = False
+        self._hooks: list[Any] = []
+        self._t_last = 0.0  # perf_counter() when the previous hook of this step ran
+        self._tokens_seen: int | None = None
+        self._failed_hooks: set[str] = set()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    @_guarded
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self._owns:
+            kw = dict(self.monitor_kwargs)
+            kw.setdefault("rank", int(args.process_index))
+            kw.setdefault("world_size", int(args.world_size))
+            kw.setdefault("run_config", {
+                "framework": "transformers", "per_device_train_batch_size": args.per_device_train_batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "learning_rate": args.learning_rate, "max_steps": state.max_steps, "world_size": args.world_size,
+            })
+            self.monitor = Monitor(self.run or run_id(args.run_name, Path(args.output_dir or "").name,
+                                                         default="hf-trainer"), **kw)
+        self._active = self.monitor is not None
+        self._tokens_seen = int(state.num_input_tokens_seen or 0)
+        if state.global_step > 0:
+            self.monitor.checkpoint_loaded(int(state.global_step))
+        if self.time_forward and model is not None and not getattr(args, "torch_compile", False):
+            self._hooks = [model.register_forward_pre_hook(self._forward_begin),
+                           model.register_forward_hook(self._forward_end)]
+        self._t_last = perf_counter()
+
+    @_guarded
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._active = False
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._owns and self.monitor is not None:
+            self.monitor.close()
+
+    # -- steps ---------------------------------------------------------------------------------
+    @_guarded
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self._active:
+            return
+        # global_step counts completed optimizer steps: this one will be logged as global_step + 1.
+        self._step = self.monitor.step(int(state.global_step) + 1)
+        self._step.__enter__()
+        self._in_step = True
+
+    @_guarded
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        st, self._step, self._in_step = self._step, None, False
+        if st is None:
+            return
+        if self._fwd_open:
+            self._forward_end()
+        st.step = int(state.global_step)
+        st.__exit__(None, None, None)
+        self._t_last = perf_counter()
+
+    def _forward_begin(self, *_: Any) -> None:
+        # Module hook: only forwards of a training step count (not evaluation's).
+        try:
+            if self._in_step:
+                self.monitor.section("forward").__enter__()
+                self._fwd_open = True
+        except Exception:
+            self._in_step = False
+
+    def _forward_end(self, *_: Any) -> None:
+        try:
+            if self._fwd_open:
+                self._fwd_open = False
+                self.monitor.section("forward").__exit__(None, None, None)
+        except Exception:
+            self._in_step = False
+
+    @_guarded
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if not self._active or not logs or "loss" not in logs:
+            return  # evaluation logs (eval_*) and the end-of-training summary (train_loss) are not steps
+        tokens = None
+        seen = logs.get("num_input_tokens_seen")
+        if seen is not None and self._tokens_seen is not None:
+            delta, self._tokens_seen = int(seen) - self._tokens_seen, int(seen)
+            world, rank = self.monitor.world_size, self.monitor.rank
+            tokens = delta // world + (delta % world if rank == 0 else 0)
+        self.monitor.log_step(int(state.global_step), loss=logs.get("loss"), grad_norm=logs.get("grad_norm"),
+                              lr=logs.get("learning_rate"), tokens=tokens)
+        self._t_last = perf_counter()
+
+    # -- evaluation and checkpoints ------------------------------------------------------------------
+    @_guarded
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None,
+                    **kwargs: Any) -> None:
+        if not self._active:
+            return
+        now = perf_counter()
+        # HF's own timing of the evaluation loop: eval_runtime (eval_<name>_runtime per dataset).
+        runtime = next((float(v) for k, v in (metrics or {}).items()
+                        if k.startswith("eval") and k.endswith("_runtime")), None)
+        self.monitor.badput("evaluation", runtime if runtime is not None else now - self._t_last,
+                            step=int(state.global_step))
+        self._t_last = now
+
+    @_guarded
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self._active:
+            return
+        now = perf_counter()
+        # on_save runs after Trainer._save_checkpoint returned: the save is the gap since the last hook.
+        self.monitor.checkpoint_saved(int(state.global_step), now - self._t_last)
+        self._t_last = now
