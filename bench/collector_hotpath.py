@@ -1,4 +1,4 @@
-"""Hot-path cost of the collector, per call, against baselines measured in the same run.
+"""Hot-path cost of the collector, per call, against baselines and peers measured in the same run.
 
 Run: ``.venv/bin/python bench/collector_hotpath.py`` (starts its own redis-server; the
 sender thread is live and draining into it while the training thread is timed).
@@ -6,7 +6,9 @@ sender thread is live and draining into it while the training thread is timed).
 Prints the median and p99 nanoseconds per call over batches of 1,000 calls, for:
 ``Monitor.log_step``, one ``step()`` block with three ``section()`` blocks inside, and the
 baselines ``deque.append`` (the floor: what the hot path is built on), ``queue.Queue.put_nowait``
-(the standard library's bounded queue) and ``prometheus_client`` ``Gauge.set`` when installed.
+(the standard library's bounded queue), and the peers recording the same five metrics of a
+step when installed (``pip install -e '.[bench]'``): ``prometheus_client`` ``Gauge.set`` x5,
+``trainpulse`` ``Monitor.log`` x5 (one call per metric) and W&B offline ``run.log``.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ BATCH = 1_000
 BATCHES = 300
 
 
-def measure(fn) -> tuple[float, float]:
-    """Median and p99 ns per call of ``fn(i)`` over BATCHES batches of BATCH calls."""
+def measure(fn, batches: int = BATCHES) -> tuple[float, float]:
+    """Median and p99 ns per call of ``fn(i)`` over ``batches`` batches of BATCH calls."""
     per_call = []
     pc = time.perf_counter_ns
-    for _b in range(BATCHES):
+    for _b in range(batches):
         t0 = pc()
         for i in range(BATCH):
             fn(i)
@@ -52,13 +54,48 @@ def main() -> None:
         rows.append(("deque.append (floor)", *measure(lambda i: dq.append(("steps", {"step": i})))))
         q: queue.Queue = queue.Queue(maxsize=10_000_000)
         rows.append(("queue.Queue.put_nowait", *measure(lambda i: q.put_nowait(("steps", {"step": i})))))
+        # Peers, each recording the same 5 metrics of one step (installed with the `bench` extra).
         try:
             from prometheus_client import CollectorRegistry, Gauge
 
-            g = Gauge("loss", "loss", registry=CollectorRegistry())
-            rows.append(("prometheus_client Gauge.set", *measure(lambda i: g.set(2.5))))
+            reg = CollectorRegistry()
+            gs = [Gauge(n, n, registry=reg) for n in ("loss", "grad_norm", "lr", "tokens", "step")]
+
+            def prom(i: int) -> None:
+                for g in gs:
+                    g.set(2.5)
+
+            rows.append(("prometheus_client Gauge.set x5", *measure(prom)))
         except ImportError:
-            pass
+            print("(prometheus_client not installed: pip install -e '.[bench]')")
+        try:
+            from trainpulse import Monitor as PulseMonitor
+
+            pulse = PulseMonitor()
+
+            def tp(i: int) -> None:
+                pulse.log("loss", i, 2.5)
+                pulse.log("grad_norm", i, 1.0)
+                pulse.log("learning_rate", i, 3e-4)
+                pulse.log("tokens", i, 4096.0)
+                pulse.log("step_time", i, 0.1)
+
+            rows.append(("trainpulse Monitor.log x5", *measure(tp, batches=50)))
+        except ImportError:
+            print("(trainpulse not installed: pip install -e '.[bench]')")
+        try:
+            import os
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            run = wandb.init(mode="offline", dir=str(tmp), project="bench")
+            rows.append(("wandb offline run.log (5 metrics)", *measure(
+                lambda i: run.log({"loss": 2.5, "grad_norm": 1.0, "lr": 3e-4, "tokens": 4096, "step": i}),
+                batches=10)))
+            run.finish()
+        except ImportError:
+            print("(wandb not installed: pip install -e '.[bench]')")
         t_start = time.perf_counter()
         mon = Monitor("bench", redis_url=url, rank=0, world_size=1, buffer_records=1_000_000, close_timeout=120)
         rows.append(("Monitor.log_step (5 metrics)",
