@@ -364,18 +364,25 @@ class Monitor:
             if self._sections:
                 self._attach_sections(rec)
             self._put("steps", rec)
-            self._last_step, self._last_step_t = step, t
+            self._progress(step, t)
         except Exception:
             self._internal_error()
+
+    def _progress(self, step: int, t: float) -> None:
+        last = self._last_step
+        if last is not None and step < last:
+            # The same process went back (rolled back to a checkpoint): say so explicitly.
+            self._event("resume", step=step, from_step=last)
+        self._last_step, self._last_step_t = step, t
 
     def _finish_step(self, st: _Step, dur: float) -> None:
         t = time.time()
         rec: dict[str, Any] = {"rank": self.rank, "step": st.step, "inc": self.inc, "t": t, "dur": dur}
         if self._sections:
             self._attach_sections(rec)
-        self._last_step, self._last_step_t = st.step, t
         if self._off:
             return
+        self._progress(st.step, t)
         if st.metrics is not None:
             rec.update(st.metrics)
             self._put("steps", rec)

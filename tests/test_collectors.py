@@ -260,3 +260,45 @@ def test_drops_beyond_buffer_and_spill_are_reported_as_an_event(own_redis, tmp_p
     assert sum(drops) == lost
     assert len(starts) + len(steps) + lost == 3001  # run_start + 3000 steps: each arrived or was counted
     assert steps == sorted(steps) and steps[-1] == 2999
+
+
+def test_in_process_rollback_is_recorded_as_a_resume_event(r: redis.Redis, redis_url: str) -> None:
+    mon = Monitor("run-r", redis_url=redis_url, rank=0, world_size=1)
+    for s in (1, 2, 3, 4, 2, 3):
+        mon.log_step(s, loss=1.0)
+    mon.close()
+    resumes = [(e.step, e.extra["from_step"]) for e in events_of(r, "run-r") if e.kind == "resume"]
+    assert resumes == [(2, "4")]
+
+
+def _script(body: str) -> str:
+    return "import logging, sys, time\nlogging.basicConfig()\nfrom collectors import Monitor\n" + body
+
+
+def test_interpreter_exit_flushes_without_close(r: redis.Redis, redis_url: str) -> None:
+    import subprocess
+    import sys
+
+    body = (f"mon = Monitor('run-exit', redis_url={redis_url!r}, rank=0, world_size=1)\n"
+            "for s in range(500):\n    mon.log_step(s, loss=1.0)\n")
+    out = subprocess.run([sys.executable, "-c", _script(body)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [x.step for x in steps_of(r, "run-exit")] == list(range(500))
+    # no run_end: an exit without close() may be a crash, so the run is not marked finished
+    assert [e.kind for e in events_of(r, "run-exit")] == ["run_start"]
+
+
+def test_exit_with_redis_unreachable_never_hangs_the_job(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from trainhealth.server import free_port
+
+    body = (f"mon = Monitor('run-dead', redis_url='redis://127.0.0.1:{free_port()}/0', rank=0, world_size=1,"
+            f" close_timeout=1.0, spill_dir={str(tmp_path)!r})\n"
+            "for s in range(1000):\n    mon.log_step(s, loss=1.0)\nt0 = time.monotonic()\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _script(body)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - t0 < 10  # interpreter start + at most the 1 s close timeout
+    assert "Redis unreachable" in out.stderr

@@ -21,6 +21,7 @@ EVENT_KINDS = (
     "checkpoint_load",  # step, seconds the restore blocked training
     "badput",           # a custom unproductive interval: name, seconds (e.g. evaluation)
     "collector_drops",  # count of records the collector dropped while Redis was away
+    "resume",           # the same process went back to an earlier step (in-process rollback): from_step
 )
 
 SECTION_PREFIX = "sec."

@@ -9,7 +9,7 @@
 
 The Trainer runs callbacks on every process, so every rank gets its own Monitor (rank and
 world size from ``args.process_index`` / ``args.world_size``). Mapping, per hook (source:
-``Trainer._inner_training_loop`` and ``_maybe_log_save_evaluate`` in transformers 4.4x–5.x):
+``Trainer._run_epoch`` and ``_maybe_log_save_evaluate``, checked against transformers 5.24):
 
 - ``on_step_begin`` → ``on_step_end``: one **optimizer** step, timed with ``Monitor.step``.
   With ``gradient_accumulation_steps=n`` it spans the n forward/backward passes; the n
@@ -41,56 +41,16 @@ Every hook swallows its own errors (logged once per hook): monitoring never stop
 
 from __future__ import annotations
 
-import functools
-import logging
-import re
-from collections.abc import Callable
 from pathlib import Path
 from time import perf_counter
-from typing import Any, TypeVar
+from typing import Any
 
 from transformers import TrainerCallback
 
+from collectors.integrations._common import guarded, run_id
 from collectors.monitor import Monitor
 
-log = logging.getLogger(__name__)
-
-__all__ = ["TrainHealthCallback", "run_id"]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-_NOT_RUN_ID = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-def run_id(*candidates: str | None, default: str = "train") -> str:
-    """First candidate that gives a valid run id: runs of other characters become ``-``, at most 128.
-
-    >>> run_id(None, "llama 8b (sft)")
-    'llama-8b-sft'
-    >>> run_id("", "//", default="hf-trainer")
-    'hf-trainer'
-    """
-    for c in candidates:
-        rid = _NOT_RUN_ID.sub("-", str(c or "")).strip("-")[:128]
-        if rid:
-            return rid
-    return default
-
-
-def _guarded(fn: _F) -> _F:
-    """Run a hook body; log its first error and return None instead of raising into training."""
-
-    @functools.wraps(fn)
-    def hook(self: TrainHealthCallback, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(self, *args, **kwargs)
-        except Exception:
-            if fn.__name__ not in self._failed_hooks:
-                self._failed_hooks.add(fn.__name__)
-                log.exception("trainhealth: %s failed (training continues; further errors there are silent)",
-                              fn.__name__)
-        return None
-
-    return hook  # type: ignore[return-value]
+__all__ = ["TrainHealthCallback"]
 
 
 class TrainHealthCallback(TrainerCallback):
@@ -103,7 +63,8 @@ class TrainHealthCallback(TrainerCallback):
         ``on_train_begin`` and closed at ``on_train_end``.
     run : str, optional
         Run id for the created Monitor; default ``args.run_name``, else the name of
-        ``args.output_dir``, made a valid run id (``[A-Za-z0-9._-]``, see :func:`run_id`).
+        ``args.output_dir``, made a valid run id (``[A-Za-z0-9._-]``, see
+        :func:`collectors.integrations._common.run_id`).
         Every rank must get the same id.
     time_forward : bool
         Time the model's forward passes as section ``forward`` (module hooks; off under
@@ -135,7 +96,7 @@ class TrainHealthCallback(TrainerCallback):
         self._failed_hooks: set[str] = set()
 
     # -- lifecycle -----------------------------------------------------------------------------
-    @_guarded
+    @guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self._owns:
             kw = dict(self.monitor_kwargs)
@@ -157,7 +118,7 @@ class TrainHealthCallback(TrainerCallback):
                            model.register_forward_hook(self._forward_end)]
         self._t_last = perf_counter()
 
-    @_guarded
+    @guarded
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._active = False
         for h in self._hooks:
@@ -167,7 +128,7 @@ class TrainHealthCallback(TrainerCallback):
             self.monitor.close()
 
     # -- steps ---------------------------------------------------------------------------------
-    @_guarded
+    @guarded
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._active:
             return
@@ -176,7 +137,7 @@ class TrainHealthCallback(TrainerCallback):
         self._step.__enter__()
         self._in_step = True
 
-    @_guarded
+    @guarded
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         st, self._step, self._in_step = self._step, None, False
         if st is None:
@@ -204,7 +165,7 @@ class TrainHealthCallback(TrainerCallback):
         except Exception:
             self._in_step = False
 
-    @_guarded
+    @guarded
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not self._active or not logs or "loss" not in logs:
             return  # evaluation logs (eval_*) and the end-of-training summary (train_loss) are not steps
@@ -219,7 +180,7 @@ class TrainHealthCallback(TrainerCallback):
         self._t_last = perf_counter()
 
     # -- evaluation and checkpoints ------------------------------------------------------------------
-    @_guarded
+    @guarded
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None,
                     **kwargs: Any) -> None:
         if not self._active:
@@ -232,7 +193,7 @@ class TrainHealthCallback(TrainerCallback):
                             step=int(state.global_step))
         self._t_last = now
 
-    @_guarded
+    @guarded
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._active:
             return

@@ -4,13 +4,13 @@
 
     from collectors.integrations.lightning import TrainHealthCallback
 
-    trainer = L.Trainer(callbacks=[TrainHealthCallback("llama-8b-sft", gpu_hour_usd=2.5)], ...)
+    trainer = L.Trainer(callbacks=[TrainHealthCallback(run="llama-8b-sft", gpu_hour_usd=2.5)], ...)
     trainer.fit(model, datamodule)
 
 Lightning calls callback hooks on every rank, so every rank gets its own Monitor (rank
 and world size from ``trainer.global_rank`` / ``trainer.world_size``). Mapping, per hook
-(source: ``lightning.pytorch`` 2.x ``loops/training_epoch_loop.py``,
-``loops/optimization/automatic.py``, ``plugins/precision/precision.py``):
+(source: ``lightning.pytorch`` ``loops/training_epoch_loop.py``,
+``loops/optimization/automatic.py``, ``plugins/precision/precision.py``, checked against lightning 2.6):
 
 - ``on_train_batch_start`` → ``on_train_batch_end``: one **optimizer** step, timed with
   ``Monitor.step``. With ``accumulate_grad_batches=n`` the step opens at the first batch of
@@ -45,40 +45,19 @@ Every hook swallows its own errors (logged once per hook): monitoring never stop
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from time import perf_counter
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback
 
-from collectors.integrations.hf_free import run_id
+from collectors.integrations._common import guarded, run_id
 from collectors.integrations.torch import global_grad_norm
 from collectors.monitor import Monitor
 
-log = logging.getLogger(__name__)
-
 __all__ = ["TrainHealthCallback"]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _guarded(fn: _F) -> _F:
-    """Run a hook body; log its first error and return None instead of raising into training."""
-
-    @functools.wraps(fn)
-    def hook(self: TrainHealthCallback, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(self, *args, **kwargs)
-        except Exception:
-            if fn.__name__ not in self._failed_hooks:
-                self._failed_hooks.add(fn.__name__)
-                log.exception("trainhealth: %s failed (training continues; further errors there are silent)",
-                              fn.__name__)
-
-    return hook  # type: ignore[return-value]
 
 
 class TrainHealthCallback(Callback):
@@ -86,11 +65,13 @@ class TrainHealthCallback(Callback):
 
     Parameters
     ----------
+    monitor : collectors.Monitor, optional
+        Use this Monitor (the caller closes it). Default: one is created in ``setup("fit")``
+        and closed at ``on_train_end``.
     run : str, optional
         Run id for the created Monitor; default the name of ``trainer.default_root_dir``
-        made a valid run id. Every rank must get the same id.
-    monitor : collectors.Monitor, optional
-        Use this Monitor (the caller closes it). Default: one is created in ``setup("fit")``.
+        made a valid run id (see :func:`collectors.integrations._common.run_id`). Every rank
+        must get the same id.
     grad_norm : bool
         Compute the global gradient norm in ``on_before_optimizer_step``.
     count_tokens : callable, optional
@@ -107,7 +88,7 @@ class TrainHealthCallback(Callback):
     ``on_train_batch_end``: one GPU sync per step, after the optimizer step was queued.
     """
 
-    def __init__(self, run: str | None = None, *, monitor: Monitor | None = None, grad_norm: bool = True,
+    def __init__(self, monitor: Monitor | None = None, run: str | None = None, *, grad_norm: bool = True,
                  count_tokens: Callable[[Any], int] | None = None, **monitor_kwargs: Any) -> None:
         self.run = run
         self.monitor = monitor
@@ -130,7 +111,7 @@ class TrainHealthCallback(Callback):
         self._failed_hooks: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------
-    @_guarded
+    @guarded
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
@@ -147,26 +128,26 @@ class TrainHealthCallback(Callback):
         self._wrap_save(trainer)
         self._t_setup = perf_counter()  # the checkpoint (if any) is read right after setup hooks
 
-    @_guarded
+    @guarded
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         if self._t_setup is not None:
             self._load_s = perf_counter() - self._t_setup
 
-    @_guarded
+    @guarded
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._active and trainer.global_step > 0:
             self.monitor.checkpoint_loaded(int(trainer.global_step), self._load_s)
 
-    @_guarded
+    @guarded
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._finish("finished")
 
-    @_guarded
+    @guarded
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._finish("failed")
         self._unwrap_save(trainer)
 
-    @_guarded
+    @guarded
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self._unwrap_save(trainer)
@@ -180,7 +161,7 @@ class TrainHealthCallback(Callback):
             self.monitor.close(status)
 
     # -- steps -----------------------------------------------------------------------------------
-    @_guarded
+    @guarded
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not self._active:
             return
@@ -196,11 +177,11 @@ class TrainHealthCallback(Callback):
         mon.section("forward").__enter__()
         self._fwd_open = True
 
-    @_guarded
+    @guarded
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._end_forward()
 
-    @_guarded
+    @guarded
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if not self._active:
             return
@@ -210,7 +191,7 @@ class TrainHealthCallback(Callback):
         if opts and opts[0].param_groups:
             self._lr = float(opts[0].param_groups[0]["lr"])
 
-    @_guarded
+    @guarded
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._end_forward()
         st = self._step
@@ -234,13 +215,13 @@ class TrainHealthCallback(Callback):
             self.monitor.section("forward").__exit__(None, None, None)
 
     # -- validation and checkpoints ------------------------------------------------------------------
-    @_guarded
+    @guarded
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._active and not trainer.sanity_checking:
             self._val = self.monitor.timed_badput("evaluation", step=int(trainer.global_step))
             self._val.__enter__()
 
-    @_guarded
+    @guarded
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         val, self._val = self._val, None
         if val is not None:
