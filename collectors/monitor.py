@@ -23,6 +23,7 @@ from typing import Any
 import redis
 
 from collectors import ranks
+from collectors.cuda_timing import GpuTimer, torch_event_factory
 from collectors.sender import Sender
 from collectors.spill import Spill
 from collectors.spill import default_directory as default_spill_directory
@@ -64,6 +65,21 @@ class _Section:
         sec = self._mon._sections
         # Repeated entries in one step (gradient accumulation) add up.
         sec[self._name] = sec.get(self._name, 0.0) + dt
+
+
+class _CudaSection(_Section):
+    """A section timed on the CPU and, with CUDA events, on the GPU (resolved later)."""
+
+    __slots__ = ("_start",)
+
+    def __enter__(self) -> _CudaSection:
+        self._start = self._mon._gpu.start()  # type: ignore[union-attr]
+        self._t0 = perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _Section.__exit__(self, *exc)
+        self._mon._gpu.stop(self._name, self._start)  # type: ignore[union-attr]
 
 
 class _Step:
@@ -241,7 +257,8 @@ class Monitor:
         self.dropped = 0
         self._buffer: deque = deque(maxlen=buffer_records)
         self._sections: dict[str, float] = {}
-        self._section_cache: dict[str, _Section] = {}
+        self._section_cache: dict[tuple[str, bool], _Section] = {}
+        self._gpu: GpuTimer | None = None
         self._cur: _Step | None = None
         self._held: dict[str, Any] | None = None
         self._last_step: int | None = None
@@ -294,6 +311,15 @@ class Monitor:
             self.dropped += 1  # deque drops the oldest on append
         buf.append((stream, fields))
 
+    def _put_step(self, rec: dict[str, Any]) -> None:
+        gpu = self._gpu
+        if gpu is None:
+            self._put("steps", rec)
+            return
+        # Records wait, in order, until the CUDA events of their sections have completed.
+        for ready in gpu.submit(rec, rec.pop("_gpu", None) or []):
+            self._put("steps", ready)
+
     def step(self, step: int) -> _Step:
         """Context manager timing one training step on this rank.
 
@@ -302,16 +328,30 @@ class Monitor:
         """
         return _Step(self, step)
 
-    def section(self, name: str) -> _Section:
+    def section(self, name: str, cuda: bool = False) -> _Section:
         """Context manager timing a named part of the step (``data``, ``forward_backward``, ...).
 
         Seconds add up if the same name is entered several times in one step. Names in
         :data:`trainhealth.defaults.DATA_SECTIONS` count as data-loading wait in the ledger.
+        With ``cuda=True`` and a CUDA device, the section is also timed on the GPU with CUDA
+        events, resolved asynchronously (no ``synchronize()`` in the loop; see
+        :mod:`collectors.cuda_timing`) and sent as ``gpu.<name>`` seconds; without CUDA it is
+        CPU-timed only, with one warning.
         """
-        s = self._section_cache.get(name)
+        key = (name, cuda)
+        s = self._section_cache.get(key)
         if s is None:
-            s = self._section_cache[name] = _Section(self, str(name))
+            if cuda and self._gpu is None:
+                self._enable_gpu()
+            cls = _CudaSection if cuda and self._gpu is not None else _Section
+            s = self._section_cache[key] = cls(self, str(name))
         return s
+
+    def _enable_gpu(self, factory: Any = None) -> None:
+        try:
+            self._gpu = GpuTimer(factory or torch_event_factory())
+        except RuntimeError as exc:
+            self._warn_once("cuda", "section(cuda=True): %s; timing on the CPU only", exc)
 
     def log_step(
         self,
@@ -355,7 +395,7 @@ class Monitor:
             if held is not None and held["step"] == step:
                 held.update(metrics)
                 self._held = None
-                self._put("steps", held)
+                self._put_step(held)
                 return
             if held is not None:
                 self._emit_held()
@@ -363,7 +403,7 @@ class Monitor:
             rec = {"rank": self.rank, "step": step, "inc": self.inc, "t": t, **metrics}
             if self._sections:
                 self._attach_sections(rec)
-            self._put("steps", rec)
+            self._put_step(rec)
             self._progress(step, t)
         except Exception:
             self._internal_error()
@@ -383,11 +423,21 @@ class Monitor:
         if self._off:
             return
         self._progress(st.step, t)
+        if self._gpu is not None:
+            rec["_gpu"] = self._gpu.take_pending()  # this step's event pairs
         if st.metrics is not None:
             rec.update(st.metrics)
-            self._put("steps", rec)
+            self._put_step(rec)
         else:
             self._held = rec  # wait for log_step() of this step, sent at the next step otherwise
+
+    def _drain_gpu(self) -> None:
+        if self._gpu is not None:
+            try:
+                for rec in self._gpu.drain():
+                    self._put("steps", rec)
+            except Exception:
+                self._internal_error()
 
     def _attach_sections(self, rec: dict[str, Any]) -> None:
         sec, self._sections = self._sections, {}
@@ -397,7 +447,7 @@ class Monitor:
     def _emit_held(self) -> None:
         held, self._held = self._held, None
         if held is not None:
-            self._put("steps", held)
+            self._put_step(held)
 
     # -- events ------------------------------------------------------------------------------------
     def _event(self, kind: str, step: int | None = None, seconds: float | None = None, **extra: Any) -> None:
@@ -477,6 +527,7 @@ class Monitor:
         """Send what is buffered; wait at most ``timeout`` seconds. True when all was sent."""
         if self._held is not None:
             self._emit_held()
+        self._drain_gpu()
         if self._off or not self._sender.is_alive():
             return False
         return self._sender.flush(self.close_timeout if timeout is None else timeout)
@@ -495,6 +546,7 @@ class Monitor:
             return False
         if self._held is not None:
             self._emit_held()
+        self._drain_gpu()
         self._event("run_end", status=status)
         if self.rank == 0:
             self._sender._registry["status"] = status

@@ -81,7 +81,7 @@ def _merge(a: StepRecord, b: StepRecord) -> StepRecord:
           for f in ("dur", "loss", "grad_norm", "lr", "tokens", "samples", "consumed_samples", "batch_index",
                     "skipped")}
     return StepRecord(rank=a.rank, step=a.step, inc=a.inc, t=max(a.t, b.t),
-                      sections={**a.sections, **b.sections}, **kw)
+                      sections={**a.sections, **b.sections}, gpu={**a.gpu, **b.gpu}, **kw)
 
 
 class StepAggregator:

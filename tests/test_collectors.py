@@ -302,3 +302,64 @@ def test_exit_with_redis_unreachable_never_hangs_the_job(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     assert time.monotonic() - t0 < 10  # interpreter start + at most the 1 s close timeout
     assert "Redis unreachable" in out.stderr
+
+
+class ScriptedEvent:
+    """Stands in for ``torch.cuda.Event(enable_timing=True)``: this machine has no GPU.
+
+    ``record()`` stamps the scripted GPU clock; ``query()`` reports completion once the GPU
+    clock has passed the stamp (the GPU runs behind the CPU), as CUDA events do.
+    """
+
+    gpu_clock = [0.0]
+    done_until = [0.0]
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = ScriptedEvent.gpu_clock[0]
+
+    def query(self) -> bool:
+        return self.t <= ScriptedEvent.done_until[0]
+
+    def elapsed_time(self, end: ScriptedEvent) -> float:
+        return (end.t - self.t) * 1000.0  # milliseconds, as torch
+
+    def synchronize(self) -> None:
+        ScriptedEvent.done_until[0] = max(ScriptedEvent.done_until[0], self.t)
+
+
+def test_cuda_section_times_are_resolved_later_in_order_without_blocking(r: redis.Redis, redis_url: str) -> None:
+    mon = Monitor("run-gpu", redis_url=redis_url, rank=0, world_size=1)
+    mon._enable_gpu(ScriptedEvent)
+    clock, done = ScriptedEvent.gpu_clock, ScriptedEvent.done_until
+    for s in range(4):
+        done[0] = clock[0]  # the GPU runs one step behind: the previous step's work is done now
+        with mon.step(s):
+            with mon.section("data"):
+                pass
+            with mon.section("forward_backward", cuda=True):
+                clock[0] += 0.25 * (s + 1)  # GPU work queued: 0.25 s, 0.5 s, ...
+        mon.log_step(s, loss=1.0)
+        assert [rec["step"] for rec, _ in mon._gpu._waiting] == [s]  # only step s still waits for its events
+    mon.close()  # drains: waits for the remaining events
+    recs = steps_of(r, "run-gpu")
+    assert [x.step for x in recs] == [0, 1, 2, 3]
+    assert [x.gpu["forward_backward"] for x in recs] == [0.25, 0.5, 0.75, 1.0]
+    assert recs[0].busy_s == 0.25 + recs[0].sections["data"]  # GPU time replaces the CPU launch time
+
+
+def test_cuda_section_without_cuda_falls_back_to_cpu_with_one_warning(
+    r: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    mon = Monitor("run-nogpu", redis_url=redis_url, rank=0, world_size=1)
+    for s in range(3):
+        with mon.step(s), mon.section("forward_backward", cuda=True):
+            pass
+        mon.log_step(s, loss=1.0)
+    mon.close()
+    recs = steps_of(r, "run-nogpu")
+    assert [(x.step, set(x.sections), x.gpu) for x in recs] == [(s, {"forward_backward"}, {}) for s in range(3)]
+    assert sum("section(cuda=True)" in m.getMessage() for m in caplog.records) == 1

@@ -25,6 +25,7 @@ EVENT_KINDS = (
 )
 
 SECTION_PREFIX = "sec."
+GPU_PREFIX = "gpu."
 
 _STEP_FLOATS = ("t", "dur", "loss", "grad_norm", "lr")
 _STEP_INTS = ("tokens", "samples", "consumed_samples", "batch_index", "skipped")
@@ -59,6 +60,8 @@ class StepRecord:
         1 when the optimizer skipped this step (fp16 loss-scale overflow).
     sections : dict[str, float]
         Seconds per named section (``data``, ``forward_backward``, ...) before the collective.
+    gpu : dict[str, float]
+        GPU seconds of sections timed with CUDA events (``section(name, cuda=True)``).
     """
 
     rank: int
@@ -75,11 +78,16 @@ class StepRecord:
     batch_index: int | None = None
     skipped: int | None = None
     sections: dict[str, float] = field(default_factory=dict)
+    gpu: dict[str, float] = field(default_factory=dict)
 
     @property
     def busy_s(self) -> float | None:
-        """Seconds spent in this rank's own sections (None when none were timed)."""
-        return sum(self.sections.values()) if self.sections else None
+        """Seconds this rank spent in its own sections: GPU time of CUDA-timed sections where
+        there is one (the CPU only launched those kernels), CPU time of the others; None when
+        nothing was timed."""
+        if not self.sections and not self.gpu:
+            return None
+        return sum(self.gpu.values()) + sum(v for k, v in self.sections.items() if k not in self.gpu)
 
 
 def step_record(d: Mapping[str, Any]) -> StepRecord:
@@ -98,10 +106,12 @@ def step_record(d: Mapping[str, Any]) -> StepRecord:
                 raise ValueError(f"field {name!r} has non-numeric value {v!r}")
             kw[name] = int(v)
     sections = {k[len(SECTION_PREFIX):]: float(v) for k, v in d.items() if k.startswith(SECTION_PREFIX)}
+    gpu = {k[len(GPU_PREFIX):]: float(v) for k, v in d.items() if k.startswith(GPU_PREFIX)}
     for name in ("rank", "step", "inc"):
         if name not in d:
             raise KeyError(f"record has no {name!r} field")
-    return StepRecord(rank=int(d["rank"]), step=int(d["step"]), inc=float(d["inc"]), sections=sections, **kw)
+    return StepRecord(rank=int(d["rank"]), step=int(d["step"]), inc=float(d["inc"]), sections=sections, gpu=gpu,
+                      **kw)
 
 
 def decode_steps(fields: Mapping[Any, Any]) -> list[StepRecord]:
