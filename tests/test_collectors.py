@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import ClassVar
 
 import pytest
 import redis
@@ -311,8 +312,8 @@ class ScriptedEvent:
     clock has passed the stamp (the GPU runs behind the CPU), as CUDA events do.
     """
 
-    gpu_clock = [0.0]
-    done_until = [0.0]
+    gpu_clock: ClassVar[list[float]] = [0.0]
+    done_until: ClassVar[list[float]] = [0.0]
 
     def __init__(self) -> None:
         self.t = 0.0
