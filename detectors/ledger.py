@@ -87,6 +87,7 @@ class GoodputLedger:
         self._steps_done = 0
         self._restarts = 0
         self._pending: dict[tuple[str, Any, str], float] = {}
+        self._custom_by_name: dict[str, float] = {}
         self._applied: deque[tuple[str, Any, str]] = deque(maxlen=4096)
 
     # -- input -------------------------------------------------------------------------------
@@ -113,12 +114,27 @@ class GoodputLedger:
         self._last_t = max(self._last_t, ev.t)
 
     def _take(self, kind: str, limit: float) -> float:
-        """Consume pending seconds of ``kind``, at most ``limit``."""
-        total = 0.0
+        """Consume pending seconds of ``kind``, at most ``limit`` (custom badput kept by name too)."""
+        took = self._split(kind, limit)
         for key in [k for k in self._pending if k[0] == kind]:
-            total += self._pending.pop(key)
+            self._pending.pop(key)
             self._applied.append(key)
-        return min(total, max(0.0, limit))
+        if kind == "badput":
+            for name, v in took.items():
+                self._custom_by_name[name] = self._custom_by_name.get(name, 0.0) + v
+        return sum(took.values())
+
+    def _split(self, kind: str, limit: float) -> dict[str, float]:
+        """Pending seconds of ``kind`` by name, oldest first, capped at ``limit`` in total."""
+        left = max(0.0, limit)
+        out: dict[str, float] = {}
+        for key, v in self._pending.items():
+            if key[0] != kind:
+                continue
+            part = min(v, left)
+            left -= part
+            out[key[2] or kind] = out.get(key[2] or kind, 0.0) + part
+        return out
 
     def add_step(self, agg: StepAggregate) -> None:
         """Account one completed step (steps in completion order)."""
@@ -191,8 +207,11 @@ class GoodputLedger:
 
         Returns a JSON-ready dict: ``wall_s``; ``seconds``, ``gpu_hours`` and ``cost_usd`` per
         category (:data:`CATEGORIES`, summing to ``wall_s``); ``tokens_total``/``tokens_good``;
-        ``throughput_tok_s`` = tokens_total / wall_s; ``goodput_tok_s`` = tokens_good / wall_s;
-        ``goodput_pct`` = 100 · productive / wall_s; step and restart counts.
+        ``throughput_tok_s`` = tokens_total / step_s, the speed while stepping as frameworks
+        report it (``step_s`` = time inside step attempts: productive + data loading + wasted);
+        ``goodput_tok_s`` = tokens_good / wall_s, progress kept per wall-clock second;
+        ``goodput_pct`` = 100 · productive / wall_s; ``custom_by_name`` splits ``custom`` by the
+        names given to ``Monitor.badput`` (``evaluation``...); step and restart counts.
         """
         start = self._start if self._start is not None else now
         end = max(now, self._last_end or start)
@@ -203,14 +222,19 @@ class GoodputLedger:
         pend = {k: sum(v for key, v in self._pending.items() if key[0] == k)
                 for k in ("checkpoint_save", "badput", "checkpoint_load")}
         save = min(pend["checkpoint_save"], tail)
-        custom = min(pend["badput"], tail - save)
+        tail_custom = self._split("badput", tail - save)
+        custom = sum(tail_custom.values())
         restore = min(pend["checkpoint_load"], tail - save - custom)
+        by_name = dict(self._custom_by_name)
+        for name, v in tail_custom.items():
+            by_name[name] = by_name.get(name, 0.0) + v
         sec["checkpoint_save"] += save
         sec["custom"] += custom
         sec["checkpoint_restore"] += restore
         sec["program_startup" if self._last_end is None else "idle"] += tail - save - custom - restore
         wall = end - start
         sec = {k: round(v, 6) for k, v in sec.items()}
+        step_s = sec["productive"] + sec["data_loading"] + sec["wasted_progress_from_disruption"]
         gh = {k: v * self.world_size / 3600.0 for k, v in sec.items()}
         price = self.gpu_hour_usd
         cost = {k: v * price for k, v in gh.items()} if price is not None else None
@@ -220,9 +244,11 @@ class GoodputLedger:
             "last_step": self._lineage[-1][0] if self._lineage else None,
             "steps_done": self._steps_done, "steps_good": len(self._lineage), "restarts": self._restarts,
             "tokens_total": self._tokens_total, "tokens_good": self._tokens_good,
-            "throughput_tok_s": self._tokens_total / wall if wall > 0 else 0.0,
+            "step_s": round(step_s, 6),
+            "throughput_tok_s": self._tokens_total / step_s if step_s > 0 else 0.0,
             "goodput_tok_s": self._tokens_good / wall if wall > 0 else 0.0,
             "goodput_pct": round(100.0 * sec["productive"] / wall, 6) if wall > 0 else 0.0,
-            "seconds": sec, "gpu_hours": gh, "cost_usd": cost,
+            "seconds": sec, "custom_by_name": {k: round(v, 6) for k, v in by_name.items()},
+            "gpu_hours": gh, "cost_usd": cost,
             "badput_cost_usd": (sum(v for k, v in cost.items() if k != "productive") if cost else None),
         }

@@ -20,7 +20,15 @@ import redis
 from trainhealth.server import find_redis_server, free_port, ping
 
 ROOT = Path(__file__).resolve().parent.parent
-REAL_LOGS = ROOT.parent / "shared" / "real_logs"
+
+
+@pytest.fixture(scope="session")
+def real_logs() -> Path:
+    """``../shared/real_logs`` beside the repository (CI lays it there), or ``$TRAINHEALTH_REAL_LOGS``."""
+    path = Path(os.environ.get("TRAINHEALTH_REAL_LOGS") or ROOT.parent / "shared" / "real_logs")
+    if not (path / "MANIFEST.md").is_file():
+        pytest.fail(f"real training logs not found at {path}: clone beside shared/ or set TRAINHEALTH_REAL_LOGS")
+    return path
 
 
 class RedisServer:

@@ -197,7 +197,9 @@ def test_ledger_scripted_run_with_restart_sums_to_wall_time_exactly() -> None:
     assert set(sec) == set(CATEGORIES)
     assert math.fsum(sec.values()) == snap["wall_s"] == 80.0
     assert (snap["tokens_total"], snap["tokens_good"], snap["steps_done"], snap["steps_good"]) == (60000, 40000, 15, 10)
-    assert snap["throughput_tok_s"] == 750.0 and snap["goodput_tok_s"] == 500.0
+    # throughput: 60,000 tokens over 30 s inside steps (15 productive + 5 data + 10 wasted);
+    # goodput: 40,000 kept tokens over 80 s of wall time
+    assert snap["step_s"] == 30.0 and snap["throughput_tok_s"] == 2000.0 and snap["goodput_tok_s"] == 500.0
     assert snap["goodput_pct"] == 18.75
     assert snap["gpu_hours"]["idle"] == 10.0 * 4 / 3600
     assert snap["cost_usd"]["wasted_progress_from_disruption"] == 10.0 * 4 / 3600 * 2.0
@@ -214,6 +216,7 @@ def test_ledger_checkpoint_save_in_a_gap_and_hang_tail() -> None:
     snap = led.snapshot(now=41.0)
     assert {k: v for k, v in snap["seconds"].items() if v} == {
         "productive": 2.0, "checkpoint_save": 3.0, "custom": 4.0, "idle": 32.0}
+    assert snap["custom_by_name"] == {"evaluation": 4.0}
     assert snap["wall_s"] == 41.0
 
 

@@ -18,9 +18,8 @@ from trainhealth.exceptions import ConfigError, InputFormatError
 from trainhealth.replay import replay
 
 ROOT = Path(__file__).resolve().parent.parent
-REAL_LOGS = ROOT.parent / "shared" / "real_logs"
-TROCR = REAL_LOGS / "hf_trocr_large_gradnorm.trainer_state.json"
-TINYLLAMA = REAL_LOGS / "hf_tinyllama_sft_healthy.trainer_state.json"
+TROCR = "hf_trocr_large_gradnorm.trainer_state.json"
+TINYLLAMA = "hf_tinyllama_sft_healthy.trainer_state.json"
 
 
 def drain(client: redis.Redis) -> DetectorService:
@@ -36,9 +35,10 @@ def anomalies(client: redis.Redis, run: str) -> dict[str, dict]:
     return {k.decode(): json.loads(v) for k, v in client.hgetall(f"th:{{{run}}}:anomalies").items()}
 
 
-def test_cli_replay_of_trocr_flags_the_one_spike_at_step_682(r: redis.Redis, redis_url: str) -> None:
+def test_cli_replay_of_trocr_flags_the_one_spike_at_step_682(r: redis.Redis, redis_url: str, real_logs: Path) -> None:
+    trocr = real_logs / TROCR
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
-    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(TROCR), "--run", "trocr"],
+    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(trocr), "--run", "trocr"],
                          env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "replayed 700 steps and 7 evaluations" in out.stdout
@@ -51,7 +51,7 @@ def test_cli_replay_of_trocr_flags_the_one_spike_at_step_682(r: redis.Redis, red
     assert r.hget("th:{trocr}:meta", "source") == b"replay:hf_trocr_large_gradnorm.trainer_state.json"
     assert r.hget("th:{trocr}:meta", "status") == b"finished"
     # Ledger on the synthetic timeline (1 s per step, evaluations for their logged runtime).
-    evals = [e["eval_runtime"] for e in json.loads(TROCR.read_text())["log_history"] if "eval_runtime" in e]
+    evals = [e["eval_runtime"] for e in json.loads(trocr.read_text())["log_history"] if "eval_runtime" in e]
     snap = json.loads(r.get("th:{trocr}:ledger:latest"))
     sec = snap["seconds"]
     assert sec["program_startup"] == 2.0           # start → first logged step (2)
@@ -61,8 +61,8 @@ def test_cli_replay_of_trocr_flags_the_one_spike_at_step_682(r: redis.Redis, red
     assert sum(sec.values()) == pytest.approx(snap["wall_s"], abs=1e-6)
 
 
-def test_healthy_tinyllama_replay_flags_nothing(r: redis.Redis) -> None:
-    res = replay(TINYLLAMA, r, run="tiny")
+def test_healthy_tinyllama_replay_flags_nothing(r: redis.Redis, real_logs: Path) -> None:
+    res = replay(real_logs / TINYLLAMA, r, run="tiny")
     assert (res.points, res.evals) == (186, 14)
     drain(r)
     assert anomalies(r, "tiny") == {}
@@ -71,7 +71,7 @@ def test_healthy_tinyllama_replay_flags_nothing(r: redis.Redis) -> None:
     assert snap["tokens_total"] == 11424256
 
 
-def test_replay_bad_input_is_a_clear_error(tmp_path: Path, r: redis.Redis) -> None:
+def test_replay_bad_input_is_a_clear_error(tmp_path: Path, r: redis.Redis, real_logs: Path) -> None:
     bad = tmp_path / "trainer_state.json"
     bad.write_text('{"log_history": [{"loss": 1.0, "step": 1}, {"loss": "x", "step": 2}]}')
     with pytest.raises(InputFormatError, match=r"log_history\[1\] field 'loss' is not a number: 'x'"):
@@ -83,13 +83,13 @@ def test_replay_bad_input_is_a_clear_error(tmp_path: Path, r: redis.Redis) -> No
     with pytest.raises(InputFormatError, match=r"not valid JSON \(line 1, column 2\)"):
         replay(bad, r)
     with pytest.raises(ConfigError, match=r"speed=-1 must be >= 0"):
-        replay(TROCR, r, speed=-1)
+        replay(real_logs / TROCR, r, speed=-1)
     assert r.keys("*") == []  # nothing half-written
 
 
-def test_cli_errors_are_one_line_with_exit_2(redis_url: str) -> None:
+def test_cli_errors_are_one_line_with_exit_2(redis_url: str, real_logs: Path) -> None:
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": "http://nope"}
-    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(TROCR)], env=env,
+    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(real_logs / TROCR)], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == ("trainhealth: error: TRAINHEALTH_REDIS_URL='http://nope' is not a Redis URL: "
