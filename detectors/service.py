@@ -33,6 +33,13 @@ from trainhealth.keys import RUNS, RunKeys, run_keys, service_heartbeat
 log = logging.getLogger(__name__)
 
 _VOLATILE = ("first_seen", "last_seen")
+# Renew the run lease only if we still hold it.
+_RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0
+"""
 #: A run whose newest heartbeat or step is older than this is not watched for hangs any more.
 RUN_INACTIVE_S = 6 * 3600.0
 
@@ -67,8 +74,8 @@ class DetectorService:
     client : redis.Redis
         Connection (passed in, never global).
     consumer : str, optional
-        Consumer name in the group; default ``<host>`` so a restarted service on the same
-        host takes over its own pending entries.
+        Consumer name in the group; default ``<host>-<pid>``. A new process takes over the
+        pending entries of a dead one when it rebuilds the run.
     group : str
         Consumer group name (``th-detectors``).
     block_ms, count : int
@@ -79,6 +86,10 @@ class DetectorService:
         Builds each run's :class:`HangDetector` (tests and the demo use a short floor).
     clock : callable
         Unix-time source (tests pass a fake).
+    lease_s : int
+        Each run is processed by one service at a time: the owner holds ``th:{run}:owner``
+        (``SET NX EX``) and renews it every tick; another service takes the run over once the
+        lease expires. Several services on one Redis so split the work by run.
     """
 
     def __init__(
@@ -92,9 +103,13 @@ class DetectorService:
         snapshot_interval: float = defaults.LEDGER_SNAPSHOT_INTERVAL_S,
         hang_factory: Callable[[], HangDetector] | None = None,
         clock: Callable[[], float] = time.time,
+        lease_s: int = defaults.RUN_LEASE_S,
     ) -> None:
         self.client = client
-        self.consumer = consumer or socket.gethostname()
+        # Unique per process: two services must never share a consumer (they would split a run's entries).
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.lease_s = lease_s
+        self._renew = client.register_script(_RENEW_LUA)
         self.group = group
         self.block_ms = block_ms
         self.count = count
@@ -131,6 +146,9 @@ class DetectorService:
                 self._stop.wait(backoff)
         with contextlib.suppress(redis.RedisError):
             self.client.delete(service_heartbeat(self.consumer))
+            for run in self.runs.values():  # hand the runs over now instead of after the lease
+                if _s(self.client.get(run.keys.owner) or b"") == self.consumer:
+                    self.client.delete(run.keys.owner)
         log.info("detector service %s stopped after %d entries", self.consumer, self.processed)
 
     def run_once(self, block_ms: int | None = None) -> int:
@@ -145,16 +163,20 @@ class DetectorService:
 
     # -- runs -------------------------------------------------------------------------------------
     def discover(self) -> None:
-        """Start consuming runs newly added to ``th:runs`` (rebuilding their state first)."""
+        """Take runs of ``th:runs`` that no other live service owns (rebuilding their state first)."""
         for raw in self.client.zrange(RUNS, 0, -1):
             run = _s(raw)
-            if run not in self.runs:
-                try:
-                    keys = run_keys(run)
-                except ValueError:
-                    log.warning("ignoring run with invalid id %r in %s", run, RUNS)
-                    continue
-                self.runs[run] = self._attach(keys)
+            if run in self.runs:
+                continue
+            try:
+                keys = run_keys(run)
+            except ValueError:
+                log.warning("ignoring run with invalid id %r in %s", run, RUNS)
+                continue
+            taken = self.client.set(keys.owner, self.consumer, nx=True, ex=self.lease_s)
+            if not taken and _s(self.client.get(keys.owner) or b"") != self.consumer:
+                continue  # another service processes this run
+            self.runs[run] = self._attach(keys)
 
     def _attach(self, keys: RunKeys) -> _Run:
         meta = {_s(k): _s(v) for k, v in self.client.hgetall(keys.meta).items()}
@@ -238,7 +260,12 @@ class DetectorService:
             for stream in run.keys.input_streams:
                 if ids.get(stream):
                     pipe.xack(stream, self.group, *ids[stream])
-            pipe.execute()
+            try:
+                pipe.execute()
+            except redis.ResponseError as exc:
+                # Our state no longer matches what is stored (e.g. another writer): rebuild the run.
+                log.error("run %s: write failed (%s); rebuilding its state from the streams", run_id, exc)
+                self.runs.pop(run_id, None)
         self.processed += n
         return n
 
@@ -309,7 +336,11 @@ class DetectorService:
                         json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": now,
                                     "runs": len(self.runs), "processed": self.processed}),
                         ex=defaults.SERVICE_HEARTBEAT_TTL_S)
-        for run in self.runs.values():
+        for run_id, run in list(self.runs.items()):
+            if not self._renew(keys=[run.keys.owner], args=[self.consumer, self.lease_s]):
+                log.warning("run %s: lease lost to another service; no longer processing it", run_id)
+                self.runs.pop(run_id)
+                continue
             if now - run.meta_checked >= 5.0:
                 fields = ("status", "world_size", "gpu_hour_usd")
                 meta = {k: _s(v) for k, v in zip(fields, self.client.hmget(run.keys.meta, fields), strict=False) if v}

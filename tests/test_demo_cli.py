@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,7 +42,7 @@ def test_demo_starts_everything_and_ctrl_c_stops_it(tmp_path: Path) -> None:
         assert m, out
         url = m.group(1)
         assert f"Dashboard: http://127.0.0.1:{port}/?run=cli-demo" in out
-        assert "Demo job finished (0 restart)" in out
+        assert "Demo job finished (0 restarts)" in out
         assert json.loads((home / "redis" / "server.json").read_text())["url"] == url
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=30) as resp:
             assert resp.read() == b"ok"
@@ -62,3 +64,36 @@ def test_demo_starts_everything_and_ctrl_c_stops_it(tmp_path: Path) -> None:
     assert "Stopped the embedded redis-server" in rest
     assert not ping(url)
     assert not (home / "redis" / "server.json").exists()
+
+
+def test_demo_and_replay_reject_bad_arguments_before_starting_anything(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    env = {**os.environ, "TRAINHEALTH_HOME": str(home)}
+    env.pop("TRAINHEALTH_REDIS_URL", None)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    cases = [
+        (["demo", "--ranks", "1"], "--ranks=1 must be between 2 and 64"),
+        (["demo", "--steps", "0"], "--steps=0 must be >= 1"),
+        (["demo", "--port", "70000"], "--port=70000 is not a TCP port (1-65535)"),
+        (["demo", "--port", str(busy.getsockname()[1])], "is already in use on 127.0.0.1: pass another --port"),
+        (["replay", str(tmp_path / "missing.json")], "missing.json: cannot read: No such file or directory"),
+        (["replay", "--speed", "-2", "x.json"], "--speed=-2.0 must be >= 0"),
+    ]
+    gz = tmp_path / "state.json.gz"
+    gz.write_bytes(gzip.compress(b'{"log_history": []}'))
+    cases.append((["replay", str(gz)], "no training steps (log_history entries with 'loss') to replay"))
+    bad = tmp_path / "binary.json"
+    bad.write_bytes(b"\x00\xff\xfe")
+    cases.append((["replay", str(bad)], "binary.json: not a text JSON file (not UTF-8)"))
+    try:
+        for argv, message in cases:
+            out = subprocess.run([sys.executable, "-m", "trainhealth.cli", *argv], env=env, capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 2, (argv, out.stdout, out.stderr)
+            assert message in out.stderr, (argv, out.stderr)
+            assert "Traceback" not in out.stderr
+    finally:
+        busy.close()
+    assert not (home / "redis").exists()  # nothing was started for a command that could not run

@@ -104,7 +104,8 @@ def test_crash_between_read_and_ack_is_processed_once(r: redis.Redis) -> None:
     assert r.xpending("th:{cr}:steps", "th-detectors")["pending"] == 0
     assert log_entries(r, "cr") == [("opened", "loss_spike:*:60:0"), ("resolved", "loss_spike:*:60:0")]
     assert r.xlen("th:{cr}:agg") == 100
-    # And once more: a third service process changes nothing.
+    # And once more, after b's lease expired: a third service process changes nothing.
+    r.delete("th:{cr}:owner")
     svc3 = DetectorService(r, consumer="c", clock=lambda: T0 + 250, hang_factory=lambda: HangDetector(floor_s=1e9))
     drain(svc3)
     assert len(log_entries(r, "cr")) == 2 and r.xlen("th:{cr}:agg") == 100
@@ -121,3 +122,30 @@ def test_hang_from_heartbeats_and_finished_run_is_left_alone(r: redis.Redis) -> 
     a = json.loads(r.hget("th:{hg}:anomalies", "hang:*:29:0"))
     assert (a["kind"], a["severity"], a["ranks"], a["hosts"], a["evidence"]["stalled_s"]) == (
         "hang", "critical", [0], ["node-0"], 961.0)
+
+
+def test_two_services_split_runs_by_lease_and_hand_over_without_duplicates(r: redis.Redis) -> None:
+    write_run(r, "one", range(0, 80), spike_at=50)
+    a = DetectorService(r, consumer="a", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
+    b = DetectorService(r, consumer="b", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(a)
+    drain(b)
+    assert list(a.runs) == ["one"] and list(b.runs) == []  # one owner per run
+    assert r.get("th:{one}:owner") == b"a"
+    write_run(r, "two", range(0, 80), spike_at=60)
+    drain(b)  # b sees the new run first and takes it
+    drain(a)
+    assert list(a.runs) == ["one"] and list(b.runs) == ["two"]
+    # a shuts down and releases its lease; b takes "one" over and rebuilds it: no second alert
+    a.stop()
+    a.run_forever()
+    assert r.exists("th:{one}:owner") == 0
+    write_run(r, "one", range(80, 100))
+    drain(b)
+    assert sorted(b.runs) == ["one", "two"]
+    assert log_entries(r, "one") == [("opened", "loss_spike:*:50:0"), ("resolved", "loss_spike:*:50:0")]
+    assert r.xlen("th:{one}:agg") == 100
+    # a lease taken by someone else is noticed at the next tick
+    r.set("th:{two}:owner", "intruder")
+    b._tick(T0 + 201)
+    assert sorted(b.runs) == ["one"]

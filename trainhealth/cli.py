@@ -14,9 +14,12 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from trainhealth import __version__, config, defaults
-from trainhealth.exceptions import TrainHealthError
+from trainhealth.exceptions import ConfigError, TrainHealthError
 
 log = logging.getLogger("trainhealth")
+
+#: A detector service heartbeat older than this (s) counts as a dead service.
+SERVICE_STALE_S = 10.0
 
 DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 
@@ -71,33 +74,61 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
+    _check_port(args.port)
     url, _ = _resolve(args)
     print(f"Dashboard: http://127.0.0.1:{args.port}/", flush=True)
     return subprocess.call(dashboard_command(url, args.port), env=_child_env(url))
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from trainhealth.replay import replay
+    from trainhealth.replay import read_points, replay
     from trainhealth.server import connect
 
+    if not args.speed >= 0:
+        raise ConfigError(f"--speed={args.speed!r} must be >= 0 (0 = as fast as possible)")
+    if not args.step_seconds > 0:
+        raise ConfigError(f"--step-seconds={args.step_seconds!r} must be > 0")
+    # Parse every file before touching Redis: a typo must not start a server or half-write a run.
+    parsed = [(path, read_points(path)) for path in args.paths]
     url, _ = _resolve(args)
     client = connect(url)
-    for path in args.paths:
+    for path, points in parsed:
         res = replay(path, client, run=args.run if len(args.paths) == 1 else None, speed=args.speed,
-                     step_seconds=args.step_seconds)
+                     step_seconds=args.step_seconds, points=points)
         print(f"replayed {res.points} steps and {res.evals} evaluations of {path} as run {res.run!r} "
               f"(synthetic span {res.span_s:.0f} s)" + ("" if res.delivered else " — NOT all delivered"))
+    if not _live_services(client):
+        print("No detector service is running: start `trainhealth serve` to analyse the replayed run(s).")
     return 0
+
+
+def _live_services(client) -> list[dict]:
+    """Heartbeats of detector services seen in the last 10 s."""
+    from trainhealth.keys import SERVICE_HEARTBEAT_PATTERN
+
+    now = time.time()
+    beats = [json.loads(client.get(k) or "{}") for k in client.scan_iter(SERVICE_HEARTBEAT_PATTERN)]
+    return [b for b in beats if now - float(b.get("t", 0)) < SERVICE_STALE_S]
+
+
+def _check_port(port: int) -> None:
+    from trainhealth.server import free_port
+
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--port={port} is not a TCP port (1-65535)")
+    if free_port(port) != port:
+        raise ConfigError(f"--port={port} is already in use on 127.0.0.1: pass another --port")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     import redis
 
-    from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN
+    from trainhealth.keys import RUNS
 
     url = config.redis_url(args.redis_url)
     if url is None:
-        print("Redis: none configured (TRAINHEALTH_REDIS_URL unset, no embedded server running)")
+        print("Redis: none configured (TRAINHEALTH_REDIS_URL unset, no embedded server running): "
+              "`trainhealth serve` or `trainhealth demo` starts the embedded one")
         return 1
     client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
     try:
@@ -106,15 +137,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"Redis: {_redact(url)} UNREACHABLE ({exc})")
         return 1
     print(f"Redis: {_redact(url)} ok (redis {info.get('redis_version')})")
-    services = [json.loads(client.get(k) or "{}") for k in client.scan_iter(SERVICE_HEARTBEAT_PATTERN)]
-    if services:
-        for s in services:
-            print(f"Detector service: pid {s.get('pid')} on {s.get('host')}, {s.get('runs')} runs, "
-                  f"heartbeat {time.time() - s.get('t', 0):.0f} s ago")
-    else:
-        print("Detector service: NOT RUNNING (no heartbeat): start `trainhealth serve`")
+    live = _live_services(client)
+    for s in live:
+        print(f"Detector service: pid {s.get('pid')} on {s.get('host')}, {s.get('runs')} runs, "
+              f"heartbeat {time.time() - s.get('t', 0):.0f} s ago")
+    if not live:
+        print(f"Detector service: NOT RUNNING (no heartbeat in the last {SERVICE_STALE_S:.0f} s): "
+              "start `trainhealth serve`")
     print(f"Runs: {client.zcard(RUNS)}")
-    return 0 if services else 1
+    return 0 if live else 1
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
@@ -138,48 +169,123 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from trainhealth.keys import run_keys
     from trainhealth.server import connect
 
+    if not 2 <= args.ranks <= 64:
+        raise ConfigError(f"--ranks={args.ranks} must be between 2 and 64 (each rank is a process)")
+    if args.steps < 1:
+        raise ConfigError(f"--steps={args.steps} must be >= 1")
+    if not args.no_dashboard:
+        _check_port(args.port)
     url, embedded = _resolve(args)
     run = args.run or time.strftime("demo-%Y%m%d-%H%M%S")
-    cfg = DemoConfig(run=run, ranks=args.ranks, steps=args.steps)
+    cfg = DemoConfig(run=run, ranks=args.ranks, steps=args.steps, straggler_rank=min(5, args.ranks - 1))
     env = _child_env(url)
-    children: list[subprocess.Popen] = []
-    children.append(subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "serve", "--hang-floor", "30"],
-                                     env=env))
-    if not args.no_dashboard:
-        children.append(subprocess.Popen(dashboard_command(url, args.port), env=env,
-                                         stdout=subprocess.DEVNULL))
-        print(f"\nDashboard: http://127.0.0.1:{args.port}/?run={run}\n", flush=True)
-    print(f"Demo job: run {run!r}, {cfg.ranks} ranks, {cfg.steps} steps; straggler rank {cfg.straggler_rank} "
-          f"(steps {cfg.straggler_from}-{cfg.straggler_to}), loss spike at step {cfg.spike_step}, "
-          f"crash after step {cfg.crash_step} and resume from checkpoint. Ctrl-C stops everything.", flush=True)
+    children: dict[str, subprocess.Popen] = {}
 
     def _stop(*_: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)
+
+    def watch() -> None:
+        for name, child in children.items():
+            if child.poll() is not None:
+                raise RuntimeError(f"the {name} exited (code {child.returncode}); stopping the demo")
+
     try:
+        children["detector service"] = subprocess.Popen(
+            [sys.executable, "-m", "trainhealth.cli", "serve", "--hang-floor", "30"], env=env)
+        if not args.no_dashboard:
+            children["dashboard"] = subprocess.Popen(dashboard_command(url, args.port), env=env,
+                                                     stdout=subprocess.DEVNULL)
+            _wait_for_dashboard(args.port, children["dashboard"])
+            print(f"\nDashboard: http://127.0.0.1:{args.port}/?run={run}\n", flush=True)
+        print(f"Demo job: run {run!r}, {cfg.ranks} ranks, {cfg.steps} steps; {_faults(cfg)}. "
+              "Ctrl-C stops everything.", flush=True)
         connect(url).hset(run_keys(run).meta, "source", "demo")
-        restarts = run_job(cfg, url, config.home_dir() / "demo")
-        print(f"Demo job finished ({restarts} restart). Dashboard and detectors stay up; Ctrl-C to stop.",
-              flush=True)
-        while all(c.poll() is None for c in children):
+        restarts = run_job(cfg, url, config.home_dir() / "demo", watch=watch)
+        print(f"Demo job finished ({restarts} restart{'s' if restarts != 1 else ''}). Dashboard and detectors "
+              "stay up; Ctrl-C to stop.", flush=True)
+        while True:
+            watch()
             time.sleep(0.5)
-        return 1
     except KeyboardInterrupt:
         print("\nStopping…", flush=True)
         return 0
+    except RuntimeError as exc:
+        print(f"trainhealth demo: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
-        for c in children:
+        # A second Ctrl-C must not interrupt the cleanup and leave servers behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for c in children.values():
             if c.poll() is None:
                 c.send_signal(signal.SIGTERM)
-        for c in children:
+        for c in children.values():
             try:
                 c.wait(10)
             except subprocess.TimeoutExpired:
                 c.kill()
         if embedded is not None and embedded.started:
-            embedded.stop()
-            print("Stopped the embedded redis-server (data kept in", embedded.directory, ")")
+            others = _other_users(url, run)
+            if others:
+                print(f"Left the embedded redis-server running at {url}: {others}.")
+            else:
+                embedded.stop()
+                print(f"Stopped the embedded redis-server (data kept in {embedded.directory}).")
+
+
+def _faults(cfg) -> str:
+    parts = []
+    if cfg.straggler_from < cfg.steps:
+        parts.append(f"straggler rank {cfg.straggler_rank} (steps {cfg.straggler_from}-"
+                     f"{min(cfg.straggler_to, cfg.steps)})")
+    if cfg.spike_step < cfg.steps:
+        parts.append(f"loss spike at step {cfg.spike_step}")
+    if 0 <= cfg.crash_step < cfg.steps - 1:
+        parts.append(f"crash after step {cfg.crash_step} and resume from the last checkpoint")
+    return ", ".join(parts) if parts else "too few steps for the scripted faults (use --steps 1500)"
+
+
+def _wait_for_dashboard(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the dashboard exited (code {proc.returncode}) before serving on port {port}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1) as resp:
+                if resp.read() == b"ok":
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the dashboard did not answer on port {port} within {timeout:.0f} s")
+
+
+def _other_users(url: str, own_run: str) -> str:
+    """Who else uses the embedded server: live detector services or runs with fresh heartbeats."""
+    import redis
+
+    from trainhealth.keys import RUNS, run_keys
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=2)
+        if _live_services(client):
+            return "another detector service uses it"
+        now = time.time()
+        for raw in client.zrange(RUNS, 0, -1):
+            run = raw.decode()
+            if run == own_run:
+                continue
+            for body in client.hvals(run_keys(run).heartbeats):
+                if now - float(json.loads(body).get("t", 0)) < SERVICE_STALE_S:
+                    return f"run {run!r} is still sending to it"
+    except (redis.RedisError, ValueError):
+        return ""
+    return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,43 +293,53 @@ def build_parser() -> argparse.ArgumentParser:
                                 "loss spikes, stragglers, hangs, restarts.")
     p.add_argument("--version", action="version", version=f"trainhealth {__version__}")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def with_url(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def with_url(sp: argparse.ArgumentParser, starts: bool = True) -> argparse.ArgumentParser:
         sp.add_argument("--redis-url", help="redis://, rediss:// or unix:// URL (default: $TRAINHEALTH_REDIS_URL, "
-                        "else the embedded server, started if needed)")
+                        "else the embedded server" + (", started if needed)" if starts else ")"))
         return sp
 
-    d = with_url(sub.add_parser("demo", help="embedded Redis + detectors + dashboard + a simulated 8-rank job"))
-    d.add_argument("--ranks", type=int, default=8)
-    d.add_argument("--steps", type=int, default=1500)
-    d.add_argument("--port", type=int, default=defaults.DASHBOARD_PORT)
-    d.add_argument("--run", help="run id (default demo-<time>)")
+    def cmd(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=summary)
+
+    d = with_url(cmd("demo", "Embedded Redis, detector service, dashboard and a simulated multi-rank job with "
+                             "a straggler, a loss spike and a crash + restart."))
+    d.add_argument("--ranks", type=int, default=8, help="ranks (processes) of the simulated job, 2-64 (default 8)")
+    d.add_argument("--steps", type=int, default=1500, help="training steps (default 1500, about 2 minutes)")
+    d.add_argument("--port", type=int, default=defaults.DASHBOARD_PORT,
+                   help=f"dashboard port on 127.0.0.1 (default {defaults.DASHBOARD_PORT})")
+    d.add_argument("--run", help="run id (default demo-<date>-<time>)")
     d.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard")
     d.set_defaults(func=cmd_demo)
 
-    s = with_url(sub.add_parser("serve", help="run the detector service"))
-    s.add_argument("--consumer", help="consumer name in the group (default: host name)")
+    s = with_url(cmd("serve", "Run the detector service: reads every run's streams, writes anomalies and the "
+                              "goodput ledger. Stop with SIGTERM or Ctrl-C."))
+    s.add_argument("--consumer", help="consumer name in the group (default: <host>-<pid>)")
     s.add_argument("--hang-floor", type=float, default=defaults.HANG_FLOOR_S,
                    help=f"minimum seconds without progress before a hang (default {defaults.HANG_FLOOR_S:.0f})")
     s.set_defaults(func=cmd_serve)
 
-    b = with_url(sub.add_parser("dashboard", help="run the Streamlit dashboard"))
-    b.add_argument("--port", type=int, default=defaults.DASHBOARD_PORT)
+    b = with_url(cmd("dashboard", "Run the Streamlit dashboard (usage statistics off)."))
+    b.add_argument("--port", type=int, default=defaults.DASHBOARD_PORT,
+                   help=f"port on 127.0.0.1 (default {defaults.DASHBOARD_PORT})")
     b.set_defaults(func=cmd_dashboard)
 
-    r = with_url(sub.add_parser("replay", help="push a log (HF trainer_state.json) through the collectors"))
-    r.add_argument("paths", nargs="+")
-    r.add_argument("--run", help="run id (default replay-<file name>)")
+    r = with_url(cmd("replay", "Push a Hugging Face trainer_state.json (.gz too) through the collectors into "
+                               "Redis, so the detectors and the dashboard act on it."))
+    r.add_argument("paths", nargs="+", metavar="PATH", help="trainer_state.json file(s)")
+    r.add_argument("--run", help="run id (default replay-<file name>; only with one PATH)")
     r.add_argument("--speed", type=float, default=0.0, help="pace factor; 0 = as fast as possible (default)")
-    r.add_argument("--step-seconds", type=float, default=1.0, help="assumed seconds per step (logs have no times)")
+    r.add_argument("--step-seconds", type=float, default=1.0,
+                   help="assumed seconds per step, as logs carry no times (default 1.0)")
     r.set_defaults(func=cmd_replay)
 
-    o = with_url(sub.add_parser("doctor", help="check Redis and the detector service"))
+    o = with_url(cmd("doctor", "Check Redis and the detector service; exit 1 when something is down."),
+                 starts=False)
     o.set_defaults(func=cmd_doctor)
 
-    e = sub.add_parser("redis", help="manage the embedded redis-server")
-    e.add_argument("action", choices=["start", "stop", "url"])
+    e = cmd("redis", "Manage the embedded redis-server (data in ~/.trainhealth/redis).")
+    e.add_argument("action", choices=["start", "stop", "url"], help="start it, stop it, or print its URL")
     e.set_defaults(func=cmd_redis)
     return p
 

@@ -59,6 +59,8 @@ READ_COUNT = 5_000
 LEDGER_SNAPSHOT_INTERVAL_S = 2.0
 #: TTL in seconds of the service's own heartbeat key.
 SERVICE_HEARTBEAT_TTL_S = 30
+#: Seconds a detector service's lease on a run lasts without renewal (renewed every ~1 s).
+RUN_LEASE_S = 15
 #: Seconds after which a step still missing some ranks is closed with the ranks it has.
 AGG_STALE_S = 30.0
 

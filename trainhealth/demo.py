@@ -14,9 +14,11 @@ import json
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -119,11 +121,12 @@ def _rank_main(cfg: DemoConfig, rank: int, start: int, barrier, url: str, ckpt_f
     mon.close()
 
 
-def run_job(cfg: DemoConfig, url: str, workdir: Path, max_restarts: int = 3) -> int:
+def run_job(cfg: DemoConfig, url: str, workdir: Path, max_restarts: int = 3,
+            watch: Callable[[], None] | None = None) -> int:
     """Launch the ranks, relaunch from the last checkpoint after a crash; return restarts done.
 
-    Blocks until the job finishes. Raises ``RuntimeError`` when it fails more than
-    ``max_restarts`` times.
+    Blocks until the job finishes, calling ``watch()`` every half second (it may raise to stop
+    the job). Raises ``RuntimeError`` when the job fails more than ``max_restarts`` times.
     """
     ctx = mp.get_context("spawn")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -138,8 +141,10 @@ def run_job(cfg: DemoConfig, url: str, workdir: Path, max_restarts: int = 3) -> 
         for p in procs:
             p.start()
         try:
-            for p in procs:
-                p.join()
+            while any(p.is_alive() for p in procs):
+                mp.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.5)
+                if watch is not None:
+                    watch()
         except BaseException:
             for p in procs:
                 p.terminate()

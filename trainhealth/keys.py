@@ -101,6 +101,11 @@ class RunKeys:
         return f"{self._p}:ledger:latest"
 
     @property
+    def owner(self) -> str:
+        """String with TTL: the consumer name of the detector service processing this run."""
+        return f"{self._p}:owner"
+
+    @property
     def input_streams(self) -> tuple[str, str]:
         """The streams the detector service consumes, in merge order."""
         return (self.steps, self.events)

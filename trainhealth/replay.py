@@ -14,7 +14,7 @@ import redis
 from collectors.importers import hf_trainer_state
 from collectors.importers.base import LogPoint
 from collectors.monitor import Monitor
-from trainhealth.exceptions import ConfigError
+from trainhealth.exceptions import ConfigError, InputFormatError
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,15 @@ def default_run_id(path: Path) -> str:
     return "replay-" + (re.sub(r"[^A-Za-z0-9._-]", "-", stem)[:100] or "log")
 
 
-def read_points(path: Path) -> list[LogPoint]:
-    """Parse a supported log (Hugging Face ``trainer_state.json`` for now)."""
-    return list(hf_trainer_state.read(path))
+def read_points(path: str | Path) -> list[LogPoint]:
+    """Parse a supported log (Hugging Face ``trainer_state.json`` for now).
+
+    Raises :class:`InputFormatError` when it cannot be parsed or holds no training step.
+    """
+    points = list(hf_trainer_state.read(path))
+    if not any(not p.is_eval for p in points):
+        raise InputFormatError(f"{path}: no training steps (log_history entries with 'loss') to replay")
+    return points
 
 
 def replay(
@@ -50,13 +56,16 @@ def replay(
     step_seconds: float = 1.0,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
+    points: list[LogPoint] | None = None,
 ) -> ReplayResult:
     """Replay ``path`` into Redis as run ``run`` through :class:`collectors.Monitor` (rank 0 of 1).
 
     The log has no wall times, so step ``s`` is placed ``step_seconds`` per step after the
     previous logged step, with evaluations taking their logged ``eval_runtime``.
     ``speed=0`` pushes as fast as possible on that synthetic timeline, ending now;
-    ``speed=k`` paces the pushes in real time at ``k`` x the synthetic pace.
+    ``speed=k`` paces the pushes in real time at ``k`` x the synthetic pace. ``points`` may
+    carry the file already parsed with :func:`read_points` (the CLI parses every file before
+    it touches Redis).
 
     Raises
     ------
@@ -70,7 +79,8 @@ def replay(
     if not step_seconds > 0:
         raise ConfigError(f"step_seconds={step_seconds!r} must be > 0")
     path = Path(path)
-    points = read_points(path)
+    if points is None:
+        points = read_points(path)
     run = run or default_run_id(path)
     # Synthetic timeline: seconds from the start at which each point ends.
     offsets: list[float] = []
@@ -102,5 +112,5 @@ def replay(
             mon.log_step(p.step, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr, tokens=p.tokens, timestamp=ts)
             n += 1
     ok = mon.close("finished")
-    log.info("replayed %d steps and %d evaluations of %s as run %s", n, evals, path, run)
+    log.debug("replayed %d steps and %d evaluations of %s as run %s", n, evals, path, run)
     return ReplayResult(run=run, points=n, evals=evals, span_s=span, delivered=ok)

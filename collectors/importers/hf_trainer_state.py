@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     the difference of the cumulative ``num_tokens``/``num_input_tokens_seen``; eval entries
     (with ``eval_runtime``) give their runtime. Summary entries (``train_runtime``) are skipped.
 
+    A gzip-compressed file is read transparently.
+
     Raises
     ------
     InputFormatError
@@ -49,11 +52,16 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     """
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
+        raw = path.read_bytes()
+        if raw[:2] == b"\x1f\x8b":  # gzip magic: trainer_state.json.gz
+            raw = gzip.decompress(raw)
+        doc = json.loads(raw.decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise InputFormatError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from None
-    except OSError as exc:
-        raise InputFormatError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputFormatError(f"{path}: not a text JSON file (not UTF-8)") from None
+    except (OSError, EOFError) as exc:
+        raise InputFormatError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
     history = doc.get("log_history") if isinstance(doc, dict) else None
     if not isinstance(history, list):
         raise InputFormatError(f"{path}: no 'log_history' list: not a Hugging Face trainer_state.json")
