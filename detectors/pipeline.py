@@ -8,10 +8,13 @@ is what lets the service rebuild its state by replaying the streams after a rest
 from __future__ import annotations
 
 import math
+import statistics
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from detectors.advisor import Checkpoint, Recommendation, RollbackAdvisor
 from detectors.aggregate import StepAggregate, StepAggregator
 from detectors.anomaly import Anomaly
 from detectors.hang import HangDetector
@@ -29,10 +32,13 @@ class Output:
 
     aggs: list[StepAggregate] = field(default_factory=list)
     anomalies: list[Anomaly] = field(default_factory=list)
+    #: Recommendations (re)computed, by anomaly id.
+    recommendations: dict[str, Recommendation] = field(default_factory=dict)
 
     def extend(self, other: Output) -> None:
         self.aggs += other.aggs
         self.anomalies += other.anomalies
+        self.recommendations.update(other.recommendations)
 
 
 class RunPipeline:
@@ -49,7 +55,7 @@ class RunPipeline:
     """
 
     def __init__(self, world_size: int = 1, gpu_hour_usd: float | None = None,
-                 hang: HangDetector | None = None) -> None:
+                 hang: HangDetector | None = None, run: str = "") -> None:
         self.aggregator = StepAggregator(world_size)
         self.ledger = GoodputLedger(world_size, gpu_hour_usd)
         self.hang = hang or HangDetector()
@@ -57,6 +63,15 @@ class RunPipeline:
         #: rank -> host, from run_start events.
         self.hosts: dict[int, str] = {}
         self.ended_ranks: set[int] = set()
+        self.run = run
+        self.advisor = RollbackAdvisor()
+        #: Latest state of every anomaly, by id (the advisor's history).
+        self.anomalies: dict[str, Anomaly] = {}
+        self.checkpoints: dict[int, Checkpoint] = {}
+        # step -> (consumed_samples, batch_index) after it; the newest 100,000 steps.
+        self.positions: OrderedDict[int, tuple[int | None, int | None]] = OrderedDict()
+        self.current_step = 0
+        self._last_advice = -(10**9)
 
     @property
     def world_size(self) -> int:
@@ -83,6 +98,9 @@ class RunPipeline:
             self.ended_ranks.discard(ev.rank)
         elif ev.kind == "run_end":
             self.ended_ranks.add(ev.rank)
+        elif ev.kind == "checkpoint_save" and ev.step is not None and ev.step not in self.checkpoints:
+            pos = self.positions.get(ev.step, (None, None))
+            self.checkpoints[ev.step] = Checkpoint(ev.step, *pos)
         self.ledger.add_event(ev)
         return Output()
 
@@ -109,9 +127,38 @@ class RunPipeline:
                 dur = agg.t_end - prev_end
             self.hang.observe_step(dur, agg.gen)
             prev_end = agg.t_end
+            self.current_step = agg.step
+            if agg.consumed_samples is not None or agg.batch_index is not None:
+                self.positions[agg.step] = (agg.consumed_samples, agg.batch_index)
+                if len(self.positions) > 100_000:
+                    self.positions.popitem(last=False)
+            changed = []
             for det in self.step_detectors:
-                out.anomalies += [self._with_hosts(a) for a in det.update(agg)]
+                changed += [self._with_hosts(a) for a in det.update(agg)]
+            out.anomalies += changed
+            for a in changed:
+                self.anomalies[a.id] = a
+            # Advice on changes, and every 10 steps for open ones (a "wait" turns into "rollback").
+            due = agg.step - self._last_advice >= 10
+            candidates = {a.id: a for a in changed}
+            if due:
+                candidates.update((i, a) for i, a in self.anomalies.items() if a.active)
+            for a in candidates.values():
+                if RollbackAdvisor.concerns(a):
+                    rec = self._advise(a)
+                    if rec is not None:
+                        out.recommendations[a.id] = rec
+            if due:
+                self._last_advice = agg.step
         return out
+
+    def _advise(self, a: Anomaly) -> Recommendation | None:
+        step_s = statistics.median(self.hang._step_s) if self.hang._step_s else None
+        return self.advisor.advise(
+            a, run=self.run, checkpoints=self.checkpoints.values(), current_step=self.current_step, step_s=step_s,
+            world_size=self.world_size, gpu_hour_usd=self.ledger.gpu_hour_usd, data_positions=self.positions,
+            history=self.anomalies.values(),
+        )
 
     def _with_hosts(self, a: Anomaly) -> Anomaly:
         hosts = tuple(sorted({self.hosts[r] for r in a.ranks if r in self.hosts}))

@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 
+from detectors.advisor import Recommendation
 from detectors.anomaly import Anomaly
 from detectors.hang import HangDetector
 from detectors.pipeline import Output, RunPipeline, agg_fields
@@ -59,6 +60,7 @@ class _Run:
     keys: RunKeys
     pipeline: RunPipeline
     stored: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stored_recs: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_agg: tuple[int, int] = (0, 0)
     last_snapshot: float = 0.0
     status: str = "running"
@@ -182,12 +184,14 @@ class DetectorService:
         meta = {_s(k): _s(v) for k, v in self.client.hgetall(keys.meta).items()}
         price = meta.get("gpu_hour_usd")
         pipeline = RunPipeline(int(meta.get("world_size", 1)), float(price) if price else None,
-                               hang=self.hang_factory())
+                               hang=self.hang_factory(), run=keys.run)
         run = _Run(keys, pipeline, status=meta.get("status", "running"))
         if "started_at" in meta:
             pipeline.ledger.note_start(float(meta["started_at"]))
         for key, raw in self.client.hgetall(keys.anomalies).items():
             run.stored[_s(key)] = json.loads(raw)
+        for key, raw in self.client.hgetall(keys.recommendations).items():
+            run.stored_recs[_s(key)] = json.loads(raw)
         last = self.client.xrevrange(keys.agg, count=1)
         if last:
             run.last_agg = _sid(last[0][0])
@@ -204,7 +208,7 @@ class DetectorService:
         # Rebuild: replay what the group already delivered; writes happen only where the
         # stored state differs, so a crash before XACK never duplicates an anomaly.
         replayed = 0
-        final_states: dict[str, Anomaly] = {}  # only each anomaly's end state is compared and written
+        final = Output()  # only the end state of each anomaly and recommendation is compared and written
         cursors = {s: "-" for s in keys.input_streams}
         while True:
             batch: list[tuple[tuple[int, int], str, dict]] = []
@@ -221,13 +225,13 @@ class DetectorService:
             if not batch:
                 break
             pipe = self.client.pipeline(transaction=True)
-            self._process(run, batch, pipe, final_states)
+            self._process(run, batch, pipe, final)
             pipe.execute()
             replayed += len(batch)
         # Everything up to last-delivered is now processed: write what differs, acknowledge what was pending.
         pipe = self.client.pipeline(transaction=True)
-        for a in final_states.values():
-            self._write_anomaly(run, a, pipe)
+        final.anomalies = list({a.id: a for a in final.anomalies}.values())
+        self._write(run, final, pipe)
         for stream, end in delivered.items():
             for p in self.client.xpending_range(stream, self.group, min="-", max=end, count=100_000):
                 pipe.xack(stream, self.group, p["message_id"])
@@ -270,7 +274,7 @@ class DetectorService:
         return n
 
     def _process(self, run: _Run, batch: Iterable[tuple[tuple[int, int], str, dict]], pipe: Any,
-                 collect: dict[str, Anomaly] | None = None) -> None:
+                 collect: Output | None = None) -> None:
         keys = run.keys
         decoded: list[tuple[tuple[int, float, int], StepRecord | Event]] = []
         for sid, stream, fields in batch:
@@ -287,8 +291,9 @@ class DetectorService:
         for _, rec in decoded:
             out = run.pipeline.feed_step(rec) if isinstance(rec, StepRecord) else run.pipeline.feed_event(rec)
             if collect is not None:
-                collect.update((a.id, a) for a in out.anomalies)
-                out.anomalies = []
+                collect.anomalies += out.anomalies
+                collect.recommendations.update(out.recommendations)
+                out.anomalies, out.recommendations = [], {}
             self._write(run, out, pipe)
         run.dirty = True
 
@@ -303,11 +308,35 @@ class DetectorService:
             pipe.xadd(keys.agg, agg_fields(agg), id=f"{aid[0]}-{aid[1]}",
                       maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)
             run.last_agg = aid
+        for rec in out.recommendations.values():
+            self._write_recommendation(run, rec, pipe)
         for a in out.anomalies:
             self._write_anomaly(run, a, pipe)
 
+    def _write_recommendation(self, run: _Run, rec: Recommendation, pipe: Any) -> None:
+        d = rec.to_dict()
+        # Read the stored one: people change its status (trainhealth advise, the dashboard) meanwhile.
+        raw = self.client.hget(run.keys.recommendations, rec.id)
+        old = json.loads(raw) if raw else None
+        same_advice = old is not None and all(old.get(k) == d[k] for k in ("action", "checkpoint_step", "skip_steps"))
+        # The lifecycle is the user's: it survives updates of the figures, not a change of advice.
+        d["status"] = old["status"] if same_advice else "proposed"
+        if same_advice and "history" in old:
+            d["history"] = old["history"]
+        if old is not None and {k: v for k, v in old.items() if k not in ("created_at", "updated_at")} == d:
+            return
+        now = self.clock()
+        d["created_at"] = old["created_at"] if same_advice else now
+        d["updated_at"] = now
+        run.stored_recs[rec.id] = d
+        pipe.hset(run.keys.recommendations, rec.id, json.dumps(d, sort_keys=True))
+
     def _write_anomaly(self, run: _Run, a: Anomaly, pipe: Any) -> None:
         d = json.loads(a.to_json())
+        rec = run.stored_recs.get(f"rec:{a.id}")
+        if rec is not None:
+            # The stable part of the advice travels with the anomaly (and so with its alerts).
+            d["recommendation"] = {k: rec[k] for k in ("id", "action", "checkpoint_step", "skip_steps")}
         old = run.stored.get(a.id)
         if old is not None and {k: v for k, v in old.items() if k not in _VOLATILE} == d:
             return

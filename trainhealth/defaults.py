@@ -89,6 +89,21 @@ HANG_CHECKPOINT_S = 1800.0
 #: Heartbeats older than this many intervals mean the rank's process is gone.
 HEARTBEAT_MISSED_INTERVALS = 4
 
+# --- Rollback advisor -------------------------------------------------------------------
+#: Restart from a checkpoint at least this many steps before the onset (PaLM: ~100 steps).
+ROLLBACK_MARGIN_STEPS = 100
+#: ...whose preceding steps were free of loss anomalies for this many steps.
+ROLLBACK_HEALTHY_STEPS = 50
+#: Skip the batches from this many steps before the onset to this many after it (PaLM
+#: skipped roughly 200-500 batches around each spike).
+ROLLBACK_SKIP_BEFORE_STEPS = 100
+ROLLBACK_SKIP_AFTER_STEPS = 200
+#: A spike younger than this (steps) gets "wait and re-check" instead of a rollback.
+ROLLBACK_RECHECK_STEPS = 50
+#: This many spikes within the window (steps) count as repeated: suggest lower LR / clipping.
+REPEAT_SPIKES = 3
+REPEAT_SPIKES_WINDOW_STEPS = 5000
+
 # --- Dashboard ------------------------------------------------------------------------
 #: Seconds between live refreshes of the dashboard's fragments.
 DASHBOARD_REFRESH_S = 2.0

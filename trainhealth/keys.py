@@ -86,6 +86,11 @@ class RunKeys:
         return f"{self._p}:anomalies"
 
     @property
+    def recommendations(self) -> str:
+        """Hash: recommendation id (``rec:<anomaly id>``) -> JSON with its lifecycle ``status``."""
+        return f"{self._p}:recommendations"
+
+    @property
     def anomaly_log(self) -> str:
         """Stream: anomaly transitions (opened, updated, resolved), the alerting outbox's source."""
         return f"{self._p}:anomaly_log"
