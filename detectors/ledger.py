@@ -12,20 +12,29 @@ from collections import deque
 from typing import Any
 
 from detectors.aggregate import StepAggregate
+from trainhealth import defaults
 from trainhealth.events import Event
 
 #: Ledger categories; their seconds sum to the wall time exactly.
 CATEGORIES = (
-    "productive",                               # step time of surviving steps, minus data wait
+    "productive",                               # step time of surviving steps, minus the badput below
     "program_startup",                          # process start (or run start) to its first step
     "data_loading",                             # data-loading sections of surviving steps
+    "straggler_wait",                           # time all ranks waited for the slowest rank's sections
+    "skipped_steps",                            # steps whose update was skipped (fp16 overflow, NaN/Inf)
     "checkpoint_save",                          # blocking checkpoint saves between steps
     "checkpoint_restore",                       # checkpoint loads before resuming
-    "wasted_progress_from_disruption",          # steps discarded by a restart or rollback
+    "wasted_progress_from_disruption",          # steps since the newest checkpoint, lost to a failure
+    "wasted_progress_from_rollback",            # steps discarded by going back further (loss spike, divergence)
     "infrastructure_recovery_from_disruption",  # last step before a failure to the new processes' start
     "custom",                                   # user-declared badput (evaluation, profiling)
-    "idle",                                     # gaps with no step and nothing declared: hangs, stalls
+    "hang",                                     # gaps longer than the hang threshold with nothing declared
+    "idle",                                     # shorter unattributed gaps
 )
+#: Windows (s) of the rolling throughput and goodput rates.
+WINDOWS_S = (60, 600, 3600)
+#: Steps of lineage kept in memory (a rollback further back than this is not re-attributed).
+LINEAGE_STEPS = 200_000
 
 
 class GoodputLedger:
@@ -42,6 +51,9 @@ class GoodputLedger:
         Ranks (GPUs), for GPU-hours.
     gpu_hour_usd : float | None
         Price of one GPU-hour, for costs.
+    hang_floor_s, hang_step_multiple : float
+        A gap between steps with nothing declared is ``hang`` when longer than
+        ``max(hang_floor_s, hang_step_multiple x median step time)`` (as the hang detector), else ``idle``.
 
     Examples
     --------
@@ -68,20 +80,30 @@ class GoodputLedger:
     {'productive': 3.75, 'program_startup': 9.0, 'data_loading': 1.25, 'checkpoint_save': 2.0,
      'checkpoint_restore': 1.0, 'wasted_progress_from_disruption': 2.0,
      'infrastructure_recovery_from_disruption': 8.0, 'idle': 3.0}
+    >>> snap["rates"]["60s"]["throughput_tok_s"], snap["rates"]["60s"]["goodput_tok_s"]
+    (1000.0, 166.66666666666666)
     >>> sum(snap["seconds"].values()), snap["tokens_total"], snap["tokens_good"], snap["goodput_pct"]
     (30.0, 7000, 5000, 12.5)
     """
 
-    def __init__(self, world_size: int = 1, gpu_hour_usd: float | None = None) -> None:
+    def __init__(self, world_size: int = 1, gpu_hour_usd: float | None = None,
+                 hang_floor_s: float = defaults.HANG_FLOOR_S,
+                 hang_step_multiple: float = defaults.HANG_STEP_MULTIPLE) -> None:
         self.world_size = world_size
         self.gpu_hour_usd = gpu_hour_usd
+        self.hang_floor_s = hang_floor_s
+        self.hang_step_multiple = hang_step_multiple
+        self._durs: deque[float] = deque(maxlen=200)
+        self._ckpts: list[int] = []
+        # Rolling windows: one entry per step attempt [t_end, tokens, good tokens, dur, step, alive].
+        self._recent: deque[list[Any]] = deque()
         self._start: float | None = None
         self._last_end: float | None = None
         self._last_t = 0.0
         self._gen = 0
         self._sec = dict.fromkeys(CATEGORIES, 0.0)
-        # Surviving lineage, ascending by step: (step, tokens, productive_s, data_s).
-        self._lineage: list[tuple[int, int, float, float]] = []
+        # Surviving lineage, ascending by step: (step, good tokens, {category: seconds}).
+        self._lineage: deque[tuple[int, int, dict[str, float]]] = deque(maxlen=LINEAGE_STEPS)
         self._tokens_total = 0
         self._tokens_good = 0
         self._steps_done = 0
@@ -106,6 +128,8 @@ class GoodputLedger:
             return
         if ev.kind not in ("checkpoint_save", "checkpoint_load", "badput") or ev.seconds is None:
             return
+        if ev.kind == "checkpoint_save" and ev.step is not None and (not self._ckpts or ev.step > self._ckpts[-1]):
+            self._ckpts.append(ev.step)
         key = (ev.kind, ev.step, ev.extra.get("name", ""))
         if key in self._applied:
             return
@@ -158,14 +182,8 @@ class GoodputLedger:
             sec["checkpoint_restore"] += restore
             sec["program_startup"] += gap - restore
         elif agg.gen != self._gen:
-            # Restart or rollback: discard the attempts this generation recomputes.
             self._restarts += 1
-            while self._lineage and self._lineage[-1][0] >= agg.step:
-                _, tok, prod, data = self._lineage.pop()
-                self._tokens_good -= tok
-                sec["productive"] -= prod
-                sec["data_loading"] -= data
-                sec["wasted_progress_from_disruption"] += prod + data
+            self._discard(agg.step, same_process=agg.inc <= last)
             launched = min(max(agg.inc, last), start)  # new processes started here (inc = process start)
             sec["infrastructure_recovery_from_disruption"] += launched - last
             rest = start - launched
@@ -182,19 +200,80 @@ class GoodputLedger:
             sec["checkpoint_save"] += save
             sec["custom"] += custom
             sec["checkpoint_restore"] += restore
-            sec["idle"] += gap - save - custom - restore
+            sec[self._gap_kind(gap - save - custom - restore)] += gap - save - custom - restore
         self._gen = agg.gen
         dur = end - start
-        data = min(max(agg.data_s, 0.0), dur)
+        parts = self._split_step(agg, dur)
+        for cat, v in parts.items():
+            sec[cat] += v
         tokens = agg.tokens or 0
-        sec["productive"] += dur - data
-        sec["data_loading"] += data
-        self._lineage.append((agg.step, tokens, dur - data, data))
+        good = 0 if parts.get("skipped_steps") else tokens
+        self._lineage.append((agg.step, good, parts))
         self._tokens_total += tokens
-        self._tokens_good += tokens
+        self._tokens_good += good
         self._steps_done += 1
         self._last_end = end
         self._last_t = max(self._last_t, end)
+        if agg.t_start is not None or dur > 0:
+            self._durs.append(dur)
+        self._recent.append([end, tokens, good, dur, agg.step, True])
+        while self._recent and self._recent[0][0] < end - WINDOWS_S[-1]:
+            self._recent.popleft()
+
+    def _split_step(self, agg: StepAggregate, dur: float) -> dict[str, float]:
+        """A step's seconds by category: data wait, straggler wait, then productive or skipped."""
+        data = min(max(agg.data_s, 0.0), dur)
+        busy = sorted(b for b in agg.busy if b is not None)
+        wait = 0.0
+        if len(busy) >= 2:
+            # Synchronous step: everyone waits at the collective for the slowest rank's sections.
+            wait = min(max(busy[-1] - busy[len(busy) // 2], 0.0), dur - data)
+        rest = dur - data - wait
+        skipped = agg.skipped or bool(agg.bad_ranks)
+        return {"data_loading": data, "straggler_wait": wait, ("skipped_steps" if skipped else "productive"): rest}
+
+    def _gap_kind(self, seconds: float) -> str:
+        med = sorted(self._durs)[len(self._durs) // 2] if self._durs else 0.0
+        return "hang" if seconds > max(self.hang_floor_s, self.hang_step_multiple * med) else "idle"
+
+    def _discard(self, resume: int, same_process: bool) -> None:
+        """Training resumed at step ``resume``: the later attempts leave the lineage.
+
+        Steps after the newest checkpoint saved before the failure were lost to it
+        (``wasted_progress_from_disruption``); steps before that checkpoint were discarded by
+        choosing an older one, as a rollback does (``wasted_progress_from_rollback``); an
+        in-process rewind (same processes) is a rollback entirely.
+        """
+        sec = self._sec
+        newest = max((c for c in self._ckpts if c < (self._lineage[-1][0] if self._lineage else 0)), default=None)
+        while self._lineage and self._lineage[-1][0] >= resume:
+            step, good, parts = self._lineage.pop()
+            self._tokens_good -= good
+            for cat, v in parts.items():
+                sec[cat] -= v
+            lost = not same_process and (newest is None or step > newest)
+            sec["wasted_progress_from_disruption" if lost else "wasted_progress_from_rollback"] += sum(parts.values())
+        for entry in reversed(self._recent):
+            if entry[4] < resume and entry[5]:
+                break
+            if entry[4] >= resume:
+                entry[5] = False
+
+    def _rates(self, now: float, wall: float) -> dict[str, dict[str, float]]:
+        """Throughput (tokens per step-second) and goodput (kept tokens per wall second) per window."""
+        out = {}
+        for w in WINDOWS_S:
+            tok = good = dur = 0.0
+            for t_end, tokens, good_tokens, d, _, alive in reversed(self._recent):
+                if t_end <= now - w:
+                    break
+                tok += tokens
+                dur += d
+                good += good_tokens if alive else 0
+            span = min(w, wall)
+            out[f"{w}s"] = {"throughput_tok_s": tok / dur if dur > 0 else 0.0,
+                            "goodput_tok_s": good / span if span > 0 else 0.0}
+        return out
 
     # -- output -----------------------------------------------------------------------------------
     @property
@@ -231,10 +310,12 @@ class GoodputLedger:
         sec["checkpoint_save"] += save
         sec["custom"] += custom
         sec["checkpoint_restore"] += restore
-        sec["program_startup" if self._last_end is None else "idle"] += tail - save - custom - restore
+        rest = tail - save - custom - restore
+        sec["program_startup" if self._last_end is None else self._gap_kind(rest)] += rest
         wall = end - start
         sec = {k: round(v, 6) for k, v in sec.items()}
-        step_s = sec["productive"] + sec["data_loading"] + sec["wasted_progress_from_disruption"]
+        step_s = sum(sec[k] for k in ("productive", "data_loading", "straggler_wait", "skipped_steps",
+                                       "wasted_progress_from_disruption", "wasted_progress_from_rollback"))
         gh = {k: v * self.world_size / 3600.0 for k, v in sec.items()}
         price = self.gpu_hour_usd
         cost = {k: v * price for k, v in gh.items()} if price is not None else None
@@ -248,6 +329,7 @@ class GoodputLedger:
             "throughput_tok_s": self._tokens_total / step_s if step_s > 0 else 0.0,
             "goodput_tok_s": self._tokens_good / wall if wall > 0 else 0.0,
             "goodput_pct": round(100.0 * sec["productive"] / wall, 6) if wall > 0 else 0.0,
+            "rates": self._rates(end, wall),
             "seconds": sec, "custom_by_name": {k: round(v, 6) for k, v in by_name.items()},
             "gpu_hours": gh, "cost_usd": cost,
             "badput_cost_usd": (sum(v for k, v in cost.items() if k != "productive") if cost else None),

@@ -187,12 +187,16 @@ def test_ledger_scripted_run_with_restart_sums_to_wall_time_exactly() -> None:
         "productive": 15.0,                                  # 10 surviving steps x 1.5 s
         "program_startup": 16.0,                             # 1000->1010, and 1050->1060 minus 4 s restore
         "data_loading": 5.0,                                 # 10 x 0.5 s
+        "straggler_wait": 0.0,
+        "skipped_steps": 0.0,
         "checkpoint_save": 0.0,                              # no gap to put it in (see above)
         "checkpoint_restore": 4.0,
-        "wasted_progress_from_disruption": 10.0,             # first attempts of steps 6..10
+        "wasted_progress_from_disruption": 10.0,             # first attempts of steps 6..10: after checkpoint 5
+        "wasted_progress_from_rollback": 0.0,
         "infrastructure_recovery_from_disruption": 20.0,     # 1030 -> 1050
         "custom": 0.0,
-        "idle": 10.0,                                        # 1070 -> 1080, no step
+        "hang": 0.0,
+        "idle": 10.0,                                        # 1070 -> 1080, no step (under the hang threshold)
     }
     assert set(sec) == set(CATEGORIES)
     assert math.fsum(sec.values()) == snap["wall_s"] == 80.0
@@ -200,6 +204,8 @@ def test_ledger_scripted_run_with_restart_sums_to_wall_time_exactly() -> None:
     # throughput: 60,000 tokens over 30 s inside steps (15 productive + 5 data + 10 wasted);
     # goodput: 40,000 kept tokens over 80 s of wall time
     assert snap["step_s"] == 30.0 and snap["throughput_tok_s"] == 2000.0 and snap["goodput_tok_s"] == 500.0
+    # last 60 s (1020-1080): the first attempts of steps 6-10 (discarded) and their redo
+    assert snap["rates"]["60s"] == {"throughput_tok_s": 2000.0, "goodput_tok_s": 20000 / 60}
     assert snap["goodput_pct"] == 18.75
     assert snap["gpu_hours"]["idle"] == 10.0 * 4 / 3600
     assert snap["cost_usd"]["wasted_progress_from_disruption"] == 10.0 * 4 / 3600 * 2.0
@@ -232,3 +238,34 @@ def test_restart_rewinds_the_loss_baseline_and_a_rollback_closes_the_spike() -> 
     got += det.update(agg(300, losses[300], gen=2))
     assert [(a.status, a.step, a.end_step, a.evidence.get("rolled_back")) for a in got] == [
         ("active", 310, None, None), ("resolved", 310, 310, True)]
+
+
+def test_ledger_straggler_wait_skipped_steps_hang_and_rollback_vs_disruption() -> None:
+    led = GoodputLedger(world_size=4, hang_floor_s=60.0)
+    led.note_start(0.0)
+    # step 1: ranks busy 0.5, 0.5, 0.5, 1.5 s of a 2 s step: all wait 1.0 s for the slow one
+    led.add_step(agg(1, t_start=0.0, t_end=2.0, tokens=100, busy=(0.5, 0.5, 0.5, 1.5)))
+    # step 2: fp16 overflow, the optimizer skipped it
+    led.add_step(StepAggregate(2, 0, 0.0, 2.0, 4.0, 1.0, float("inf"), None, 100, None, 4, (), 0.0, (), None, None,
+                               True))
+    led.add_event(Event("checkpoint_save", 0, 4.0, 0.0, step=2, seconds=0.0))
+    for s in range(3, 7):  # steps 3..6, 2 s each, from t=4
+        led.add_step(agg(s, t_start=4.0 + 2 * (s - 3), t_end=6.0 + 2 * (s - 3), tokens=100))
+    led.add_event(Event("checkpoint_save", 0, 12.0, 0.0, step=6, seconds=0.0))
+    led.add_step(agg(7, t_start=12.0, t_end=14.0, tokens=100))
+    # a 100 s stall (over the 60 s hang floor), then step 8
+    led.add_step(agg(8, t_start=114.0, t_end=116.0, tokens=100))
+    # crash; relaunched at t=120 from the step-2 checkpoint although step 6's existed: a rollback
+    led.add_step(agg(3, gen=1, inc=120.0, t_start=121.0, t_end=123.0, tokens=100))
+    sec = led.snapshot(now=123.0)["seconds"]
+    assert {k: v for k, v in sec.items() if v} == {
+        "productive": 3.0,                         # step 1 (1.0 s besides the wait) + step 3's redo (2.0 s)
+        "straggler_wait": 1.0,
+        "skipped_steps": 2.0,
+        "wasted_progress_from_disruption": 4.0,    # steps 7, 8: after checkpoint 6, lost to the crash
+        "wasted_progress_from_rollback": 8.0,      # steps 3-6: discarded by resuming from checkpoint 2
+        "infrastructure_recovery_from_disruption": 4.0,  # 116 -> 120
+        "program_startup": 1.0,                    # 120 -> 121
+        "hang": 100.0,                             # 14 -> 114
+    }
+    assert math.fsum(sec.values()) == 123.0
