@@ -90,6 +90,15 @@ class Recommendation:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Recommendation:
+        """Rebuild from a stored dict (extra keys such as ``status`` and ``history`` are ignored)."""
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        for k in ("skip_steps", "skip_samples", "skip_batches"):
+            if kw.get(k) is not None:
+                kw[k] = tuple(kw[k])
+        return cls(**kw)
+
     def megatron_args(self) -> str | None:
         """``--train-range-to-skip FIRST LAST`` (Megatron-DeepSpeed; inclusive iterations) and
         ``--iterations-to-skip`` (Megatron-LM; the iterations listed), plus the load step."""

@@ -72,6 +72,7 @@ class RunPipeline:
         self.positions: OrderedDict[int, tuple[int | None, int | None]] = OrderedDict()
         self.current_step = 0
         self._last_advice = -(10**9)
+        self._prev_end: tuple[int, float] | None = None
 
     @property
     def world_size(self) -> int:
@@ -119,14 +120,14 @@ class RunPipeline:
 
     def _steps(self, aggs: list[StepAggregate]) -> Output:
         out = Output(aggs=aggs)
-        prev_end = None
         for agg in aggs:
             self.ledger.add_step(agg)
             dur = agg.dur
-            if dur is None and prev_end is not None:
-                dur = agg.t_end - prev_end
+            prev = self._prev_end
+            if dur is None and prev is not None and prev[0] == agg.gen:
+                dur = agg.t_end - prev[1]  # an untimed step lasted since the previous one ended
             self.hang.observe_step(dur, agg.gen)
-            prev_end = agg.t_end
+            self._prev_end = (agg.gen, agg.t_end)
             self.current_step = agg.step
             if agg.consumed_samples is not None or agg.batch_index is not None:
                 self.positions[agg.step] = (agg.consumed_samples, agg.batch_index)

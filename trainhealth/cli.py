@@ -148,6 +148,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if live else 1
 
 
+def cmd_advise(args: argparse.Namespace) -> int:
+    from trainhealth.advise import run_advise
+    from trainhealth.server import connect, resolve_url
+
+    url, _ = resolve_url(args.redis_url, start=False)
+    return run_advise(connect(url), args)
+
+
 def cmd_redis(args: argparse.Namespace) -> int:
     from trainhealth.server import EmbeddedRedis
 
@@ -341,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = cmd("redis", "Manage the embedded redis-server (data in ~/.trainhealth/redis).")
     e.add_argument("action", choices=["start", "stop", "url"], help="start it, stop it, or print its URL")
     e.set_defaults(func=cmd_redis)
+
+    from trainhealth.advise import add_parser as add_advise
+
+    with_url(add_advise(sub), starts=False).set_defaults(func=cmd_advise)
     return p
 
 
