@@ -24,8 +24,8 @@ def global_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_typ
     The norm of the vector of per-parameter gradient norms (the same as the norm of all
     gradients concatenated into one vector); ``norm_type=inf`` gives the largest absolute
     gradient entry. Parameters without a gradient are skipped. The source is torch's own
-    ``torch.nn.utils.get_total_norm`` (what ``clip_grad_norm_`` returns, torch >= 2.6),
-    else the same computation written out (per-tensor ``torch.linalg.vector_norm``, moved
+    ``torch.nn.utils.get_total_norm`` (what ``clip_grad_norm_`` itself calls, where torch
+    has it), else the same computation written out (per-tensor ``torch.linalg.vector_norm``, moved
     to the first gradient's device, then the norm of those norms).
 
     Call it after ``backward()``. With DDP the gradients are already all-reduced then, so
@@ -64,7 +64,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_typ
 
 
 def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    # torch < 2.6 (no public get_total_norm): clip_grad_norm_'s computation without foreach kernels.
+    # Older torch without get_total_norm: clip_grad_norm_'s computation without foreach kernels.
     norm_type = float(norm_type)
     first = grads[0].device
     norms = [torch.linalg.vector_norm(g, norm_type).to(first) for g in grads]

@@ -1,0 +1,122 @@
+"""End to end with real PyTorch: examples/torchrun_gpt.py under torchrun (4 CPU ranks, gloo, DDP) →
+Redis → `trainhealth serve` → anomalies naming the slow rank and its host, and a crash + relaunch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from trainhealth.events import decode_event, decode_steps
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "torchrun_gpt.py"
+_TORCHRUN = Path(sys.executable).with_name("torchrun")
+TORCHRUN = [str(_TORCHRUN)] if _TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"]
+TOKENS_PER_RANK_STEP = 8 * 64  # --batch-size 8 x --seq-len 64 (the example's defaults)
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def serve(redis_url: str) -> Iterator[subprocess.Popen]:
+    """`trainhealth serve` as a subprocess on the test Redis (as tests/test_e2e.py runs it)."""
+    proc = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "serve", "--redis-url", redis_url,
+                             "--consumer", "torchrun"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield proc
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, out
+
+
+def torchrun(redis_url: str, *args: str, restarts: int = 0, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node", "4", "--max-restarts", str(restarts), str(EXAMPLE),
+           "--log-every", "1000", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def ledger_with(r: redis.Redis, run: str, steps_done: int) -> Callable[[], dict | None]:
+    def done() -> dict | None:
+        raw = r.get(f"th:{{{run}}}:ledger:latest")
+        snap = json.loads(raw) if raw else None
+        return snap if snap and snap["steps_done"] == steps_done else None
+    return done
+
+
+def anomalies_of(r: redis.Redis, run: str) -> dict[str, dict]:
+    return {k.decode(): json.loads(v) for k, v in r.hgetall(f"th:{{{run}}}:anomalies").items()}
+
+
+def test_slow_rank_is_named_with_its_host(r: redis.Redis, redis_url: str, serve: subprocess.Popen) -> None:
+    # The straggler detector scores 20-step windows and flags after 2 slow ones: 60 steps leave a margin.
+    torchrun(redis_url, "--run-id", "gpt-straggler", "--steps", "60", "--slow-rank", "2", "--slow-ms", "40",
+             "--ckpt-every", "0")
+    snap = wait_for(ledger_with(r, "gpt-straggler", 60), 30, "the service to process the 60 steps")
+    anomalies = anomalies_of(r, "gpt-straggler")
+    slow = [a for a in anomalies.values() if a["kind"] == "straggler" and a["ranks"] == [2]]
+    assert len(slow) == 1, anomalies
+    a = slow[0]
+    assert a["hosts"] == [socket.gethostname()]  # every rank runs on this machine
+    assert (a["step"], a["status"]) == (0, "active")  # slow from the first window to the end
+    assert a["evidence"]["rank_median_s"] >= 0.040 > a["evidence"]["best_median_s"]  # it sleeps 40 ms in forward
+    assert a["evidence"]["score"] < 0.7
+
+    recs = [x for _, f in r.xrange("th:{gpt-straggler}:steps") for x in decode_steps(f)]
+    assert sorted({x.rank for x in recs}) == [0, 1, 2, 3] and len(recs) == 4 * 60
+    for x in recs:
+        assert set(x.sections) == {"data", "forward", "optimizer"}
+        assert x.loss is not None and x.grad_norm is not None and x.lr is not None
+        assert (x.tokens, x.samples, x.consumed_samples) == (TOKENS_PER_RANK_STEP, 8, (x.step + 1) * 8 * 4)
+    # DDP: every rank's gradients are the all-reduced ones, so the global grad norm agrees across ranks.
+    norms: dict[int, set[float]] = {}
+    for x in recs:
+        norms.setdefault(x.step, set()).add(x.grad_norm)
+    assert all(len(v) == 1 for v in norms.values())
+    assert snap["tokens_total"] == 60 * 4 * TOKENS_PER_RANK_STEP and snap["restarts"] == 0
+    assert r.hget("th:{gpt-straggler}:meta", "status") == b"finished"
+
+
+def test_crash_and_torchrun_relaunch_resume_from_checkpoint(r: redis.Redis, redis_url: str, tmp_path: Path,
+                                                           serve: subprocess.Popen) -> None:
+    ckpt = tmp_path / "ckpt"
+    torchrun(redis_url, "--run-id", "gpt-crash", "--steps", "40", "--ckpt-every", "10", "--crash-step", "25",
+             "--ckpt-dir", str(ckpt), restarts=1)
+    # First launch: steps 0-25, checkpoints after 9 and 19; relaunch from step 19's: steps 20-39.
+    snap = wait_for(ledger_with(r, "gpt-crash", 26 + 20), 30, "the service to process all 46 step attempts")
+    restarts = [a for a in anomalies_of(r, "gpt-crash").values() if a["kind"] == "restart"]
+    assert len(restarts) == 1
+    ev = restarts[0]["evidence"]
+    assert (ev["last_step"], ev["resume_step"], ev["steps_recomputed"]) == (25, 20, 6)  # resume = checkpoint + 1
+    assert (snap["steps_good"], snap["restarts"], snap["last_step"]) == (40, 1, 39)
+    assert snap["tokens_good"] == 40 * 4 * TOKENS_PER_RANK_STEP
+
+    events = [decode_event(f) for _, f in r.xrange("th:{gpt-crash}:events")]
+    loads = [e for e in events if e.kind == "checkpoint_load"]
+    assert sorted(e.rank for e in loads) == [0, 1, 2, 3] and {e.step for e in loads} == {19}
+    assert all(e.seconds > 0 for e in loads)
+    saves = sorted((e.step, e.rank) for e in events if e.kind == "checkpoint_save")
+    assert saves == [(s, rank) for s in (9, 19, 29, 39) for rank in range(4)]
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"ckpt-{s:08d}.pt" for s in (9, 19, 29, 39)]
+    assert sorted(e.rank for e in events if e.kind == "run_start") == [0, 0, 1, 1, 2, 2, 3, 3]  # 2 launches
+    assert sorted(e.rank for e in events if e.kind == "run_end") == [0, 1, 2, 3]  # only the relaunch ends cleanly
