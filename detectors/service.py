@@ -146,6 +146,13 @@ class DetectorService:
                 log.warning("Redis unreachable (%s); retrying in %.1f s", exc, backoff)
                 self.runs.clear()  # rebuild from the streams after reconnecting
                 self._stop.wait(backoff)
+            except redis.ResponseError as exc:
+                # E.g. a run's streams deleted under a blocking read ("UNBLOCKED ... no longer exists"):
+                # start over from what is stored rather than die.
+                backoff = min(defaults.RECONNECT_BACKOFF_MAX_S, max(defaults.RECONNECT_BACKOFF_S, backoff * 2))
+                log.error("Redis refused a command (%s); rebuilding the runs' state in %.1f s", exc, backoff)
+                self.runs.clear()
+                self._stop.wait(backoff)
         with contextlib.suppress(redis.RedisError):
             self.client.delete(service_heartbeat(self.consumer))
             for run in self.runs.values():  # hand the runs over now instead of after the lease

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 
 import redis
 
@@ -149,3 +150,26 @@ def test_two_services_split_runs_by_lease_and_hand_over_without_duplicates(r: re
     r.set("th:{two}:owner", "intruder")
     b._tick(T0 + 201)
     assert sorted(b.runs) == ["one"]
+
+
+def test_service_survives_a_run_deleted_under_its_blocking_read(r: redis.Redis, redis_url: str) -> None:
+    import threading
+
+    write_run(r, "gone", range(0, 30))
+    svc = DetectorService(redis.Redis.from_url(redis_url), consumer="g", block_ms=2000,
+                          hang_factory=lambda: HangDetector(floor_s=1e9))
+    t = threading.Thread(target=svc.run_forever, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while r.xlen("th:{gone}:agg") < 30 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r.flushdb()  # an operator wipes the run while the service blocks on its streams
+    time.sleep(0.5)
+    write_run(r, "again", range(0, 20))
+    deadline = time.monotonic() + 15
+    while r.xlen("th:{again}:agg") < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    svc.stop()
+    t.join(10)
+    assert r.xlen("th:{again}:agg") == 20
+    assert not t.is_alive()
