@@ -149,8 +149,9 @@ class Monitor:
             with mon.step(step):
                 with mon.section("data"):
                     batch = next(loader)
-                with mon.section("forward_backward"):
-                    loss = model(batch).loss; loss.backward()
+                with mon.section("forward"):
+                    loss = model(batch).loss
+                loss.backward()  # under DDP/FSDP it overlaps the all-reduce: not a section
                 with mon.section("optimizer"):
                     gn = clip_grad_norm_(model.parameters(), 1.0); opt.step()
             mon.log_step(step, loss=loss.item(), grad_norm=gn.item(), lr=sched.get_last_lr()[0],
@@ -160,9 +161,11 @@ class Monitor:
                     save(...)
         mon.close()
 
-    Time the sections a rank does **before** the gradient all-reduce: the collective makes
-    every rank's whole step equally long, so a slow rank shows only in its own sections.
-    Sections should not nest (their sum is the rank's busy time).
+    Time the work a rank does **on its own**: the collective makes every rank's whole step
+    equally long, so a slow rank shows only in its own sections. Under DDP/FSDP the gradient
+    all-reduce overlaps backward, so backward includes waiting for the slowest rank: time
+    ``forward``, not ``forward_backward``. Sections should not nest (their sum is the rank's
+    busy time).
 
     Parameters
     ----------
