@@ -127,6 +127,9 @@ class Sender(threading.Thread):
         #: Records delivered to Redis, and whether the last attempt reached it.
         self.sent = 0
         self.connected = False
+        #: CPU seconds this thread has used, and those it had used once first connected (start-up).
+        self.cpu_s = 0.0
+        self.cpu_startup_s: float | None = None
 
     # -- called from other threads ------------------------------------------------------
     def wake(self) -> None:
@@ -167,6 +170,9 @@ class Sender(threading.Thread):
                     self._stopping.wait(1.0)
             if not self.connected:
                 self._spill_overflow()
+            self.cpu_s = time.thread_time()
+            if self.cpu_startup_s is None and self.connected:
+                self.cpu_startup_s = self.cpu_s
             if not self._buffer and not self._inflight and not (self._spill is not None and len(self._spill)):
                 self._idle.set()
             if len(self._buffer) < self.batch:

@@ -40,6 +40,7 @@ includes waiting for the slowest rank, and timing it would make all ranks look e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -175,7 +176,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoints (and resume) directory")
     p.add_argument("--ckpt-every", type=int, default=50, help="save after every N steps (0: never)")
     p.add_argument("--log-every", type=int, default=20, help="rank 0 prints every N steps")
+    p.add_argument("--no-monitor", action="store_true",
+                   help="run without trainhealth (the baseline of bench/example_overhead.py)")
     return p.parse_args(argv)
+
+
+class NullMonitor:
+    """The Monitor's API doing nothing: the example without trainhealth, for the overhead benchmark."""
+
+    def step(self, step: int) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    section = checkpoint_save = checkpoint_load = step
+
+    def log_step(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self) -> bool:
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # One Monitor per rank; rank and world size come from torchrun's RANK / WORLD_SIZE, Redis
     # from TRAINHEALTH_REDIS_URL (else the embedded server of `trainhealth serve`).
-    mon = Monitor(args.run, run_config={k: str(v) for k, v in vars(args).items()})
+    mon = NullMonitor() if args.no_monitor else Monitor(args.run, run_config={k: str(v) for k, v in vars(args).items()})
 
     torch.manual_seed(args.seed)
     model = TinyGPT(256, args.seq_len, args.d_model, args.layers, args.heads)
@@ -210,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens_per_rank = args.batch_size * args.seq_len
     t_log, tokens_since = time.perf_counter(), 0
+    dist.barrier()
+    t_loop = time.perf_counter()
     for step in range(start, args.steps):
         lr = lr_at(step, args)
         for group in opt.param_groups:
@@ -253,7 +276,14 @@ def main(argv: list[str] | None = None) -> int:
                     os.replace(tmp, path)  # atomic: a crash mid-save leaves the previous checkpoint newest
                 dist.barrier()
 
+    dist.barrier()
+    loop_s = time.perf_counter() - t_loop
     mon.close()
+    if rank == 0:
+        sender = getattr(mon, "_sender", None)
+        print(f"RESULT loop_s={loop_s:.6f} steps={args.steps - start} "
+              f"sender_cpu_s={sender.cpu_s - (sender.cpu_startup_s or 0.0) if sender else 0.0:.6f} "
+              f"records={sender.sent if sender else 0}", flush=True)
     dist.destroy_process_group()
     return 0
 
