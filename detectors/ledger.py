@@ -33,6 +33,8 @@ CATEGORIES = (
 )
 #: Windows (s) of the rolling throughput and goodput rates.
 WINDOWS_S = (60, 600, 3600)
+#: Steps after a launch's first step whose mean step time tells its warm-up excess.
+WARMUP_STEPS = 9
 #: Steps of lineage kept in memory (a rollback further back than this is not re-attributed).
 LINEAGE_STEPS = 200_000
 
@@ -94,6 +96,7 @@ class GoodputLedger:
         self.hang_floor_s = hang_floor_s
         self.hang_step_multiple = hang_step_multiple
         self._durs: deque[float] = deque(maxlen=200)
+        self._first: tuple[dict[str, float], float, list[float]] | None = None
         self._ckpts: list[int] = []
         # Rolling windows: one entry per step attempt [t_end, tokens, good tokens, dur, step, alive].
         self._recent: deque[list[Any]] = deque()
@@ -201,6 +204,7 @@ class GoodputLedger:
             sec["custom"] += custom
             sec["checkpoint_restore"] += restore
             sec[self._gap_kind(gap - save - custom - restore)] += gap - save - custom - restore
+        new_launch = self._last_end is None or agg.gen != self._gen
         self._gen = agg.gen
         dur = end - start
         parts = self._split_step(agg, dur)
@@ -219,6 +223,27 @@ class GoodputLedger:
         self._recent.append([end, tokens, good, dur, agg.step, True])
         while self._recent and self._recent[0][0] < end - WINDOWS_S[-1]:
             self._recent.popleft()
+        self._warmup(parts, dur, new_launch)
+
+    def _warmup(self, parts: dict[str, float], dur: float, new_launch: bool) -> None:
+        """The first step of a launch is slow (compilation, allocator and autotuning warm-up): once
+        ``WARMUP_STEPS`` more steps show the launch's usual step time, its excess over their mean is
+        start-up, not progress — as Google's goodput library counts it (``PROGRAM_STARTUP``)."""
+        if new_launch:
+            self._first = (parts, dur, [])
+            return
+        if self._first is None:
+            return
+        first_parts, first_dur, later = self._first
+        later.append(dur)
+        if len(later) < WARMUP_STEPS:
+            return
+        self._first = None
+        excess = min(first_dur - sum(later) / len(later), first_parts.get("productive", 0.0))
+        if excess > 0 and any(p is first_parts for _, _, p in reversed(self._lineage)):
+            first_parts["productive"] -= excess
+            self._sec["productive"] -= excess
+            self._sec["program_startup"] += excess
 
     def _split_step(self, agg: StepAggregate, dur: float) -> dict[str, float]:
         """A step's seconds by category: data wait, straggler wait, then productive or skipped."""
