@@ -18,7 +18,12 @@ HEATMAP_MAX_CELLS = 250_000
 #: Anomalies about the curves themselves: their step range is shaded on the loss/grad-norm panels.
 SHADED_KINDS = frozenset({"nan_inf", "loss_spike", "divergence"})
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+#: The throughput-goodput band (badput) on the goodput chart.
+BADPUT_FILL = "rgba(214,39,40,0.18)"
 _LANES = ["anomaly", "checkpoint", "restart"]
+#: Event-lane markers besides anomalies (triangles in the severity colour): symbol and colour.
+_LANE_STYLE = {"restart": ("x", SEVERITY_COLORS["warning"]), "checkpoint save": ("square", "#2ca02c"),
+               "checkpoint load": ("diamond", "#17becf")}
 
 
 def label(category: str) -> str:
@@ -55,27 +60,32 @@ def training_curves(steps: pd.DataFrame, anomalies: pd.DataFrame, checkpoints: p
     palette = ["#1f77b4", "#9467bd", "#2ca02c", "#8c564b", "#e377c2", "#17becf"]
     for i, gen in enumerate(gens):
         part = steps[steps["gen"] == gen]
+        # Group a generation's two curves only when there are several (a group stacks its legend items).
+        group = f"g{gen}" if len(gens) > 1 else None
         name = f"gen {gen}" if len(gens) > 1 else "loss"
         color = palette[i % len(palette)]
         fig.add_trace(go.Scatter(x=part["step"].astype("int64"), y=_finite(part["loss"]), mode="lines",
-                                 name=name, legendgroup=f"g{gen}", line={"color": color, "width": 1.5},
+                                 name=name, legendgroup=group, line={"color": color, "width": 1.5},
                                  hovertemplate="step %{x}<br>loss %{y:.4g}<extra>" + name + "</extra>"),
                       row=1, col=1)
         gn = _finite(part["grad_norm"])
         fig.add_trace(go.Scatter(x=part["step"].astype("int64"), y=gn.where(gn > 0), mode="lines",
                                  name=f"grad norm · {name}" if len(gens) > 1 else "grad norm",
-                                 legendgroup=f"g{gen}", showlegend=len(gens) == 1,
+                                 legendgroup=group, showlegend=len(gens) == 1,
                                  line={"color": color if len(gens) > 1 else "#ff7f0e", "width": 1},
                                  hovertemplate="step %{x}<br>grad norm %{y:.4g}<extra>" + name + "</extra>"),
                       row=2, col=1)
     first = float(steps["step"].min()) if not steps.empty else -math.inf
     last = float(steps["step"].max()) if not steps.empty else math.inf
+    if not steps.empty:
+        # An invisible point at each end of the event lane: Plotly draws no axis for a subplot without
+        # data, and the lane carries the shared step axis (a run without anomalies or checkpoints
+        # would otherwise show no step numbers at all).
+        fig.add_trace(go.Scatter(x=[first, last], y=["anomaly", "anomaly"], mode="markers", name="step axis",
+                                 showlegend=False, hoverinfo="skip", marker={"opacity": 0}), row=3, col=1)
 
-    lane_x: list[float] = []
-    lane_y: list[str] = []
-    lane_text: list[str] = []
-    lane_color: list[str] = []
-    lane_symbol: list[str] = []
+    # Event-lane markers, one trace per legend entry (in this order); each point carries its hover text.
+    markers: dict[str, tuple[list[float], list[str], list[str]]] = {}
     spans: dict[str, tuple[list[float | None], list[str | None]]] = {}
     for a in anomalies.itertuples(index=False) if not anomalies.empty else []:
         if pd.isna(a.step):
@@ -89,8 +99,7 @@ def training_curves(steps: pd.DataFrame, anomalies: pd.DataFrame, checkpoints: p
         if a.kind == "restart":
             fig.add_vline(x=float(a.step), line={"color": color, "dash": "dash", "width": 1.5}, row="all", col=1,
                           exclude_empty_subplots=False)
-            lane_y.append("restart")
-            lane_symbol.append("x")
+            group = "restart"
         else:
             if a.kind in SHADED_KINDS:
                 fig.add_vrect(x0=x0, x1=x1, fillcolor=color, opacity=0.13, line_width=0, layer="below",
@@ -100,11 +109,11 @@ def training_curves(steps: pd.DataFrame, anomalies: pd.DataFrame, checkpoints: p
             xs, ys = spans.setdefault(a.severity, ([], []))
             xs.extend([max(x0, first - 0.5), min(x1, last + 0.5), None])
             ys.extend(["anomaly", "anomaly", None])
-            lane_y.append("anomaly")
-            lane_symbol.append("triangle-down")
-        lane_x.append(float(a.step))
-        lane_text.append(text)
-        lane_color.append(color)
+            group = f"{a.severity} anomaly"
+        gx, gtext, gcolor = markers.setdefault(group, ([], [], []))
+        gx.append(float(a.step))
+        gtext.append(text)
+        gcolor.append(color)
     for severity in sorted(spans, key=lambda sv: SEVERITY_ORDER.get(sv, 9)):
         xs, ys = spans[severity]
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"{severity} span", showlegend=False,
@@ -115,14 +124,19 @@ def training_curves(steps: pd.DataFrame, anomalies: pd.DataFrame, checkpoints: p
         if c.step < first or c.step > last:
             continue
         blocked = "" if pd.isna(c.seconds) else f", blocked {c.seconds:.1f} s"
-        lane_x.append(float(c.step))
-        lane_y.append("checkpoint")
-        lane_text.append(f"<b>{label(c.kind)}</b> of step {c.step}{blocked} ({c.n_ranks} ranks)")
-        lane_color.append("#2ca02c" if c.kind == "checkpoint_save" else "#17becf")
-        lane_symbol.append("square" if c.kind == "checkpoint_save" else "diamond")
-    fig.add_trace(go.Scatter(x=lane_x, y=lane_y, mode="markers", name="events", showlegend=False,
-                             marker={"color": lane_color, "symbol": lane_symbol, "size": 11},
-                             hovertext=lane_text, hoverinfo="text+x"), row=3, col=1)
+        ranks = f"{c.n_ranks} rank" + ("" if c.n_ranks == 1 else "s")
+        gx, gtext, gcolor = markers.setdefault(label(c.kind), ([], [], []))
+        gx.append(float(c.step))
+        gtext.append(f"<b>{label(c.kind)}</b> of step {c.step}{blocked} ({ranks})")
+        gcolor.append(_LANE_STYLE[label(c.kind)][1])
+    order = [f"{sv} anomaly" for sv in SEVERITY_ORDER] + list(_LANE_STYLE)
+    for group in sorted(markers, key=lambda g: order.index(g) if g in order else len(order)):
+        gx, gtext, gcolor = markers[group]
+        lane = "anomaly" if group.endswith(" anomaly") else group.split()[0]
+        symbol = "triangle-down" if lane == "anomaly" else _LANE_STYLE[group][0]
+        fig.add_trace(go.Scatter(x=gx, y=[lane] * len(gx), mode="markers", name=group, legend="legend2",
+                                 marker={"color": gcolor, "symbol": symbol, "size": 11},
+                                 hovertext=gtext, hoverinfo="text+x"), row=3, col=1)
 
     fig.update_yaxes(title_text="loss", row=1, col=1)
     # "complete": label minor log ticks 20, 50 rather than a bare 2, 5.
@@ -132,6 +146,8 @@ def training_curves(steps: pd.DataFrame, anomalies: pd.DataFrame, checkpoints: p
     fig.update_layout(height=560, margin={"l": 10, "r": 10, "t": 30, "b": 10}, hovermode="closest",
                       legend={"orientation": "h", "yanchor": "bottom", "y": 1.01, "x": 0,
                               "title": {"text": "restart generation:" if len(gens) > 1 else "", "side": "left"}},
+                      # The event lane's markers get their own legend, top right.
+                      legend2={"orientation": "h", "yanchor": "bottom", "y": 1.01, "x": 1, "xanchor": "right"},
                       title={"text": "Loss and grad norm per step", "x": 0, "y": 0.995, "font": {"size": 14}})
     return fig
 
@@ -147,26 +163,33 @@ def _local_times(t: pd.Series, tz: str | None) -> pd.Series:
 
 
 def goodput_over_time(history: pd.DataFrame, tz: str | None = None) -> go.Figure:
-    """Throughput and goodput (tokens/s since the run started) over wall-clock time.
+    """Throughput and goodput (tokens/s, cumulative since the run started) over wall-clock time.
 
-    From ``ledger_history``: both are cumulative rates of each snapshot, so the shaded gap
-    between them is the badput rate. The time axis is in ``tz`` (IANA name; UTC if None).
+    From ``ledger_history``. Throughput = all tokens / seconds spent inside steps (what the
+    framework prints); goodput = tokens of the steps that count / wall seconds. The shaded
+    gap between them is badput (pauses, start-up, checkpoints, recomputed steps), so goodput
+    is at most throughput. Goodput is drawn last and narrower, so where the two coincide
+    (no badput yet) it shows on top of the wider throughput line instead of under it. The
+    time axis is in ``tz`` (IANA name; UTC if None).
     """
     fig = go.Figure()
     if not history.empty:
         x = _local_times(history["t"], tz)
-        fig.add_trace(go.Scatter(x=x, y=history["goodput_tok_s"], name="goodput", mode="lines",
-                                 line={"color": "#2ca02c", "width": 2},
-                                 hovertemplate="%{y:,.0f} tokens/s<extra>goodput</extra>"))
-        fig.add_trace(go.Scatter(x=x, y=history["throughput_tok_s"], name="throughput (gap = badput)",
-                                 mode="lines", fill="tonexty", fillcolor="rgba(214,39,40,0.18)",
-                                 line={"color": "#1f77b4", "width": 2},
+        mode = "lines" if len(history) > 1 else "lines+markers"  # a single snapshot: a line would be invisible
+        fig.add_trace(go.Scatter(x=x, y=history["throughput_tok_s"], name="throughput", mode=mode,
+                                 line={"color": "#1f77b4", "width": 4},
                                  hovertemplate="%{y:,.0f} tokens/s<extra>throughput</extra>"))
+        fig.add_trace(go.Scatter(x=x, y=history["goodput_tok_s"], name="goodput", mode=mode,
+                                 fill="tonexty", fillcolor=BADPUT_FILL, line={"color": "#2ca02c", "width": 2},
+                                 hovertemplate="%{y:,.0f} tokens/s<extra>goodput</extra>"))
+        # Legend entry for the shaded band only (no data of its own).
+        fig.add_trace(go.Scatter(x=[None], y=[None], name="gap = badput", mode="lines", fill="toself",
+                                 fillcolor=BADPUT_FILL, line={"width": 0}, hoverinfo="skip"))
     fig.update_layout(height=340, margin={"l": 10, "r": 10, "t": 40, "b": 10}, hovermode="x unified",
                       title={"text": "Throughput vs goodput (tokens/s, since start)", "x": 0, "font": {"size": 14}},
                       # Inside the plot, bottom right: the y axis starts at 0, so that corner is empty.
                       legend={"orientation": "h", "yanchor": "bottom", "y": 0.02, "x": 0.99, "xanchor": "right",
-                              "bgcolor": "rgba(255,255,255,0.7)"},
+                              "bgcolor": "rgba(255,255,255,0.7)", "traceorder": "normal"},
                       xaxis_title=f"time ({tz or 'UTC'})", yaxis_title="tokens/s", yaxis_rangemode="tozero")
     return fig
 
@@ -174,7 +197,8 @@ def goodput_over_time(history: pd.DataFrame, tz: str | None = None) -> go.Figure
 def badput_bar(breakdown: pd.DataFrame, wall_s: float | None = None) -> go.Figure:
     """Horizontal bar of badput seconds per category (from :func:`dashboard.data.badput_seconds`).
 
-    The largest category is on top; hover adds the share of wall time and USD when priced.
+    The largest category is on top; hover adds the share of wall time and USD when priced. The
+    height follows the number of bars (200-340 px).
     """
     frame = breakdown.iloc[::-1]  # plotly draws the first bar at the bottom
     share = (frame["seconds"] / wall_s * 100) if wall_s else frame["seconds"] * math.nan
@@ -187,7 +211,8 @@ def badput_bar(breakdown: pd.DataFrame, wall_s: float | None = None) -> go.Figur
     fig = go.Figure(go.Bar(x=frame["seconds"], y=[label(c) for c in frame["category"]], orientation="h",
                            marker_color="#d62728", text=[f"{s:,.1f} s" for s in frame["seconds"]],
                            textposition="auto", hovertext=hover, hoverinfo="text+y"))
-    fig.update_layout(height=340, margin={"l": 10, "r": 10, "t": 40, "b": 10},
+    # About 30 px a bar (a run with two causes of badput should not get two giant bars), at most 340.
+    fig.update_layout(height=max(200, min(340, 90 + 30 * len(frame))), margin={"l": 10, "r": 10, "t": 40, "b": 10},
                       title={"text": "Badput by category (seconds of wall time)", "x": 0, "font": {"size": 14}},
                       xaxis_title="seconds", yaxis={"automargin": True})
     return fig

@@ -85,6 +85,21 @@ def fmt_int(x: Any) -> str:
     return f"{int(x):,}"
 
 
+def plural(n: Any, word: str, many: str | None = None) -> str:
+    """``plural(1, "rank")`` → ``1 rank``, ``plural(1400, "step")`` → ``1,400 steps``;
+    ``many`` for irregular plurals (``plural(3, "anomaly", "anomalies")``)."""
+    count = int(n)
+    return f"{count:,} {word if count == 1 else (many or word + 's')}"
+
+
+def anomaly_delta(total: int, n_crit: int) -> str:
+    """Sub-line of the active-anomalies card: ``of 3 total`` / ``of 4 · 1 critical`` (≤ 18 characters fit)."""
+    if not n_crit:
+        return f"of {total:,} total"
+    text = f"of {total:,} · {n_crit:,} critical"
+    return text if len(text) <= 18 else f"of {total:,} · {n_crit:,} crit."
+
+
 def fmt_rate(x: Any) -> str:
     """Tokens/s, compact: ``573.4`` → ``573``, ``41600`` → ``41,600``, ``804817`` → ``804.8k``,
     ``2.5e6`` → ``2.50M``."""
@@ -99,10 +114,10 @@ def fmt_rate(x: Any) -> str:
 
 
 def fmt_pct(x: Any) -> str:
-    """``71.5`` → ``71.5%``."""
+    """``71.5`` → ``71.5%``; ``99.99`` → ``100%`` (six characters would not fit a KPI card)."""
     if x is None or not math.isfinite(float(x)):
         return "—"
-    return f"{float(x):.1f}%"
+    return "100%" if float(x) >= 99.95 else f"{float(x):.1f}%"
 
 
 def fmt_usd(x: Any) -> str:
@@ -126,6 +141,20 @@ def fmt_age(seconds: float) -> str:
         return f"{seconds:.0f} s"
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def fmt_duration(seconds: Any) -> str:
+    """Seconds, short enough for a KPI card: ``115 s`` / ``84 min`` / ``2.3 h`` / ``3.1 d``."""
+    if seconds is None or not math.isfinite(float(seconds)):
+        return "—"
+    seconds = max(0.0, float(seconds))
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 6000:
+        return f"{seconds / 60:.0f} min"
     if seconds < 172800:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:.1f} d"

@@ -24,7 +24,7 @@ import redis
 
 from trainhealth import defaults
 from trainhealth.events import decode_event
-from trainhealth.keys import RUNS, run_keys
+from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys
 
 #: Runs listed in the picker (newest first); older ones are reachable by ``?run=`` links.
 RUNS_LIMIT = 200
@@ -52,11 +52,24 @@ ANOMALY_STATUSES = ("active", "resolved")
 LEDGER_COLUMNS = ["t", "started_at", "wall_s", "world_size", "gpu_hour_usd", "last_step", "steps_done",
                   "steps_good", "restarts", "tokens_total", "tokens_good", "throughput_tok_s",
                   "goodput_tok_s", "goodput_pct", "badput_cost_usd"]
-#: Goodput ledger categories (seconds of wall time); everything but ``productive`` is badput.
-LEDGER_CATEGORIES = ("productive", "program_startup", "data_loading", "checkpoint_save", "checkpoint_restore",
-                     "wasted_progress_from_disruption", "infrastructure_recovery_from_disruption", "idle",
-                     "custom")
+#: Goodput ledger categories (seconds of wall time), in docs/goodput.md's order; everything but
+#: ``productive`` is badput. Categories a snapshot adds beyond these are shown too.
+LEDGER_CATEGORIES = ("productive", "program_startup", "data_loading", "straggler_wait", "skipped_steps",
+                     "checkpoint_save", "checkpoint_restore", "wasted_progress_from_disruption",
+                     "wasted_progress_from_rollback", "infrastructure_recovery_from_disruption", "custom", "hang",
+                     "idle")
 RANK_SUMMARY_COLUMNS = ["rank", "host", "median_busy_s", "ratio", "steps"]
+#: Steps the rank table summarises: recent enough that a new straggler is not diluted by the
+#: run's healthy history (the straggler detector itself scores 20-step windows).
+RANK_TABLE_STEPS = 100
+#: A detector service whose newest heartbeat (``th:service:*``, refreshed about every second)
+#: is older than this (s) counts as not running.
+SERVICE_STALE_S = 10.0
+#: The ranks' newest completed step (their heartbeats) may be ahead of the newest aggregate by
+#: this much (s) before the dashboard says steps arrive but are not processed.
+PROCESSING_LAG_S = 60.0
+#: ``SCAN … COUNT`` hint when looking for service heartbeats.
+SERVICE_SCAN_COUNT = 1_000
 
 
 # --- decoding ----------------------------------------------------------------------------
@@ -141,7 +154,11 @@ def list_runs(client: redis.Redis, limit: int = RUNS_LIMIT) -> pd.DataFrame:
             "updated_at": meta.get("updated_at"), "ended_at": meta.get("ended_at"),
             "source": meta.get("source"),
         })
-    return pd.DataFrame(rows, columns=RUN_COLUMNS)
+    frame = pd.DataFrame(rows, columns=RUN_COLUMNS)
+    for c in ("run", "name", "status", "source"):
+        # pandas 3 infers a string dtype whose missing value is NaN (truthy): keep None for "absent".
+        frame[c] = pd.Series([v if isinstance(v, str) else None for v in frame[c]], index=frame.index, dtype=object)
+    return frame
 
 
 def run_exists(client: redis.Redis, run: str) -> bool:
@@ -413,15 +430,164 @@ def badput_seconds(snapshot: Mapping[str, Any] | None) -> pd.DataFrame:
 
     Columns ``category``, ``seconds`` (s of wall time), ``cost_usd`` (USD or NaN when no
     price is set), sorted by seconds descending; categories absent from the snapshot are 0 s.
+    The ``custom`` category is split by the names in ``custom_by_name`` (the names given to
+    ``Monitor.badput``: ``evaluation``, ``profiling``…), one row each, named ``custom: <name>``
+    only when the name collides with a category; custom seconds no name covers stay a
+    ``custom`` row, and cost is split in proportion to the seconds.
     """
     cols = ["category", "seconds", "cost_usd"]
     if not snapshot:
         return pd.DataFrame({c: pd.Series(dtype=object if c == "category" else "float64") for c in cols})
     seconds = snapshot.get("seconds") or {}
     costs = snapshot.get("cost_usd") or {}
+    by_name = snapshot.get("custom_by_name") or {}
     names: Iterable[str] = [c for c in LEDGER_CATEGORIES if c != "productive"]
     names = [*names, *sorted(k for k in seconds if k not in LEDGER_CATEGORIES)]
     rows = [{"category": c, "seconds": _num(seconds.get(c, 0.0)), "cost_usd": _num(costs.get(c))}
             for c in names]
+    if isinstance(by_name, Mapping) and by_name:
+        custom = rows.pop(names.index("custom"))
+        total, cost = custom["seconds"], custom["cost_usd"]
+        named = 0.0
+        for name, v in by_name.items():
+            sec = _num(v)
+            if not math.isfinite(sec):
+                continue
+            named += sec
+            label = f"custom: {name}" if name in names else str(name)
+            rows.append({"category": label, "seconds": sec, "cost_usd": cost * sec / total if total > 0 else math.nan})
+        if total - named > 1e-3:  # custom seconds without a name (rounding stays far below a ms)
+            rows.append({"category": "custom", "seconds": total - named, "cost_usd": cost * (total - named) / total})
     out = pd.DataFrame(rows, columns=cols)
     return out.sort_values("seconds", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def has_token_counts(snapshot: Mapping[str, Any] | None) -> bool:
+    """False when the run reported no tokens (``tokens_total`` 0, e.g. a log without token counts):
+    throughput and goodput in tokens/s mean nothing then."""
+    if not snapshot:
+        return True  # nothing known yet: the KPIs show "—"
+    tokens = _num(snapshot.get("tokens_total"))
+    return not (math.isfinite(tokens) and tokens <= 0)
+
+
+# --- which steps the rank table summarises ---------------------------------------------------
+
+def rank_table_window(matrix: pd.DataFrame, anomalies: pd.DataFrame | None = None,
+                      steps: int = RANK_TABLE_STEPS) -> tuple[pd.DataFrame, int | None]:
+    """The recent columns of a :func:`busy_matrix` that the rank table summarises.
+
+    The last ``steps`` steps, or fewer: when an active straggler began inside that span, only
+    the steps since its onset (the newest onset if several), so its slowdown is not averaged
+    with the healthy steps before it. Returns the sub-matrix and the onset step used (None
+    when the window is simply the last ``steps``).
+    """
+    if matrix.shape[1] == 0:
+        return matrix, None
+    recent = matrix.iloc[:, -steps:]
+    onset = None
+    if anomalies is not None and not anomalies.empty:
+        active = anomalies[(anomalies["status"] == "active") & (anomalies["kind"] == "straggler")]
+        onsets = [int(s) for s in active["step"] if pd.notna(s)]
+        if onsets and max(onsets) > int(recent.columns[0]) and max(onsets) <= int(recent.columns[-1]):
+            onset = max(onsets)
+            recent = recent.loc[:, recent.columns >= onset]
+    return recent, onset
+
+
+def has_rank_timings(matrix: pd.DataFrame) -> bool:
+    """True when at least one rank reported section (busy) time in the matrix's steps."""
+    return bool(matrix.size) and bool(np.isfinite(matrix.to_numpy(dtype="float64")).any())
+
+
+# --- detector service health -----------------------------------------------------------------
+
+def service_heartbeats(client: redis.Redis) -> list[dict[str, Any]]:
+    """Heartbeats of the detector services (``th:service:*``), newest first.
+
+    Each a dict ``consumer`` (the key's suffix), ``t`` (unix s, NaN if missing), ``host``,
+    ``pid``, ``runs``, ``processed`` as the service wrote them. One ``SCAN`` walk over the
+    keyspace with ``MATCH th:service:*`` and one ``MGET``; keys that expired in between or do
+    not decode are skipped.
+    """
+    keys = list(client.scan_iter(match=SERVICE_HEARTBEAT_PATTERN, count=SERVICE_SCAN_COUNT))
+    if not keys:
+        return []
+    out = []
+    prefix = len(SERVICE_HEARTBEAT_PATTERN) - 1
+    for key, raw in zip(keys, client.mget(keys), strict=True):
+        if raw is None:
+            continue
+        try:
+            beat = _json(raw)
+        except (TypeError, ValueError):
+            continue
+        if not isinstance(beat, dict):
+            continue
+        out.append({**beat, "consumer": _s(key)[prefix:], "t": _num(beat.get("t"))})
+    return sorted(out, key=lambda b: -b["t"] if math.isfinite(b["t"]) else math.inf)
+
+
+def service_running(heartbeats: list[dict[str, Any]], now: float, stale_s: float = SERVICE_STALE_S) -> bool:
+    """True when the newest service heartbeat is at most ``stale_s`` seconds old at ``now``."""
+    ts = [b["t"] for b in heartbeats if math.isfinite(b.get("t", math.nan))]
+    return bool(ts) and now - max(ts) <= stale_s
+
+
+def processing_state(client: redis.Redis, run: str) -> dict[str, Any]:
+    """How far the run's aggregates trail its ranks: newest completed step per heartbeats vs aggregates.
+
+    Returns ``hb_step`` / ``hb_step_t`` (the highest step any rank's heartbeat reports and the
+    newest time a rank completed a step, unix s; None when no heartbeat names a step),
+    ``agg_step`` / ``agg_t_end`` (the newest aggregate's step and end, None when none) and
+    ``inc`` (the earliest process start among the heartbeats). One ``HGETALL`` of ``hb`` and
+    one ``XREVRANGE … COUNT 1`` of ``agg``.
+    """
+    keys = run_keys(run)
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(keys.heartbeats)
+    pipe.xrevrange(keys.agg, count=1)
+    beats, newest = pipe.execute()
+    hb_step = hb_step_t = inc = None
+    for raw in beats.values():
+        try:
+            beat = _json(raw)
+        except (TypeError, ValueError):
+            continue
+        if not isinstance(beat, dict):
+            continue
+        step, step_t, start = _num(beat.get("step")), _num(beat.get("step_t")), _num(beat.get("inc"))
+        if math.isfinite(step):
+            hb_step = int(step) if hb_step is None else max(hb_step, int(step))
+        if math.isfinite(step_t):
+            hb_step_t = step_t if hb_step_t is None else max(hb_step_t, step_t)
+        if math.isfinite(start):
+            inc = start if inc is None else min(inc, start)
+    agg_step = agg_t_end = None
+    if newest:
+        d = _decode_map(newest[0][1])
+        step, t_end = _num(d.get("step")), _num(d.get("t_end"))
+        agg_step = int(step) if math.isfinite(step) else None
+        agg_t_end = t_end if math.isfinite(t_end) else None
+    return {"hb_step": hb_step, "hb_step_t": hb_step_t, "agg_step": agg_step, "agg_t_end": agg_t_end,
+            "inc": inc}
+
+
+def unprocessed_lag(state: Mapping[str, Any], min_lag_s: float = PROCESSING_LAG_S) -> float | None:
+    """Seconds by which the ranks' newest completed step is ahead of the newest aggregate.
+
+    From :func:`processing_state`: None unless the heartbeats report a step beyond the newest
+    aggregated one (or any step when nothing is aggregated) that completed more than
+    ``min_lag_s`` after the newest aggregate ended (after the ranks started, when none).
+    """
+    hb_step, hb_t = state.get("hb_step"), state.get("hb_step_t")
+    if hb_step is None or hb_t is None:
+        return None
+    agg_step = state.get("agg_step")
+    if agg_step is not None and hb_step <= agg_step:
+        return None
+    ref = state.get("agg_t_end") if agg_step is not None else state.get("inc")
+    if ref is None:
+        return None
+    lag = float(hb_t) - float(ref)
+    return lag if lag > min_lag_s else None

@@ -11,6 +11,7 @@ Streamlit then executes ``pages/<name>.py`` directly for the URL path ``<name>``
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -19,7 +20,18 @@ import streamlit as st
 from streamlit.navigation.page import StreamlitPage
 
 from dashboard import data
-from dashboard.common import NO_RUNS, RUN_KEY, URL_KEY, current_run, fmt_age, get_client, redact_url, resolve_url
+from dashboard.common import (
+    NO_RUNS,
+    RUN_KEY,
+    URL_KEY,
+    current_run,
+    fmt_age,
+    fmt_int,
+    get_client,
+    plural,
+    redact_url,
+    resolve_url,
+)
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import validate_run_id
 
@@ -27,6 +39,11 @@ HERE = Path(__file__).resolve().parent
 _PICKER = "th_run_picker"
 #: Set by app.py right before it runs a page, consumed by the page's :func:`page_run`.
 _FRAMED = "th_framed"
+#: The detector-service banner re-checks this often (s); its two reads are cached as long, so
+#: every open page together costs one SCAN + MGET (+ one HGETALL/XREVRANGE per run) per period.
+SERVICE_CHECK_S = 5.0
+SERVICE_DOWN = ("Detector service not running: anomalies and goodput are not updating — start "
+                "`trainhealth serve`.")
 
 
 def page_config() -> None:
@@ -50,14 +67,78 @@ def run_page(page: StreamlitPage) -> None:
 
 
 def page_run() -> str | None:
-    """First call of every page file: the selected run, or None when there is nothing to show."""
+    """First call of every page file: the selected run, or None when there is nothing to show.
+
+    Also draws the detector-service banner (:func:`service_banner`) at the top of the page.
+    """
     if st.session_state.pop(_FRAMED, False):
-        return current_run()
-    # Executed directly by Streamlit's legacy pages/ mode: draw the frame here. Calling
-    # st.navigation also ends that mode for the whole server process.
-    page_config()
-    navigation()
-    return current_run() if sidebar() else None
+        run = current_run()
+    else:
+        # Executed directly by Streamlit's legacy pages/ mode: draw the frame here. Calling
+        # st.navigation also ends that mode for the whole server process.
+        page_config()
+        navigation()
+        run = current_run() if sidebar() else None
+    if run:
+        service_banner(run)
+    return run
+
+
+@st.cache_data(ttl=SERVICE_CHECK_S, show_spinner=False)
+def _service_heartbeats(url: str) -> list[dict]:
+    return data.service_heartbeats(get_client(url))
+
+
+@st.cache_data(ttl=SERVICE_CHECK_S, show_spinner=False)
+def _processing_state(url: str, run: str) -> dict:
+    return data.processing_state(get_client(url), run)
+
+
+def service_problem(beats: list[dict], state: dict, now: float) -> str | None:
+    """The banner text for the service heartbeats and the run's processing state, None if healthy.
+
+    Not running: no ``th:service:*`` heartbeat, or the newest older than
+    :data:`dashboard.data.SERVICE_STALE_S`. Not processing: the ranks' heartbeats report steps
+    completed well after the newest aggregate (:func:`dashboard.data.unprocessed_lag`).
+    """
+    running = data.service_running(beats, now)
+    lag = data.unprocessed_lag(state)
+    if running and lag is None:
+        return None
+    parts = []
+    if not running:
+        parts.append(SERVICE_DOWN)
+        newest = beats[0] if beats and math.isfinite(beats[0]["t"]) else None
+        if newest is not None:
+            who = f"`{newest['consumer']}`" + (f" on {newest['host']}" if newest.get("host") else "")
+            parts.append(f"Its last heartbeat ({who}) is {fmt_age(now - newest['t'])} old.")
+    if lag is not None:
+        done = f"the ranks completed step {fmt_int(state['hb_step'])} ({fmt_age(now - state['hb_step_t'])} ago)"
+        if state.get("agg_step") is None:
+            behind = "no step of this run has been aggregated"
+        else:
+            behind = (f"the newest aggregated step is {fmt_int(state['agg_step'])}, which ended "
+                      f"{fmt_age(lag)} before that")
+        if running:
+            parts.append(f"Steps arrive but the detector service is not processing this run: {done}, but "
+                         f"{behind}. Check the `trainhealth serve` log (is it on this Redis?).")
+        else:
+            parts.append(f"Steps still arrive: {done}, but {behind}.")
+    return " ".join(parts)
+
+
+@st.fragment(run_every=SERVICE_CHECK_S)
+def service_banner(run: str) -> None:
+    """A warning on top of every page when the detector service is down or not processing ``run``."""
+    url = st.session_state.get(URL_KEY, "")
+    try:
+        beats = _service_heartbeats(url)
+        state = _processing_state(url, run)
+    except redis.RedisError:
+        return  # the page's own reads say that Redis is unreachable
+    text = service_problem(beats, state, time.time())
+    if text:
+        st.warning(text, icon=":material/sensors_off:")
 
 
 def _picked() -> None:
@@ -68,7 +149,7 @@ def _run_label(runs: dict[str, dict], run: str) -> str:
     info = runs.get(run) or {}
     status = info.get("status") or "?"
     ws = info.get("world_size")
-    return f"{run} · {status}" + (f" · {ws} ranks" if ws else "")
+    return f"{run} · {status}" + (f" · {plural(ws, 'rank')}" if ws else "")
 
 
 def sidebar() -> bool:
@@ -138,7 +219,7 @@ def sidebar() -> bool:
     started = meta.get("started_at")
     bits = [f"**{meta.get('status') or 'unknown'}**"]
     if meta.get("world_size"):
-        bits.append(f"{meta['world_size']} ranks")
+        bits.append(plural(meta["world_size"], "rank"))
     if started:
         bits.append(f"started {fmt_age(time.time() - started)} ago")
     if meta.get("source"):

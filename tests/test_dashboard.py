@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,9 +22,9 @@ import redis
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from dashboard import charts, data
-from dashboard.common import fmt_age, fmt_pct, fmt_rate, fmt_usd, redact_url
-from trainhealth.keys import RUNS, run_keys
+from dashboard import charts, data, frame
+from dashboard.common import anomaly_delta, fmt_age, fmt_duration, fmt_pct, fmt_rate, fmt_usd, plural, redact_url
+from trainhealth.keys import RUNS, run_keys, service_heartbeat
 from trainhealth.server import free_port
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
@@ -32,21 +34,34 @@ HOSTS = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
 #: Per-rank busy seconds: rank 3 is the straggler; gen 1 (after the restart) is slower overall.
 BUSY_GEN0 = [0.10, 0.11, 0.12, 0.30]
 BUSY_GEN1 = [0.2, 0.2, 0.2, 0.4]
-SECONDS = {"productive": 71.5, "program_startup": 2.0, "data_loading": 5.0, "checkpoint_save": 6.0,
-           "checkpoint_restore": 1.0, "wasted_progress_from_disruption": 8.0,
-           "infrastructure_recovery_from_disruption": 4.5, "idle": 2.0, "custom": 0.0}
+SECONDS = {"productive": 71.5, "program_startup": 2.0, "data_loading": 5.0, "straggler_wait": 0.0,
+           "skipped_steps": 0.0, "checkpoint_save": 5.0, "checkpoint_restore": 1.0,
+           "wasted_progress_from_disruption": 8.0, "wasted_progress_from_rollback": 0.0,
+           "infrastructure_recovery_from_disruption": 4.5, "custom": 3.0, "hang": 0.0, "idle": 0.0}
+CUSTOM_BY_NAME = {"eval": 2.5, "profiling": 0.5}
+#: Throughput and goodput of the three seeded snapshots (docs/goodput.md): tokens_total /
+#: step_s (the time inside step attempts: here productive + data loading + wasted progress) and
+#: tokens_good / wall_s.
+THROUGHPUT = [8 * 4096 / 53.0, 11 * 4096 / 69.0, 14 * 4096 / 84.5]  # 618.26, 652.99, 678.63
+GOODPUT = [8 * 4096 / 60.0, 9 * 4096 / 80.0, 12 * 4096 / 100.0]  # 546.13, 460.8, 491.52
 
 
-def _snapshot(t: float, wall: float, thr: float, good: float, pct: float, last_step: int, done: int,
-              good_steps: int, restarts: int, seconds: dict[str, float]) -> dict:
-    price, world = 2.5, 4
-    cost = {k: v * world * price / 3600 for k, v in seconds.items()}
-    return {"t": t, "started_at": T0, "wall_s": wall, "world_size": world, "gpu_hour_usd": price,
+def _snapshot(t: float, wall: float, last_step: int, done: int, good_steps: int, restarts: int,
+              seconds: dict[str, float], custom_by_name: dict[str, float], world: int = 4,
+              price: float | None = 2.5, tokens_per_step: int = 4096) -> dict:
+    """A ledger snapshot as docs/goodput.md defines it (rates computed from the seconds)."""
+    cost = {k: v * world * price / 3600 for k, v in seconds.items()} if price is not None else None
+    step_s = sum(seconds.get(c, 0.0) for c in ("productive", "data_loading", "straggler_wait", "skipped_steps",
+                                                "wasted_progress_from_disruption", "wasted_progress_from_rollback"))
+    tokens_total, tokens_good = done * tokens_per_step, good_steps * tokens_per_step
+    return {"t": t, "started_at": t - wall, "wall_s": wall, "world_size": world, "gpu_hour_usd": price,
             "last_step": last_step, "steps_done": done, "steps_good": good_steps, "restarts": restarts,
-            "tokens_total": done * 4096, "tokens_good": good_steps * 4096, "throughput_tok_s": thr,
-            "goodput_tok_s": good, "goodput_pct": pct, "seconds": seconds,
+            "tokens_total": tokens_total, "tokens_good": tokens_good, "step_s": step_s,
+            "throughput_tok_s": tokens_total / step_s if step_s > 0 else 0.0,
+            "goodput_tok_s": tokens_good / wall, "goodput_pct": 100.0 * seconds["productive"] / wall,
+            "seconds": seconds, "custom_by_name": custom_by_name,
             "gpu_hours": {k: v * world / 3600 for k, v in seconds.items()}, "cost_usd": cost,
-            "badput_cost_usd": sum(v for k, v in cost.items() if k != "productive")}
+            "badput_cost_usd": sum(v for k, v in cost.items() if k != "productive") if cost else None}
 
 
 def seed_run(r: redis.Redis) -> None:
@@ -89,7 +104,8 @@ def seed_run(r: redis.Redis) -> None:
            config="{}")
     for rank, sec in enumerate((1.5, 1.6, 1.5, 1.7)):
         ev("checkpoint_save", rank, T0 + 50 + rank * 0.01, T0, step=8, seconds=sec)
-    ev("badput", 0, T0 + 55, T0, name="eval", seconds=3.0)
+    ev("badput", 0, T0 + 55, T0, name="eval", seconds=2.5)
+    ev("badput", 0, T0 + 58, T0, name="profiling", seconds=0.5)
     ev("collector_drops", 1, T0 + 56, T0, count=12)
     for rank in range(4):  # the restart: rank 3 came back on another node
         ev("run_start", rank, T0 + 70, T0 + 70, host="node-c" if rank == 3 else HOSTS[rank], pid=200 + rank,
@@ -121,10 +137,10 @@ def seed_run(r: redis.Redis) -> None:
         r.hset(k.anomalies, a["id"], json.dumps({"run": RUN, **a}))
 
     snaps = [
-        _snapshot(T0 + 60, 60.0, 546.13, 546.13, 80.0, 8, 8, 8, 0,
-                  {**SECONDS, "productive": 48.0, "wasted_progress_from_disruption": 0.0}),
-        _snapshot(T0 + 80, 80.0, 563.2, 460.8, 70.0, 10, 11, 9, 1, {**SECONDS, "productive": 56.0}),
-        _snapshot(T0 + 100, 100.0, 573.44, 491.52, 71.5, 12, 14, 12, 1, SECONDS),
+        _snapshot(T0 + 60, 60.0, 8, 8, 8, 0, {**SECONDS, "productive": 48.0, "wasted_progress_from_disruption": 0.0},
+                  CUSTOM_BY_NAME),
+        _snapshot(T0 + 80, 80.0, 10, 11, 9, 1, {**SECONDS, "productive": 56.0}, CUSTOM_BY_NAME),
+        _snapshot(T0 + 100, 100.0, 12, 14, 12, 1, SECONDS, CUSTOM_BY_NAME),
     ]
     for snap in snaps:
         r.xadd(k.ledger, {"json": json.dumps(snap)})
@@ -142,9 +158,17 @@ def _fresh_caches() -> Iterator[None]:
     st.cache_data.clear()
 
 
+def service_beat(r: redis.Redis, consumer: str = "svc-1", age_s: float = 0.0, host: str = "host-1") -> None:
+    """Write a detector service heartbeat as the service does (``th:service:{consumer}``, TTL 30 s)."""
+    r.set(service_heartbeat(consumer), json.dumps({"pid": 4242, "host": host, "t": time.time() - age_s,
+                                                   "runs": 1, "processed": 99}), ex=30)
+
+
 @pytest.fixture
 def seeded(r: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> redis.Redis:
+    """The seeded run with a live detector service (a fresh ``th:service:svc-1`` heartbeat)."""
     seed_run(r)
+    service_beat(r)
     monkeypatch.setenv("TRAINHEALTH_REDIS_URL", redis_url)
     return r
 
@@ -191,6 +215,7 @@ def test_list_runs_newest_first_with_meta(seeded: redis.Redis, dr: redis.Redis, 
     assert runs.loc[0, "started_at"] == T0
     assert runs.loc[0, "gpu_hour_usd"] == 2.5
     assert runs.loc[0, "source"] == "demo"
+    assert runs.loc[1, "source"] is None and runs.loc[2, "source"] is None  # absent: None, not a truthy NaN
     assert runs.loc[2, "ended_at"] == T0 - 80000
     assert data.run_exists(seeded, "old-run") and not data.run_exists(seeded, "nope")
 
@@ -295,21 +320,43 @@ def test_ledger_latest_and_history(seeded: redis.Redis) -> None:
     assert snap is not None
     assert snap["goodput_pct"] == 71.5 and snap["last_step"] == 12 and snap["seconds"] == SECONDS
     assert snap["badput_cost_usd"] == pytest.approx(28.5 * 4 * 2.5 / 3600)
+    assert snap["step_s"] == 84.5 and snap["custom_by_name"] == CUSTOM_BY_NAME
     hist = data.ledger_history(seeded, RUN)
     assert list(hist["t"]) == [T0 + 60, T0 + 80, T0 + 100]
-    assert list(hist["throughput_tok_s"]) == [546.13, 563.2, 573.44]
-    assert list(hist["goodput_tok_s"]) == [546.13, 460.8, 491.52]
+    assert list(hist["throughput_tok_s"]) == pytest.approx([618.264151, 652.985507, 678.627219])
+    assert list(hist["throughput_tok_s"]) == THROUGHPUT
+    assert list(hist["goodput_tok_s"]) == pytest.approx([546.133333, 460.8, 491.52])
+    # The new definition: throughput (per second inside steps) >= goodput (kept tokens per wall second).
+    assert (hist["throughput_tok_s"] >= hist["goodput_tok_s"]).all()
     assert list(hist["seconds.productive"]) == [48.0, 56.0, 71.5]
     assert list(data.ledger_history(seeded, RUN, count=1)["t"]) == [T0 + 100]
 
 
-def test_badput_breakdown_sorted_without_productive(seeded: redis.Redis) -> None:
+def test_badput_breakdown_sorted_with_custom_split_by_name(seeded: redis.Redis) -> None:
     bd = data.badput_seconds(data.ledger_latest(seeded, RUN))
-    assert list(bd["category"][:3]) == ["wasted_progress_from_disruption", "checkpoint_save", "data_loading"]
-    assert list(bd["seconds"][:3]) == [8.0, 6.0, 5.0]
-    assert "productive" not in set(bd["category"]) and len(bd) == 8
+    # "custom" (3.0 s) is replaced by its names: eval 2.5 s and profiling 0.5 s.
+    assert list(bd["category"]) == ["wasted_progress_from_disruption", "data_loading", "checkpoint_save",
+                                    "infrastructure_recovery_from_disruption", "eval", "program_startup",
+                                    "checkpoint_restore", "profiling", "straggler_wait", "skipped_steps",
+                                    "wasted_progress_from_rollback", "hang", "idle"]
+    assert list(bd["seconds"]) == [8.0, 5.0, 5.0, 4.5, 2.5, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert bd.loc[0, "cost_usd"] == pytest.approx(8.0 * 4 * 2.5 / 3600)
-    assert bd["seconds"].sum() == 28.5
+    assert bd.loc[4, "cost_usd"] == pytest.approx(2.5 * 4 * 2.5 / 3600)  # the custom cost split by seconds
+    assert bd["seconds"].sum() == 28.5 and bd["cost_usd"].sum() == pytest.approx(28.5 * 4 * 2.5 / 3600)
+
+
+def test_badput_custom_names_collision_remainder_and_old_snapshots() -> None:
+    seconds = {**SECONDS, "custom": 4.0}
+    snap = _snapshot(T0 + 100, 100.0, 12, 14, 12, 1, seconds, {"idle": 1.0, "evaluation": 2.0})
+    bd = data.badput_seconds(snap).set_index("category")["seconds"].to_dict()
+    # A name equal to a category is prefixed; the 1.0 s no name covers stays "custom".
+    assert {k: bd[k] for k in ("evaluation", "custom: idle", "custom", "idle")} == {
+        "evaluation": 2.0, "custom: idle": 1.0, "custom": 1.0, "idle": 0.0}
+    old = data.badput_seconds(_snapshot(T0 + 100, 100.0, 12, 14, 12, 1, SECONDS, {}))  # no names written
+    assert "custom" in set(old["category"]) and len(old) == 12  # every category but productive
+    extra = data.badput_seconds({"seconds": {"productive": 1.0, "new_kind": 2.0}})  # a category added later
+    assert extra.loc[0].to_dict() == {"category": "new_kind", "seconds": 2.0, "cost_usd": pytest.approx(math.nan,
+                                                                                                      nan_ok=True)}
 
 
 # --- charts / helpers ----------------------------------------------------------------------
@@ -318,15 +365,26 @@ def test_training_curves_markers(seeded: redis.Redis) -> None:
     fig = charts.training_curves(data.recent_steps(seeded, RUN), data.anomalies(seeded, RUN),
                                  data.events(seeded, RUN))
     names = [t.name for t in fig.data]
-    assert names == ["gen 0", "grad norm · gen 0", "gen 1", "grad norm · gen 1", "critical span", "warning span",
-                     "events"]
-    lane = fig.data[-1]
-    assert list(lane.y) == ["anomaly", "anomaly", "restart", "anomaly", "checkpoint", "checkpoint", "checkpoint"]
-    assert list(lane.x) == [12, 4, 10, 5, 8, 8, 12]
-    assert "rank 2 has not completed a step for 300 s" in lane.hovertext[0]
+    assert names == ["gen 0", "grad norm · gen 0", "gen 1", "grad norm · gen 1", "step axis", "critical span",
+                     "warning span", "critical anomaly", "warning anomaly", "restart", "checkpoint save",
+                     "checkpoint load"]
+    # The lane always has data (so the shared step axis is drawn), an invisible point at each end.
+    assert (list(fig.data[4].x), fig.data[4].marker.opacity, fig.data[4].showlegend) == ([1, 12], 0, False)
+    # Every event-lane marker kind has its own entry in the second legend (top right).
+    lane = {t.name: t for t in fig.data[7:]}
+    assert all(t.legend == "legend2" and t.showlegend is not False for t in lane.values())
+    assert fig.layout.legend2.x == 1 and fig.layout.legend2.xanchor == "right"
+    assert [(n, list(t.x), list(t.y)) for n, t in lane.items()] == [
+        ("critical anomaly", [12, 5], ["anomaly", "anomaly"]), ("warning anomaly", [4], ["anomaly"]),
+        ("restart", [10], ["restart"]), ("checkpoint save", [8, 12], ["checkpoint", "checkpoint"]),
+        ("checkpoint load", [8], ["checkpoint"])]
+    assert (lane["checkpoint save"].marker.symbol, lane["checkpoint save"].marker.color[0]) == ("square", "#2ca02c")
+    assert (lane["checkpoint load"].marker.symbol, lane["checkpoint load"].marker.color[0]) == ("diamond", "#17becf")
+    assert lane["checkpoint load"].hovertext[0] == "<b>checkpoint load</b> of step 8, blocked 2.0 s (4 ranks)"
+    assert "rank 2 has not completed a step for 300 s" in lane["critical anomaly"].hovertext[0]
     # Lane bars: hang 12 (active) and NaN 5-6 in red; the straggler from step 4 to the newest step.
-    assert list(fig.data[4].x) == [11.5, 12.5, None, 4.5, 6.5, None]
-    assert list(fig.data[5].x) == [3.5, 12.5, None]
+    assert list(fig.data[5].x) == [11.5, 12.5, None, 4.5, 6.5, None]
+    assert list(fig.data[6].x) == [3.5, 12.5, None]
     shapes = fig.layout.shapes
     # Only the loss-related NaN anomaly is shaded on the panels (×3), plus the restart line (×3).
     assert len(shapes) == 6
@@ -358,12 +416,35 @@ def test_downsample_keeps_small_matrix_and_ignores_nan() -> None:
     assert list(out.columns) == [2, 4] and list(out.iloc[0]) == [1.0, 4.0]
 
 
+def test_goodput_chart_goodput_on_top_of_throughput(seeded: redis.Redis) -> None:
+    fig = charts.goodput_over_time(data.ledger_history(seeded, RUN), "UTC")
+    assert [t.name for t in fig.data] == ["throughput", "goodput", "gap = badput"]
+    thr, good, band = fig.data
+    # Goodput is drawn after (over) the wider throughput line and fills the gap down from it.
+    assert (thr.line.width, good.line.width) == (4, 2) and good.fill == "tonexty" and thr.fill is None
+    assert list(good.y) == GOODPUT and list(thr.y) == THROUGHPUT
+    assert band.fill == "toself" and list(band.x) == [None] and band.fillcolor == good.fillcolor
+    assert fig.layout.legend.traceorder == "normal"
+    assert (thr.mode, good.mode) == ("lines", "lines")
+    single = charts.goodput_over_time(data.ledger_history(seeded, RUN, count=1), "UTC")
+    assert [t.mode for t in single.data[:2]] == ["lines+markers"] * 2  # one snapshot: a point, not nothing
+
+
+def test_anomaly_card_sub_line_fits() -> None:
+    assert [anomaly_delta(3, 0), anomaly_delta(4, 1), anomaly_delta(140, 12), anomaly_delta(1200, 0)] == [
+        "of 3 total", "of 4 · 1 critical", "of 140 · 12 crit.", "of 1,200 total"]
+
+
 def test_compact_formats() -> None:
     assert [fmt_rate(x) for x in (573.44, 41_600.0, 804_817.0, 2_500_000.0, None, math.nan)] == [
         "573", "41,600", "804.8k", "2.50M", "—", "—"]
     assert [fmt_usd(x) for x in (0.0791, 12.3, 1234.5, 123_456.0, None)] == ["$0.08", "$12.30", "$1,234", "$123k", "—"]
-    assert [fmt_pct(x) for x in (71.5, 100.0, None)] == ["71.5%", "100.0%", "—"]
+    assert [fmt_pct(x) for x in (71.5, 99.94, 99.986, 100.0, None)] == ["71.5%", "99.9%", "100%", "100%", "—"]
     assert [fmt_age(x) for x in (42.0, 210.0, 7300.0, 200_000.0)] == ["42 s", "3.5 min", "2.0 h", "2.3 d"]
+    assert [fmt_duration(x) for x in (114.9, 5060.0, 8280.0, 200_000.0, math.nan)] == [
+        "115 s", "84 min", "2.3 h", "2.3 d", "—"]
+    assert [plural(1, "rank"), plural(4, "rank"), plural(1400, "step"), plural(1, "anomaly", "anomalies"),
+            plural(0, "anomaly", "anomalies")] == ["1 rank", "4 ranks", "1,400 steps", "1 anomaly", "0 anomalies"]
 
 
 def test_redact_url() -> None:
@@ -381,22 +462,33 @@ def test_overview_kpis_and_charts(seeded: redis.Redis, redis_url: str) -> None:
     assert at.query_params["run"] == RUN
     assert metrics(at) == {
         "Step": ("12", "restart gen 1"),
-        "Throughput": ("573", "tokens/s"),
-        "Goodput": ("492", "tokens/s"),
+        "Throughput": ("679", "tokens/s"),  # 14 × 4,096 tokens / 84.5 s inside steps
+        "Goodput": ("492", "tokens/s"),  # 12 × 4,096 kept tokens / 100 s wall
         "Goodput %": ("71.5%", "of wall time"),
-        "Anomalies": ("2", "active, 1 critical"),
+        "Active anomalies": ("2", "of 4 · 1 critical"),
         "Badput cost": ("$0.08", "at $2.5/GPU-h"),
     }
+    assert not at.warning  # the service heartbeat is fresh and every step is aggregated: no banner
     figs = figures(at)
     assert len(figs) == 3
     curves, goodput, badput = figs
-    assert [t["name"] for t in curves["data"]][-1] == "events"
-    assert [t["name"] for t in goodput["data"]] == ["goodput", "throughput (gap = badput)"]
-    assert arr(goodput["data"][0]["y"]) == [546.13, 460.8, 491.52]
-    assert arr(goodput["data"][1]["y"]) == [546.13, 563.2, 573.44]
-    assert goodput["data"][0]["x"][-1] == "2026-11-30T00:55:00.000000"  # T0 + 100 s, UTC in AppTest
+    assert [t["name"] for t in curves["data"]][-2:] == ["checkpoint save", "checkpoint load"]
+    assert [t["name"] for t in goodput["data"]] == ["throughput", "goodput", "gap = badput"]
+    assert arr(goodput["data"][0]["y"]) == THROUGHPUT
+    assert arr(goodput["data"][1]["y"]) == GOODPUT
+    assert goodput["data"][1]["x"][-1] == "2026-11-30T00:55:00.000000"  # T0 + 100 s, UTC in AppTest
     assert arr(curves["data"][2]["x"]) == [9, 10, 11, 12]  # gen 1 replays from the step-8 checkpoint
-    assert badput["data"][0]["y"][-1] == "wasted progress from disruption"  # largest on top
+    # Largest on top (plotly draws the first bar at the bottom); custom badput by its names; the
+    # categories at 0 s are named in a caption instead of as empty bars.
+    assert badput["data"][0]["y"] == ["profiling", "checkpoint restore", "program startup", "eval",
+                                      "infrastructure recovery from disruption", "checkpoint save", "data loading",
+                                      "wasted progress from disruption"]
+    assert badput["layout"]["height"] == 330  # 8 bars
+    assert [c.value for c in at.main.caption] == [
+        "status **running** · step 12 ended " + at.main.caption[0].value.split(" ended ")[1].split(" ago")[0]
+        + " ago · 4/4 ranks reported it · restart generation 1 · $2.5/GPU-hour · refreshes every 2 s",
+        "Productive: 71.5 s of 100.0 s wall time · 1 restart · 12 logged steps kept of 14 done",
+        "0.0 s: straggler wait, skipped steps, wasted progress from rollback, hang, idle"]
     sidebar = [c.value for c in at.sidebar.caption]
     assert sidebar[-1] == f"Redis: `{redis_url}`"
     assert sidebar[0].startswith("**running** · 4 ranks · started ") and sidebar[0].endswith(" · source `demo`")
@@ -417,7 +509,14 @@ def test_ranks_page_heatmap_table_and_straggler(seeded: redis.Redis) -> None:
     assert list(table["rank"]) == [3, 2, 1, 0]
     assert list(table["host"]) == ["node-c", "node-b", "node-a", "node-a"]
     assert list(table["straggler"]) == [True, False, False, False]
-    assert table.loc[0, "ratio"] == pytest.approx(2.6087, abs=1e-4)
+    # Only the steps since the active straggler's onset (step 4): rank medians 0.30, 0.16, 0.11, 0.10.
+    assert list(table["median_busy_s"]) == pytest.approx([0.30, 0.16, 0.11, 0.10])
+    assert table.loc[0, "ratio"] == pytest.approx(0.30 / 0.135)
+    assert list(table["steps"]) == [9, 8, 9, 9]
+    assert at.main.caption[0].value == (
+        "Busy = seconds a rank spends in its own timed sections before the collective; a slow rank makes all "
+        "others wait. Ratio = the rank's median busy time / the median rank's, since the active straggler's "
+        "onset (steps 4–12, 9 steps).")
     assert [w.value for w in at.warning] == [
         "**Straggler**: rank 3 on node-b since step 4 — rank 3 is 2.6x slower than the median rank"]
     heat = figs[0]["data"][0]
@@ -451,11 +550,25 @@ def test_anomalies_page_table_filters_and_evidence(seeded: redis.Redis) -> None:
     assert table.loc[3, "last_seen"] == pd.Timestamp("2026-11-30 00:53:53", tz="UTC")
     assert pd.isna(table.loc[0, "end_step"]) and table.loc[3, "end_step"] == 6
     assert at.json[0].value == json.dumps({"stalled_s": 300.0, "threshold_s": 120.0})
+    # Layout: kind/severity/status/step first, the message wraps (rows taller than 64 px) and the
+    # fixed columns leave it 300 px, so "last seen" fits the ~905 px beside the sidebar at 1,366 px.
+    grid = at.dataframe[0].proto
+    assert list(grid.column_order) == ["severity", "kind", "status", "step", "end_step", "message", "ranks",
+                                       "hosts", "last_seen"]
+    assert grid.row_height == 72  # longest message: 57 characters, 2 lines
+    widths = {name: cfg.get("width") for name, cfg in json.loads(grid.columns).items()}
+    assert widths["message"] == 300
+    assert sum(w for name, w in widths.items() if name in grid.column_order) == 892
+    assert at.main.caption[0].value == ("4 of 4 anomalies shown · 2 active · times in UTC · the full message and "
+                                        "evidence of each are in the expander below")
+    assert at.main.caption[1].value == ("id `hang:2:12:1` · ranks 2 · hosts node-b · seen 2026-11-30 00:54:59 → "
+                                        "2026-11-30 00:55:00 (UTC)")
 
     at.multiselect(key="filter_severity").select("critical").run()
     at.multiselect(key="filter_status").select("resolved").run()
     assert list(at.dataframe[0].value["id"]) == ["nan_inf:*:5:0"]
-    assert "1 of 4 anomalies shown · 2 active · times in UTC" in [c.value for c in at.main.caption]
+    assert at.main.caption[0].value.startswith("1 of 4 anomalies shown · 2 active · times in UTC")
+    assert at.dataframe[0].proto.row_height == 0  # "loss is NaN at step 5" fits one line: default rows
 
     at.selectbox(key="anomaly_detail").select("straggler:3:4:0").run()
     assert json.loads(at.json[0].value) == {"score": 0.38, "threshold": 0.7}
@@ -473,7 +586,7 @@ def test_run_link_picker_and_page_switch_keep_the_run(seeded: redis.Redis) -> No
     at.sidebar.selectbox[0].select("empty-run").run()
     assert at.session_state["th_run"] == "empty-run" and at.query_params["run"] == "empty-run"
     assert metrics(at)["Step"] == ("—", None)
-    assert metrics(at)["Badput time"] == ("—", "no GPU price set")
+    assert metrics(at)["Badput time"] == ("—", "no price set")
     at.query_params.clear()  # a sidebar page switch clears the URL's query string
     at.switch_page("pages/anomalies.py").run()
     assert not at.exception
@@ -515,3 +628,256 @@ def test_no_redis_configured_message() -> None:
     at = app()  # conftest removes TRAINHEALTH_REDIS_URL and isolates TRAINHEALTH_HOME
     assert not at.exception
     assert at.error[0].value.startswith("No Redis configured: set `TRAINHEALTH_REDIS_URL`")
+
+
+# --- detector service banner ---------------------------------------------------------------------
+
+def test_service_heartbeats_newest_first_and_running(r: redis.Redis) -> None:
+    now = time.time()
+    assert data.service_heartbeats(r) == [] and not data.service_running([], now)
+    service_beat(r, "old", age_s=25.0, host="node-x")
+    service_beat(r, "new", age_s=1.0, host="node-y")
+    r.set(service_heartbeat("broken"), "not json", ex=30)
+    r.set("th:{run}:service:x", "{}")  # not a service key (the pattern is anchored at th:service:)
+    beats = data.service_heartbeats(r)
+    assert [(b["consumer"], b["host"], b["pid"], b["runs"], b["processed"]) for b in beats] == [
+        ("new", "node-y", 4242, 1, 99), ("old", "node-x", 4242, 1, 99)]
+    assert beats[0]["t"] == pytest.approx(now - 1.0, abs=1.0)
+    assert data.service_running(beats, now) and not data.service_running(beats[1:], now)
+    assert data.service_running(beats[1:], now, stale_s=30.0)
+
+
+def test_processing_state_and_unprocessed_lag(r: redis.Redis) -> None:
+    k = run_keys("lagging")
+    for rank, (step, step_t) in enumerate(((1400, T0 + 700.0), (1399, T0 + 699.5))):
+        r.hset(k.heartbeats, str(rank), json.dumps({"t": T0 + 701, "step": step, "step_t": step_t,
+                                                    "phase": "train", "inc": T0 + rank}))
+    assert data.processing_state(r, "lagging") == {"hb_step": 1400, "hb_step_t": T0 + 700.0, "agg_step": None,
+                                                   "agg_t_end": None, "inc": T0}
+    assert data.unprocessed_lag(data.processing_state(r, "lagging")) == 700.0  # nothing aggregated since start
+    r.xadd(k.agg, {"step": 700, "gen": 0, "t_end": repr(T0 + 350.0), "busy": "[]"})
+    state = data.processing_state(r, "lagging")
+    assert (state["agg_step"], state["agg_t_end"]) == (700, T0 + 350.0)
+    assert data.unprocessed_lag(state) == 350.0
+    assert data.unprocessed_lag({**state, "agg_t_end": T0 + 660.0}) is None  # 40 s behind: within a minute
+    assert data.unprocessed_lag({**state, "agg_step": 1400}) is None  # caught up
+    # A replay's heartbeat names no step: nothing to compare.
+    assert data.unprocessed_lag({"hb_step": None, "hb_step_t": None, "agg_step": 700, "agg_t_end": T0,
+                                 "inc": T0}) is None
+
+
+def test_service_problem_texts() -> None:
+    now = T0 + 1000.0
+    fresh = [{"consumer": "svc-1", "host": "host-1", "t": now - 1.0}]
+    stale = [{"consumer": "svc-1", "host": "host-1", "t": now - 25.0}]
+    ok = {"hb_step": 12, "hb_step_t": now - 5, "agg_step": 12, "agg_t_end": now - 6, "inc": T0}
+    behind = {"hb_step": 1400, "hb_step_t": now - 10.0, "agg_step": 700, "agg_t_end": now - 610.0, "inc": T0}
+    assert frame.service_problem(fresh, ok, now) is None
+    assert frame.service_problem([], ok, now) == frame.SERVICE_DOWN == (
+        "Detector service not running: anomalies and goodput are not updating — start `trainhealth serve`.")
+    assert frame.service_problem(stale, ok, now) == frame.SERVICE_DOWN + (
+        " Its last heartbeat (`svc-1` on host-1) is 25 s old.")
+    assert frame.service_problem(fresh, behind, now) == (
+        "Steps arrive but the detector service is not processing this run: the ranks completed step 1,400 (10 s "
+        "ago), but the newest aggregated step is 700, which ended 10.0 min before that. Check the `trainhealth "
+        "serve` log (is it on this Redis?).")
+    assert frame.service_problem([], {**behind, "agg_step": None, "agg_t_end": None}, now) == frame.SERVICE_DOWN + (
+        " Steps still arrive: the ranks completed step 1,400 (10 s ago), but no step of this run has been "
+        "aggregated.")
+
+
+@pytest.mark.parametrize("page", ["app.py", "pages/ranks.py", "pages/anomalies.py"])
+def test_banner_when_no_service_heartbeat(seeded: redis.Redis, page: str) -> None:
+    seeded.delete(service_heartbeat("svc-1"))
+    at = app()
+    if page != "app.py":
+        at.switch_page(page).run()
+    assert not at.exception
+    banners = [w for w in at.warning if w.value.startswith("Detector service")]
+    assert [w.value for w in banners] == [frame.SERVICE_DOWN]
+    assert banners[0].proto.icon == ":material/sensors_off:"
+
+
+def test_banner_when_service_heartbeat_is_stale(seeded: redis.Redis) -> None:
+    seeded.delete(service_heartbeat("svc-1"))
+    service_beat(seeded, "svc-2", age_s=20.0, host="gpu-host")  # still in Redis (TTL 30 s) but 20 s old
+    at = app()
+    assert not at.exception
+    assert len(at.warning) == 1
+    assert re.fullmatch(re.escape(frame.SERVICE_DOWN) + r" Its last heartbeat \(`svc-2` on gpu-host\) is 2[01] s old\.",
+                        at.warning[0].value)
+
+
+def test_no_banner_with_fresh_heartbeat_on_every_page(seeded: redis.Redis) -> None:
+    at = app()
+    assert not at.exception and not at.warning
+    at.switch_page("pages/anomalies.py").run()
+    assert not at.exception and not at.warning
+    at.switch_page("pages/ranks.py").run()
+    assert [w.value for w in at.warning] == [  # only the straggler, no service banner
+        "**Straggler**: rank 3 on node-b since step 4 — rank 3 is 2.6x slower than the median rank"]
+
+
+def test_banner_when_steps_arrive_but_are_not_processed(seeded: redis.Redis) -> None:
+    # The service is alive, but rank 0 reports step 40 done 3 h ago... 10 min after the newest
+    # aggregate (step 12, ended at T0 + 85): the service is not consuming this run.
+    k = run_keys(RUN)
+    step_t = time.time() - 3 * 3600
+    seeded.hset(k.heartbeats, "0", json.dumps({"t": time.time(), "step": 40, "step_t": step_t, "phase": "train",
+                                               "host": "node-a", "pid": 200, "inc": T0 + 70}))
+    seeded.xadd(k.agg, {"step": 13, "gen": 1, "t_end": repr(step_t - 600.0), "busy": "[]"})
+    at = app()
+    assert not at.exception
+    assert [w.value for w in at.warning] == [
+        "Steps arrive but the detector service is not processing this run: the ranks completed step 40 (3.0 h "
+        "ago), but the newest aggregated step is 13, which ended 10.0 min before that. Check the `trainhealth "
+        "serve` log (is it on this Redis?)."]
+
+
+# --- a replayed log: one rank, no section timings, no token counts ----------------------------------
+
+REPLAY = "replay-trocr"
+
+
+def seed_replay(r: redis.Redis) -> None:
+    """Like ``trainhealth replay`` of a HF log logging every 2nd step: steps 2..1,400 (700 logged),
+    rank 0 of 1, untimed (``busy`` [null]), no tokens, 7 evaluations (112.8 s of custom badput)."""
+    k = run_keys(REPLAY)
+    start = T0 + 500
+    r.zadd(RUNS, {REPLAY: start})
+    r.hset(k.meta, mapping={"name": REPLAY, "world_size": "1", "started_at": repr(start), "status": "finished",
+                            "updated_at": repr(start), "ended_at": repr(start + 1512.8),
+                            "source": "replay:hf_trocr_large_gradnorm.trainer_state.json"})
+    pipe = r.pipeline()
+    for i, step in enumerate(range(2, 1401, 2)):
+        pipe.xadd(k.agg, {"step": step, "gen": 0, "t_end": repr(start + 2.0 * (i + 1)), "n_ranks": 1,
+                          "busy": "[null]", "loss": repr(5.0 / (1 + i)), "grad_norm": "150000.0", "data_s": "0.0"})
+    pipe.execute()
+    r.hset(k.heartbeats, "0", json.dumps({"t": start + 1512.8, "step": None, "step_t": None, "phase": "replay",
+                                          "host": "vm", "pid": 7, "inc": start}))
+    seconds = {"productive": 1398.0, "program_startup": 2.0, "data_loading": 0.0, "checkpoint_save": 0.0,
+               "checkpoint_restore": 0.0, "wasted_progress_from_disruption": 0.0,
+               "infrastructure_recovery_from_disruption": 0.0, "idle": 0.0, "custom": 112.8}
+    snap = _snapshot(start + 1512.8, 1512.8, 1400, 700, 700, 0, seconds, {"evaluation": 112.8}, world=1,
+                     price=None, tokens_per_step=0)
+    for t in (start + 1000.0, start + 1512.8):
+        r.xadd(k.ledger, {"json": json.dumps({**snap, "t": t})})
+    r.set(k.ledger_latest, json.dumps(snap))
+
+
+def test_replayed_run_overview(seeded: redis.Redis) -> None:
+    seed_replay(seeded)
+    at = app(run=REPLAY)
+    assert not at.exception
+    assert metrics(at) == {
+        "Step": ("1,400", None),
+        "Throughput": ("n/a", "no token counts"),
+        "Goodput": ("n/a", "no token counts"),
+        "Goodput %": ("92.4%", "of wall time"),
+        "Active anomalies": ("0", "of 0 total"),
+        "Badput time": ("115 s", "no price set"),  # 1,512.8 - 1,398 s
+    }
+    assert [i.value for i in at.info] == [
+        "No token counts in this run (e.g. a replayed log without them), so there is no throughput or goodput "
+        "in tokens/s. Goodput % and the badput breakdown still apply."]
+    assert not at.warning  # the service is up and a replay's heartbeat names no step to compare
+    figs = figures(at)
+    assert len(figs) == 2  # curves and badput: no tokens/s chart of zeros
+    axis = [t for t in figs[0]["data"] if t["name"] == "step axis"]
+    assert len(axis) == 1 and arr(axis[0]["x"]) == [2, 1400]  # the lane keeps the step axis drawn
+    badput = figs[1]["data"][0]
+    assert badput["y"] == ["program startup", "evaluation"]  # custom by name; the zero categories in a caption
+    assert arr(badput["x"]) == [2.0, 112.8]
+    assert figs[1]["layout"]["height"] == 200  # two bars: the chart shrinks instead of drawing giant bars
+    captions = [c.value for c in at.main.caption]
+    assert captions[0].endswith(" ago · 1/1 rank reported it · refreshes every 2 s")
+    assert captions[1] == ("Productive: 1,398.0 s of 1,512.8 s wall time · 0 restarts · 700 logged steps kept of "
+                           "700 done")
+    assert at.sidebar.caption[0].value.startswith("**finished** · 1 rank · started ")
+    assert at.sidebar.selectbox[0].options[0] == "replay-trocr · finished · 1 rank"
+
+
+def test_replayed_run_ranks_page_says_there_are_no_timings(seeded: redis.Redis) -> None:
+    seed_replay(seeded)
+    at = app(run=REPLAY)
+    at.switch_page("pages/ranks.py").run()
+    assert not at.exception
+    assert [i.value for i in at.info] == [
+        "No per-rank section timings in this run (a replayed log / untimed steps), so ranks cannot be compared. "
+        "Time each step with `with mon.step(step):` and its work with `mon.section(...)` to see every rank's "
+        "busy time here."]
+    assert not figures(at) and not at.dataframe  # no empty heatmap, no empty table
+
+
+# --- the rank table's window -------------------------------------------------------------------------
+
+LATE = "late-straggler"
+
+
+def seed_late_straggler(r: redis.Redis, anomaly: bool) -> None:
+    """428 steps of 4 ranks at 0.10 s busy; rank 2 at 0.20 s from step 400 (flagged at step 400)."""
+    k = run_keys(LATE)
+    r.zadd(RUNS, {LATE: T0 + 10_000})
+    r.hset(k.meta, mapping={"name": LATE, "world_size": "4", "status": "running", "started_at": repr(T0)})
+    pipe = r.pipeline()
+    for step in range(1, 429):
+        busy = [0.10, 0.10, 0.20 if step >= 400 else 0.10, 0.10]
+        pipe.xadd(k.agg, {"step": step, "gen": 0, "t_end": repr(T0 + step), "n_ranks": 4, "busy": json.dumps(busy)})
+    pipe.execute()
+    if anomaly:
+        r.hset(k.anomalies, "straggler:2:400:0", json.dumps({
+            "id": "straggler:2:400:0", "run": LATE, "kind": "straggler", "severity": "warning", "status": "active",
+            "step": 400, "end_step": None, "ranks": [2], "hosts": [], "evidence": {"score": 0.5},
+            "message": "rank 2 is a straggler", "first_seen": T0 + 400, "last_seen": T0 + 428}))
+
+
+def test_rank_table_window_since_onset_or_last_100(r: redis.Redis) -> None:
+    seed_late_straggler(r, anomaly=True)
+    matrix = data.rank_matrix(r, LATE)
+    everything = data.rank_summary(matrix)
+    assert everything.loc[everything["rank"] == 2, "ratio"].item() == 1.0  # diluted by 399 healthy steps
+    recent, onset = data.rank_table_window(matrix, data.anomalies(r, LATE))
+    assert onset == 400 and list(recent.columns) == list(range(400, 429))
+    assert data.rank_summary(recent).loc[0].to_dict() == {"rank": 2, "host": None, "median_busy_s": 0.2,
+                                                          "ratio": 2.0, "steps": 29}
+    recent, onset = data.rank_table_window(matrix, None)
+    assert onset is None and list(recent.columns) == list(range(329, 429))
+    # An onset before the last 100 steps: the last 100 steps already show it undiluted.
+    old = data.anomalies(r, LATE).assign(step=pd.array([300], dtype="Int64"))
+    assert data.rank_table_window(matrix, old)[1] is None
+
+
+@pytest.mark.parametrize("anomaly", [True, False])
+def test_ranks_page_table_uses_a_recent_window(seeded: redis.Redis, anomaly: bool) -> None:
+    seed_late_straggler(seeded, anomaly)
+    at = app(run=LATE)
+    at.switch_page("pages/ranks.py").run()
+    assert not at.exception
+    table = at.dataframe[0].value
+    caption = at.main.caption[0].value
+    rank2 = table[table["rank"] == 2].iloc[0]
+    if anomaly:
+        assert table.loc[0, "rank"] == 2 and bool(table.loc[0, "straggler"])
+        assert (rank2["ratio"], rank2["steps"]) == (2.0, 29)
+        assert caption.endswith("Ratio = the rank's median busy time / the median rank's, since the active "
+                                "straggler's onset (steps 400–428, 29 steps).")
+    else:
+        # 29 slow steps of the last 100: the median is still the healthy one, but the window is stated.
+        assert (rank2["ratio"], rank2["steps"]) == (1.0, 100)
+        assert caption.endswith("Ratio = the rank's median busy time / the median rank's, over the last 100 "
+                                "steps (steps 329–428).")
+
+
+# --- anomaly counts ---------------------------------------------------------------------------------
+
+def test_anomalies_kpi_counts_resolved_restarts(seeded: redis.Redis) -> None:
+    k = run_keys("empty-run")
+    for i, step in enumerate((100, 250, 400)):  # restarts are written already resolved
+        a = {"id": f"restart:*:{step}:{i + 1}", "run": "empty-run", "kind": "restart", "severity": "warning",
+             "status": "resolved", "step": step, "end_step": step, "ranks": [], "hosts": [], "evidence": {},
+             "message": f"all ranks restarted at step {step}", "first_seen": T0 + i, "last_seen": T0 + i}
+        seeded.hset(k.anomalies, a["id"], json.dumps(a))
+    at = app(run="empty-run")
+    assert not at.exception
+    assert metrics(at)["Active anomalies"] == ("0", "of 3 total")
+    assert at.sidebar.selectbox[0].options[1] == "empty-run · running · 8 ranks"

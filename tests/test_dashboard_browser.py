@@ -13,6 +13,7 @@ import re
 import runpy
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -31,6 +32,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 # The same fully known run as the AppTest tests (loaded by path: tests are not a package).
 _SEED = runpy.run_path(str(Path(__file__).with_name("test_dashboard.py")))
 seed_run, RUN = _SEED["seed_run"], _SEED["RUN"]
+seed_replay, REPLAY, service_beat = _SEED["seed_replay"], _SEED["REPLAY"], _SEED["service_beat"]
+SERVICE_DOWN = ("Detector service not running: anomalies and goodput are not updating — start "
+                "`trainhealth serve`.")
 START_TIMEOUT_S = 60
 UI_TIMEOUT_MS = 30_000
 
@@ -82,46 +86,87 @@ def _streamlit(redis_url: str, tmp_path: Path) -> Iterator[str]:
             proc.wait(5)
 
 
+@contextlib.contextmanager
+def _service_alive(r: redis.Redis) -> Iterator[threading.Event]:
+    """Refresh a detector-service heartbeat every 0.5 s, as ``trainhealth serve`` does; set the
+    yielded event to stop (the key then ages out like a dead service's)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            service_beat(r, "browser-test")
+            stop.wait(0.5)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield stop
+    finally:
+        stop.set()
+        thread.join(5)
+
+
 @pytest.fixture
-def dashboard(r: redis.Redis, redis_url: str, tmp_path: Path) -> Iterator[str]:
-    """Base URL of the dashboard on the seeded test Redis."""
+def dashboard(r: redis.Redis, redis_url: str, tmp_path: Path) -> Iterator[tuple[str, threading.Event]]:
+    """Base URL of the dashboard on the seeded test Redis, with a live service heartbeat (and its stop)."""
     _require_chromium()
     seed_run(r)
-    with _streamlit(redis_url, tmp_path) as base:
-        yield base
+    seed_replay(r)
+    with _service_alive(r) as stop, _streamlit(redis_url, tmp_path) as base:
+        yield base, stop
 
 
 def _launch(pw: Any) -> Any:
+    from playwright.sync_api import expect
+
+    # expect() waits 5 s by default: too short for a cold first page load on a busy machine and for
+    # the service banner, which re-checks every 5 s.
+    expect.set_options(timeout=UI_TIMEOUT_MS)
     return pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
 
 
-def test_dashboard_in_chromium(dashboard: str) -> None:
+def _kpis(page: Any) -> dict[str, str]:
+    values = page.locator('[data-testid="stMetricValue"]')
+    labels = page.locator('[data-testid="stMetricLabel"]').all_inner_texts()
+    return dict(zip([lbl.strip() for lbl in labels], [v.strip() for v in values.all_inner_texts()], strict=True))
+
+
+def _overflowing(page: Any, selector: str) -> list[str]:
+    """Texts of the elements matching ``selector`` whose content is cut (wider than their box)."""
+    return page.eval_on_selector_all(
+        selector, "els => els.filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText)")
+
+
+def test_dashboard_in_chromium(dashboard: tuple[str, threading.Event], r: redis.Redis) -> None:
     from playwright.sync_api import expect, sync_playwright
 
+    base, service = dashboard
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
         browser = _launch(pw)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 1500}, timezone_id="UTC")
             page.set_default_timeout(UI_TIMEOUT_MS)
-            page.goto(f"{dashboard}/?run={RUN}")
+            page.goto(f"{base}/?run={RUN}")
 
             # KPIs: label → value, read from the rendered metric cards.
-            values = page.locator('[data-testid="stMetricValue"]')
-            expect(values).to_have_count(6)
-            labels = page.locator('[data-testid="stMetricLabel"]').all_inner_texts()
-            kpi = dict(zip([lbl.strip() for lbl in labels], [v.strip() for v in values.all_inner_texts()],
-                           strict=True))
-            assert kpi["Step"] == "12"
-            assert kpi["Goodput %"] == "71.5%"
-            assert kpi["Throughput"] == "573"
-            assert kpi["Anomalies"] == "2"
-            # Units and the critical count sit in the cards' grey/red sub-line.
+            expect(page.locator('[data-testid="stMetricValue"]')).to_have_count(6)
+            assert _kpis(page) == {"Step": "12", "Throughput": "679", "Goodput": "492", "Goodput %": "71.5%",
+                                   "Active anomalies": "2", "Badput cost": "$0.08"}
+            # Units and the counts sit in the cards' grey/red sub-line.
             deltas = [d.strip() for d in page.locator('[data-testid="stMetricDelta"]').all_inner_texts()]
-            assert deltas == ["restart gen 1", "tokens/s", "tokens/s", "of wall time", "active, 1 critical",
+            assert deltas == ["restart gen 1", "tokens/s", "tokens/s", "of wall time", "of 4 · 1 critical",
                               "at $2.5/GPU-h"]
+            # Nothing in a KPI card is cut off with an ellipsis.
+            assert _overflowing(page, '[data-testid="stMetricValue"] div, [data-testid="stMetricDelta"] div') == []
             expect(page.locator(".js-plotly-plot")).to_have_count(3)
             expect(page.get_by_text("Throughput vs goodput (tokens/s, since start)")).to_be_visible()
+            # Legends: the goodput chart's three entries, the checkpoint markers' entries on the curves.
+            for name in ("throughput", "goodput", "gap = badput", "checkpoint save", "checkpoint load", "restart",
+                         "critical anomaly", "warning anomaly"):
+                entry = page.locator('text.legendtext, text.legend2text', has_text=re.compile(f"^{name}$"))
+                expect(entry).to_have_count(1)
+            expect(page.get_by_text("Detector service not running")).to_have_count(0)
             assert f"run={RUN}" in page.url
             page.wait_for_timeout(1000)  # let Plotly finish laying out before the picture
             page.screenshot(path=str(ARTIFACTS / "dashboard_overview.png"), full_page=True)
@@ -136,9 +181,55 @@ def test_dashboard_in_chromium(dashboard: str) -> None:
             page.screenshot(path=str(ARTIFACTS / "dashboard_ranks.png"), full_page=True)
 
             page.locator('[data-testid="stSidebarNav"]').get_by_text("Anomalies", exact=True).click()
-            expect(page.get_by_text("4 of 4 anomalies shown · 2 active · times in UTC")).to_be_visible()
+            expect(page.get_by_text(re.compile(r"^4 of 4 anomalies shown · 2 active · times in UTC"))).to_be_visible()
+            # Every column, "last seen" included, fits the table: no horizontal scrolling at 1,440 px.
+            scroller = page.locator('[data-testid="stDataFrame"] .dvn-scroller').first
+            expect(scroller).to_be_visible()
+            widths = scroller.evaluate("e => [e.scrollWidth, e.clientWidth]")
+            assert widths[0] <= widths[1], widths
             page.wait_for_timeout(1000)
             page.screenshot(path=str(ARTIFACTS / "dashboard_anomalies.png"), full_page=True)
+
+            # The detector service dies: its heartbeat key disappears and every page says so.
+            service.set()
+            r.delete("th:service:browser-test")
+            expect(page.get_by_text(SERVICE_DOWN.replace("`", ""))).to_be_visible()
+            page.locator('[data-testid="stSidebarNav"]').get_by_text("Overview", exact=True).click()
+            expect(page.get_by_text(SERVICE_DOWN.replace("`", ""))).to_be_visible()
+            page.wait_for_timeout(1000)
+            page.screenshot(path=str(ARTIFACTS / "dashboard_service_down.png"), full_page=False)
+        finally:
+            browser.close()
+
+
+def test_replayed_run_in_chromium(dashboard: tuple[str, threading.Event]) -> None:
+    """A replayed log (one rank, no timings, no token counts) reads right at 1,366 px."""
+    from playwright.sync_api import expect, sync_playwright
+
+    base, _service = dashboard
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1366, "height": 1400}, timezone_id="UTC")
+            page.set_default_timeout(UI_TIMEOUT_MS)
+            page.goto(f"{base}/?run={REPLAY}")
+            expect(page.locator('[data-testid="stMetricValue"]')).to_have_count(6)
+            assert _kpis(page) == {"Step": "1,400", "Throughput": "n/a", "Goodput": "n/a", "Goodput %": "92.4%",
+                                   "Active anomalies": "0", "Badput time": "115 s"}
+            assert _overflowing(page, '[data-testid="stMetricValue"] div, [data-testid="stMetricDelta"] div') == []
+            expect(page.get_by_text("700 logged steps kept of 700 done")).to_be_visible()
+            expect(page.locator("g.ytick text", has_text=re.compile("^evaluation$"))).to_have_count(1)
+            # No anomaly or checkpoint in this run: the step axis under the curves is still drawn.
+            expect(page.locator("g.x3tick text", has_text=re.compile("^1,?400$"))).to_have_count(1)
+            page.wait_for_timeout(1000)
+            page.screenshot(path=str(ARTIFACTS / "dashboard_replay_overview.png"), full_page=True)
+
+            page.locator('[data-testid="stSidebarNav"]').get_by_text("Ranks", exact=True).click()
+            expect(page.get_by_text(re.compile(r"^No per-rank section timings in this run"))).to_be_visible()
+            expect(page.locator(".js-plotly-plot")).to_have_count(0)
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(ARTIFACTS / "dashboard_replay_ranks.png"), full_page=True)
         finally:
             browser.close()
 

@@ -11,15 +11,26 @@ import streamlit as st
 
 from dashboard import data
 from dashboard.charts import SEVERITY_COLORS
-from dashboard.common import client, fmt_int, redis_trouble, to_datetime, viewer_tz
+from dashboard.common import client, fmt_int, plural, redis_trouble, to_datetime, viewer_tz
 from dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 
 TABLE_COLUMNS = ["severity", "kind", "status", "step", "end_step", "message", "ranks", "hosts", "first_seen",
                  "last_seen", "id"]
-#: Shown columns: the id (long, in the evidence expander) stays in the data for copy/export.
-SHOWN_COLUMNS = TABLE_COLUMNS[:-1]
+#: Shown columns, narrow ones fixed so the message gets the width and every column fits a
+#: 1,366 px screen; ``first_seen`` and the id stay in the data (and the evidence expander).
+SHOWN_COLUMNS = ["severity", "kind", "status", "step", "end_step", "message", "ranks", "hosts", "last_seen"]
 _LIST_LIMIT = 16
+#: Width (px) of the message column; the fixed columns take 592 px, so the table fits the
+#: ~905 px a 1,366 px screen leaves beside the sidebar (wider screens spread the rest).
+MESSAGE_WIDTH = 300
+#: Characters of a message per line of that column (about; proportional font).
+LINE_CHARS = 44
+#: Row heights (px) for 3 and 4 wrapped lines. Streamlit wraps cell text only in rows taller
+#: than 4 rem (64 px); a longer message is cut after 4 lines (a click on the cell, or the
+#: evidence expander, shows all of it).
+ROW_HEIGHT_3_LINES = 72
+ROW_HEIGHT_4_LINES = 92
 
 
 def _join(values: list, limit: int = _LIST_LIMIT) -> str:
@@ -65,6 +76,15 @@ def table(frame: pd.DataFrame, tz: str) -> pd.DataFrame:
     return out[TABLE_COLUMNS].reset_index(drop=True)
 
 
+def row_height(shown: pd.DataFrame) -> int | None:
+    """Rows tall enough to wrap the longest message (up to 4 lines); the default when all fit one line."""
+    longest = max((len(m) for m in shown["message"]), default=0)
+    hosts = max((len(h) for h in shown["hosts"]), default=0)
+    if longest <= LINE_CHARS and hosts <= 16:
+        return None
+    return ROW_HEIGHT_3_LINES if longest <= 3 * LINE_CHARS else ROW_HEIGHT_4_LINES
+
+
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
 def live(run: str, kinds: list[str], severities: list[str], statuses: list[str]) -> None:
     """The anomaly table, re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
@@ -79,16 +99,26 @@ def live(run: str, kinds: list[str], severities: list[str], statuses: list[str])
     rows = filtered(frame, kinds, severities, statuses)
     tz = viewer_tz()
     n_active = int((frame["status"] == "active").sum())
-    st.caption(f"{len(rows)} of {len(frame)} anomalies shown · {n_active} active · times in {tz}")
+    st.caption(f"{len(rows)} of {plural(len(frame), 'anomaly', 'anomalies')} shown · {n_active} active · "
+               f"times in {tz} · the full message and evidence of each are in the expander below")
+    shown = table(rows, tz)
     st.dataframe(
-        table(rows, tz).style.map(_severity_style, subset=["severity"]).map(_status_style, subset=["status"]),
+        shown.style.map(_severity_style, subset=["severity"]).map(_status_style, subset=["status"]),
         hide_index=True, key="anomaly_table", column_order=SHOWN_COLUMNS, placeholder="—",
+        row_height=row_height(shown),
         column_config={
-            "step": st.column_config.NumberColumn("step", format="%d"),
-            "end_step": st.column_config.NumberColumn("end step", format="%d"),
-            "message": st.column_config.TextColumn("message", width="large"),
+            "severity": st.column_config.TextColumn("severity", width=68),
+            "kind": st.column_config.TextColumn("kind", width=84),
+            "status": st.column_config.TextColumn("status", width=68),
+            "step": st.column_config.NumberColumn("step", format="%d", width=56),
+            "end_step": st.column_config.NumberColumn("end step", format="%d", width=64),
+            "message": st.column_config.TextColumn("message", width=MESSAGE_WIDTH),
+            "ranks": st.column_config.TextColumn("ranks", width=56),
+            "hosts": st.column_config.TextColumn("hosts", width=104),
             "first_seen": st.column_config.DatetimeColumn("first seen", format="MM-DD HH:mm:ss"),
-            "last_seen": st.column_config.DatetimeColumn("last seen", format="MM-DD HH:mm:ss"),
+            "last_seen": st.column_config.DatetimeColumn("last seen", format="MM-DD HH:mm", width=92,
+                                                         help="Newest time the detector saw the anomaly "
+                                                              "(seconds in the expander below)."),
         },
     )
 
@@ -110,7 +140,11 @@ def details(run: str) -> None:
         a = by_id[chosen]
         st.markdown(a["message"])
         st.json(_displayable(a["evidence"]))
-        st.caption(f"id `{a['id']}` · ranks {_join(a['ranks']) or '—'} · hosts {_join(a['hosts']) or '—'}")
+        tz = viewer_tz()
+        seen = " → ".join(f"{t:%Y-%m-%d %H:%M:%S}" for t in (to_datetime(a["first_seen"], tz),
+                                                            to_datetime(a["last_seen"], tz)) if t is not None)
+        st.caption(f"id `{a['id']}` · ranks {_join(a['ranks']) or '—'} · hosts {_join(a['hosts']) or '—'}"
+                   + (f" · seen {seen} ({tz})" if seen else ""))
 
 
 run = page_run()

@@ -12,13 +12,16 @@ import streamlit as st
 from dashboard import charts, data
 from dashboard.common import (
     URL_KEY,
+    anomaly_delta,
     client,
     fmt_age,
+    fmt_duration,
     fmt_int,
     fmt_pct,
     fmt_rate,
     fmt_usd,
     get_client,
+    plural,
     redis_trouble,
     viewer_tz,
 )
@@ -41,11 +44,12 @@ def _ledger_history(url: str, run: str) -> pd.DataFrame:
 
 
 def kpis(steps: pd.DataFrame, snap: dict | None, anomalies: pd.DataFrame, meta: dict) -> None:
-    """The KPI strip: step, throughput, goodput, goodput %, active anomalies, badput cost."""
+    """The KPI strip: step, throughput, goodput, goodput %, anomalies (active of total), badput cost."""
     last = steps.iloc[-1] if not steps.empty else None
     step = last["step"] if last is not None else (snap or {}).get("last_step")
     active = anomalies[anomalies["status"] == "active"] if not anomalies.empty else anomalies
     n_crit = int((active["severity"] == "critical").sum()) if not active.empty else 0
+    tokens = data.has_token_counts(snap)
     snap = snap or {}
     gen = int(last["gen"]) if last is not None and pd.notna(last["gen"]) else 0
     # Short labels and compact values so six cards fit a 1,366 px screen; units go in the
@@ -55,16 +59,24 @@ def kpis(steps: pd.DataFrame, snap: dict | None, anomalies: pd.DataFrame, meta: 
     cols[0].metric("Step", fmt_int(step), delta=f"restart gen {gen}" if gen > 0 else None,
                    **unit, help="Newest step aggregated across ranks by the detector service "
                                 "(gen = restarts so far).")
-    cols[1].metric("Throughput", fmt_rate(snap.get("throughput_tok_s")), delta="tokens/s", **unit,
-                   help="All tokens processed / wall time since the run started, including steps later "
-                        "lost to a rollback.")
-    cols[2].metric("Goodput", fmt_rate(snap.get("goodput_tok_s")), delta="tokens/s", **unit,
-                   help="Tokens of steps that counted (not redone after a restart) / wall time since start.")
+    no_tokens = "The run reported no token counts (e.g. a replayed log without them), so there is no tokens/s."
+    cols[1].metric("Throughput", fmt_rate(snap.get("throughput_tok_s")) if tokens else "n/a",
+                   delta="tokens/s" if tokens else "no token counts", **unit,
+                   help="Tokens processed / seconds spent inside steps (data and straggler waits, skipped "
+                        "steps and steps later redone included): the tokens/s a framework prints while it trains."
+                        + ("" if tokens else " " + no_tokens))
+    cols[2].metric("Goodput", fmt_rate(snap.get("goodput_tok_s")) if tokens else "n/a",
+                   delta="tokens/s" if tokens else "no token counts", **unit,
+                   help="Tokens of the steps the model keeps / wall time since the run started. Below "
+                        "throughput by every kind of badput: pauses, start-up, checkpoints, redone steps."
+                        + ("" if tokens else " " + no_tokens))
     cols[3].metric("Goodput %", fmt_pct(snap.get("goodput_pct")), delta="of wall time", **unit,
                    help="Share of wall time spent on productive training (goodput ledger).")
-    cols[4].metric("Anomalies", str(len(active)), delta=f"active, {n_crit} critical" if n_crit else "active",
-                   delta_color="red" if n_crit else "gray", delta_arrow="off", border=True,
-                   help="Open anomalies (see the Anomalies page) and how many of them are critical.")
+    # "Active anomalies" fits a 1,366 px card only without a help icon. The total counts resolved
+    # anomalies too, restarts included (they are recorded already resolved).
+    total = len(anomalies)
+    cols[4].metric("Active anomalies", str(len(active)), delta=anomaly_delta(total, n_crit),
+                   delta_color="red" if n_crit else "gray", delta_arrow="off", border=True)
     cost = snap.get("badput_cost_usd")
     if cost is not None:
         price = snap.get("gpu_hour_usd") or meta.get("gpu_hour_usd")
@@ -72,7 +84,7 @@ def kpis(steps: pd.DataFrame, snap: dict | None, anomalies: pd.DataFrame, meta: 
                        help="USD spent on badput: non-productive wall time × ranks × the GPU-hour price.")
     else:
         badput_s = (snap.get("wall_s") or math.nan) - ((snap.get("seconds") or {}).get("productive") or 0.0)
-        cols[5].metric("Badput time", fmt_age(badput_s), delta="no GPU price set", **unit,
+        cols[5].metric("Badput time", fmt_duration(badput_s), delta="no price set", **unit,
                        help="Wall time not spent productively. Set `gpu_hour_usd` on the Monitor for USD cost.")
 
 
@@ -84,12 +96,26 @@ def status_line(steps: pd.DataFrame, meta: dict) -> None:
         if pd.notna(last["t_end"]):
             bits.append(f"step {fmt_int(last['step'])} ended {fmt_age(time.time() - float(last['t_end']))} ago")
         if pd.notna(last["n_ranks"]) and meta.get("world_size"):
-            bits.append(f"{int(last['n_ranks'])}/{meta['world_size']} ranks reported it")
+            bits.append(f"{int(last['n_ranks'])}/{plural(meta['world_size'], 'rank')} reported it")
         if pd.notna(last["gen"]) and int(last["gen"]) > 0:
             bits.append(f"restart generation {int(last['gen'])}")
     if meta.get("gpu_hour_usd"):
         bits.append(f"${meta['gpu_hour_usd']:g}/GPU-hour")
     st.caption(" · ".join(bits) + f" · refreshes every {DASHBOARD_REFRESH_S:g} s")
+
+
+def ledger_caption(snap: dict) -> str | None:
+    """Under the badput chart: productive seconds of wall time, restarts, logged steps kept of done."""
+    productive = (snap.get("seconds") or {}).get("productive")
+    if productive is None or not snap.get("wall_s"):
+        return None
+    bits = [f"Productive: {productive:,.1f} s of {snap['wall_s']:,.1f} s wall time"]
+    if snap.get("restarts") is not None:
+        bits.append(plural(snap["restarts"], "restart"))
+    if snap.get("steps_good") is not None and snap.get("steps_done") is not None:
+        # Counts of logged steps: a log that records every 2nd step has half as many as the step number.
+        bits.append(f"{plural(snap['steps_good'], 'logged step')} kept of {fmt_int(snap['steps_done'])} done")
+    return " · ".join(bits)
 
 
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
@@ -123,19 +149,30 @@ def live(run: str) -> None:
     with left:
         if history.empty:
             st.info("No goodput ledger snapshots yet.", icon=":material/hourglass_empty:")
+        elif not data.has_token_counts(snap):
+            st.info("No token counts in this run (e.g. a replayed log without them), so there is no "
+                    "throughput or goodput in tokens/s. Goodput % and the badput breakdown still apply.",
+                    icon=":material/info:")
         else:
             fig = charts.goodput_over_time(history, viewer_tz())
             fig.update_layout(uirevision=run)
             st.plotly_chart(fig, config={"displaylogo": False}, key="goodput")
     with right:
         if snap:
-            fig = charts.badput_bar(data.badput_seconds(snap), snap.get("wall_s"))
-            st.plotly_chart(fig, config={"displaylogo": False}, key="badput")
-            productive = (snap.get("seconds") or {}).get("productive")
-            if productive is not None and snap.get("wall_s"):
-                st.caption(f"Productive: {productive:,.1f} s of {snap['wall_s']:,.1f} s wall time · "
-                           f"{fmt_int(snap.get('restarts'))} restart(s) · "
-                           f"{fmt_int(snap.get('steps_good'))} of {fmt_int(snap.get('steps_done'))} steps counted")
+            breakdown = data.badput_seconds(snap)
+            # Bars only for categories that show as at least 0.1 s; the rest are named below.
+            shown = breakdown[breakdown["seconds"] >= 0.05]
+            if shown.empty:
+                st.info("No badput so far: all wall time was productive.", icon=":material/check_circle:")
+            else:
+                fig = charts.badput_bar(shown, snap.get("wall_s"))
+                st.plotly_chart(fig, config={"displaylogo": False}, key="badput")
+            caption = ledger_caption(snap)
+            if caption:
+                st.caption(caption)
+            rest = [charts.label(c) for c in breakdown.loc[breakdown["seconds"] < 0.05, "category"]]
+            if rest and not shown.empty:
+                st.caption("0.0 s: " + ", ".join(rest))
 
 
 run = page_run()

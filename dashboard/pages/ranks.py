@@ -7,7 +7,7 @@ import redis
 import streamlit as st
 
 from dashboard import charts, data
-from dashboard.common import URL_KEY, client, get_client, redis_trouble
+from dashboard.common import URL_KEY, client, get_client, plural, redis_trouble
 from dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS
 
@@ -15,11 +15,23 @@ from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS
 HOSTS_TTL_S = 30
 WINDOWS = (100, 500, DASHBOARD_STEPS)
 MODES = ("busy seconds", "ratio to step median")
+NO_TIMINGS = ("No per-rank section timings in this run (a replayed log / untimed steps), so ranks cannot be "
+              "compared. Time each step with `with mon.step(step):` and its work with `mon.section(...)` to see "
+              "every rank's busy time here.")
 
 
 @st.cache_data(ttl=HOSTS_TTL_S, show_spinner=False)
 def _hosts(url: str, run: str) -> pd.DataFrame:
     return data.rank_hosts(get_client(url), run)
+
+
+def window_text(recent: pd.DataFrame, onset: int | None) -> str:
+    """Which steps the rank table covers, for its caption."""
+    first, last, n = int(recent.columns[0]), int(recent.columns[-1]), recent.shape[1]
+    span = f"step {first:,}" if n == 1 else f"steps {first:,}–{last:,}"
+    if onset is not None:
+        return f"since the active straggler's onset ({span}, {plural(n, 'step')})"
+    return f"over the last {plural(n, 'step')} ({span})"
 
 
 def _highlight(row: pd.Series) -> list[str]:
@@ -51,19 +63,19 @@ def live(run: str, window: int, relative: bool) -> None:
     if matrix.shape[1] == 0:
         st.info("No aggregated steps yet for this run.", icon=":material/hourglass_empty:")
         return
-    if matrix.shape[0] == 0:
-        st.info("No per-rank section times in these steps: time the step's work with `mon.section(...)` "
-                "so each rank's busy time can be compared.", icon=":material/timer_off:")
+    if not data.has_rank_timings(matrix):
+        st.info(NO_TIMINGS, icon=":material/timer_off:")
         return
     st.plotly_chart(charts.rank_heatmap(matrix, relative=relative, highlight=straggler_ranks).update_layout(
         uirevision=run), config={"displaylogo": False}, key="heatmap")
 
-    summary = data.rank_summary(matrix, hosts)
+    recent, onset = data.rank_table_window(matrix, anomalies)
+    summary = data.rank_summary(recent, hosts)
     summary["straggler"] = summary["rank"].isin(straggler_ranks)
     st.markdown("##### Ranks, slowest first")
     st.caption("Busy = seconds a rank spends in its own timed sections before the collective; a slow rank "
-               "makes all others wait. Ratio = the rank's median busy time / the median rank's "
-               f"(over the last {matrix.shape[1]:,} steps).")
+               "makes all others wait. Ratio = the rank's median busy time / the median rank's, "
+               + window_text(recent, onset) + ".")
     st.dataframe(
         summary.style.apply(_highlight, axis=1), hide_index=True, key="rank_table",
         column_config={
