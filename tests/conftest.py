@@ -107,3 +107,20 @@ def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 PYTHON = sys.executable
+
+
+def _wait_for(pred, timeout: float, what: str):
+    """Poll ``pred()`` every 0.2 s until it returns something truthy (returned), or fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def wait_for():
+    """The polling helper of the end-to-end tests: ``wait_for(pred, timeout_s, what)``."""
+    return _wait_for

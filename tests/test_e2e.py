@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import redis
@@ -18,18 +17,8 @@ FAST = dict(ranks=4, ranks_per_node=2, steps=260, data_s=0.002, fb_s=0.01, optim
             ckpt_every=50, ckpt_s=0.1, load_s=0.2, restart_delay_s=0.5, heartbeat_interval=0.5)
 
 
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_demo_job_through_serve_flags_spike_straggler_and_restart(r: redis.Redis, redis_url: str,
-                                                                   tmp_path: Path) -> None:
+                                                                   tmp_path: Path, wait_for) -> None:
     serve = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "serve", "--redis-url", redis_url,
                               "--consumer", "e2e"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

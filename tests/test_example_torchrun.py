@@ -9,10 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -24,16 +22,6 @@ EXAMPLE = ROOT / "examples" / "torchrun_gpt.py"
 _TORCHRUN = Path(sys.executable).with_name("torchrun")
 TORCHRUN = [str(_TORCHRUN)] if _TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"]
 TOKENS_PER_RANK_STEP = 8 * 64  # --batch-size 8 x --seq-len 64 (the example's defaults)
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -68,7 +56,7 @@ def anomalies_of(r: redis.Redis, run: str) -> dict[str, dict]:
     return {k.decode(): json.loads(v) for k, v in r.hgetall(f"th:{{{run}}}:anomalies").items()}
 
 
-def test_slow_rank_is_named_with_its_host(r: redis.Redis, redis_url: str, serve: subprocess.Popen) -> None:
+def test_slow_rank_is_named_with_its_host(r: redis.Redis, redis_url: str, serve: subprocess.Popen, wait_for) -> None:
     # The straggler detector scores 20-step windows and flags after 2 slow ones: 60 steps leave a margin.
     torchrun(redis_url, "--run-id", "gpt-straggler", "--steps", "60", "--slow-rank", "2", "--slow-ms", "40",
              "--ckpt-every", "0")
@@ -98,7 +86,7 @@ def test_slow_rank_is_named_with_its_host(r: redis.Redis, redis_url: str, serve:
 
 
 def test_crash_and_torchrun_relaunch_resume_from_checkpoint(r: redis.Redis, redis_url: str, tmp_path: Path,
-                                                           serve: subprocess.Popen) -> None:
+                                                           serve: subprocess.Popen, wait_for) -> None:
     ckpt = tmp_path / "ckpt"
     torchrun(redis_url, "--run-id", "gpt-crash", "--steps", "40", "--ckpt-every", "10", "--crash-step", "25",
              "--ckpt-dir", str(ckpt), restarts=1)
