@@ -145,7 +145,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"Detector service: NOT RUNNING (no heartbeat in the last {SERVICE_STALE_S:.0f} s): "
               "start `trainhealth serve`")
     print(f"Runs: {client.zcard(RUNS)}")
-    return 0 if live else 1
+    from detectors.alerts.health import doctor_report
+
+    alert_lines, alerts_ok = doctor_report(client)
+    print("\n".join(alert_lines))
+    return 0 if live and alerts_ok else 1
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
@@ -353,7 +357,36 @@ def build_parser() -> argparse.ArgumentParser:
     from trainhealth.advise import add_parser as add_advise
 
     with_url(add_advise(sub), starts=False).set_defaults(func=cmd_advise)
+
+    from detectors.alerts.cli import add_parsers as add_alert_parsers
+
+    add_alert_parsers(sub, with_url, {"alerts": cmd_alerts, "silence": cmd_silence, "deadletters": cmd_deadletters})
     return p
+
+
+def _alerts_client(args: argparse.Namespace):
+    from trainhealth.server import connect
+
+    url, _ = _resolve(args, start=False)
+    return connect(url)
+
+
+def cmd_alerts(args: argparse.Namespace) -> int:
+    from detectors.alerts.cli import run_alerts
+
+    return run_alerts(args, lambda: _alerts_client(args))
+
+
+def cmd_silence(args: argparse.Namespace) -> int:
+    from detectors.alerts.cli import run_silence
+
+    return run_silence(args, lambda: _alerts_client(args))
+
+
+def cmd_deadletters(args: argparse.Namespace) -> int:
+    from detectors.alerts.cli import run_deadletters
+
+    return run_deadletters(args, lambda: _alerts_client(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -119,3 +119,36 @@ class RunKeys:
 def run_keys(run: str) -> RunKeys:
     """Return the :class:`RunKeys` of ``run``; raises :class:`ConfigError` for a bad run id."""
     return RunKeys(validate_run_id(run))
+
+
+# --- Alerting (issue 6; detectors/alerts) ---------------------------------------------------------
+# Global keys of the alert worker. They share the hash tag ``{alerts}`` so that on Redis Cluster they
+# live in one slot, and the MULTI/EXEC that commits grouping state together with new outbox entries
+# (or acknowledges a delivery together with its log entry) stays on one node. See docs/alerts.md.
+
+#: Stream: one entry per (notification, sink) waiting to be delivered (consumer group ``th-alerts-delivery``).
+ALERTS_OUTBOX = "th:{alerts}:outbox"
+#: List (newest first): JSON of deliveries given up after the bounded number of tries, or refused (4xx).
+ALERTS_DEAD = "th:{alerts}:dead"
+#: Stream: one entry per delivered notification (the dashboard's "recent notifications").
+ALERTS_SENT = "th:{alerts}:sent"
+#: Hash: silence id -> JSON silence (matchers, starts_at, ends_at, created_by, comment).
+ALERTS_SILENCES = "th:{alerts}:silences"
+#: Hash: group key -> JSON of the grouping engine's state of that alert group.
+ALERTS_GROUPS = "th:{alerts}:groups"
+#: Hash: worker-wide state (``epoch``, ``now``, ``cursor:<run>`` = last applied anomaly_log entry id).
+ALERTS_STATE = "th:{alerts}:state"
+#: Sorted set: outbox entry id -> unix s of its next delivery attempt.
+ALERTS_RETRY = "th:{alerts}:retry"
+#: Hash: outbox entry id -> JSON delivery bookkeeping (sink, group, attempts, last error).
+ALERTS_ATTEMPTS = "th:{alerts}:attempts"
+#: Hash: sink name -> JSON state of the sink (last success/failure, paused_until, counters).
+ALERTS_SINKS = "th:{alerts}:sinks"
+#: String with TTL: consumer name of the alert worker that currently does the work (one at a time).
+ALERTS_LEADER = "th:{alerts}:leader"
+ALERTS_WORKER_HEARTBEAT_PATTERN = "th:{alerts}:worker:*"
+
+
+def alerts_worker_heartbeat(consumer: str) -> str:
+    """Key of an alert worker process's heartbeat (string with TTL), e.g. ``th:{alerts}:worker:host-42``."""
+    return f"th:{{alerts}}:worker:{consumer}"

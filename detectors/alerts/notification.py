@@ -135,16 +135,18 @@ class Alert:
                    status=d.get("status", FIRING), point=bool(d.get("point", False)))
 
 
-def idempotency_key(group_key: str, seq: int, sink: str) -> str:
-    """Stable key of one notification to one sink: sha256 of ``group_key``, ``seq`` and ``sink`` (32 hex).
+def idempotency_key(group_key: str, group_started: float, seq: int, sink: str) -> str:
+    """Stable key of one notification to one sink (32 hex digits).
 
-    The same notification retried (or re-sent after a worker crash) keeps its key, so a receiver that
-    remembers keys sees it once.
+    sha256 of ``"<group key>\\n<group start, repr of unix s>\\n<seq>\\n<sink>"``. The group's start time
+    tells apart two lives of a group (it is deleted once all its alerts resolved, and a later alert with
+    the same labels starts it again at sequence 1). The same notification retried, or re-sent after a
+    worker crash, keeps its key, so a receiver that remembers keys sees it once.
 
-    >>> idempotency_key('root:{run="a",kind="hang"}', 1, "ops")
-    'c07f64b523457261d1dd0d0e2e35fa04'
+    >>> idempotency_key('root:{run="a",kind="hang"}', 1796000000.0, 1, "ops")
+    '59dd2ffb6eb41bd452ae07ad46e68207'
     """
-    return hashlib.sha256(f"{group_key}\n{seq}\n{sink}".encode()).hexdigest()[:32]
+    return hashlib.sha256(f"{group_key}\n{group_started!r}\n{seq}\n{sink}".encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,8 @@ class Notification:
         The ``group_by`` labels and their values.
     seq : int
         1, 2, 3... per group: the notification's number within its group.
+    group_started : float
+        Unix seconds the group was created (its life; with ``group_key`` and ``seq`` it makes the key).
     at : float
         Unix seconds of the flush (the group's scheduled time, not the wall clock of the worker).
     reason : str
@@ -181,6 +185,7 @@ class Notification:
     reason: str
     firing: tuple[Alert, ...] = ()
     resolved: tuple[Alert, ...] = ()
+    group_started: float = 0.0
 
     @property
     def status(self) -> str:
@@ -193,7 +198,7 @@ class Notification:
 
     def idempotency_key(self, sink: str) -> str:
         """See :func:`idempotency_key`."""
-        return idempotency_key(self.group_key, self.seq, sink)
+        return idempotency_key(self.group_key, self.group_started, self.seq, sink)
 
     def common_labels(self) -> dict[str, str]:
         """Labels with the same value on every alert of the notification."""
@@ -206,11 +211,13 @@ class Notification:
     def to_dict(self) -> dict[str, Any]:
         return {"group_key": self.group_key, "route": self.route, "receivers": list(self.receivers),
                 "group_labels": dict(self.group_labels), "seq": self.seq, "at": self.at, "reason": self.reason,
-                "firing": [a.to_dict() for a in self.firing], "resolved": [a.to_dict() for a in self.resolved]}
+                "firing": [a.to_dict() for a in self.firing], "resolved": [a.to_dict() for a in self.resolved],
+                "group_started": self.group_started}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Notification:
         return cls(group_key=d["group_key"], route=d["route"], receivers=tuple(d["receivers"]),
                    group_labels=dict(d["group_labels"]), seq=int(d["seq"]), at=float(d["at"]), reason=d["reason"],
                    firing=tuple(Alert.from_dict(a) for a in d["firing"]),
-                   resolved=tuple(Alert.from_dict(a) for a in d["resolved"]))
+                   resolved=tuple(Alert.from_dict(a) for a in d["resolved"]),
+                   group_started=float(d.get("group_started", 0.0)))

@@ -1,0 +1,217 @@
+"""Alerts page: the alert worker and its sinks, recent notifications, silences (add / expire), dead letters.
+
+Every Redis read and write goes through :mod:`detectors.alerts.store` (the alerting keys are the alert
+worker's, see docs/alerts.md); this page only lays them out. Silences added here mute matching alerts at
+the worker's next flush; requeued dead letters are delivered again with their idempotency key.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pandas as pd
+import redis
+import streamlit as st
+
+from dashboard.common import client, fmt_age, redis_trouble, to_datetime, viewer_tz
+from dashboard.frame import page_run
+from detectors.alerts import store
+from detectors.alerts.config import parse_duration
+from detectors.alerts.matchers import INTERNAL_KINDS, MatcherError
+from detectors.anomaly import KINDS, SEVERITIES
+
+#: Seconds between refreshes of the live parts of the page.
+REFRESH_S = 5.0
+NOTIFICATION_COLUMNS = ["delivered_at", "status", "title", "sink", "reason", "seq", "attempts", "http_status", "key"]
+SILENCE_COLUMNS = ["id", "state", "matchers", "starts_at", "ends_at", "created_by", "comment"]
+DEAD_COLUMNS = ["dead_at", "sink", "group", "seq", "attempts", "status", "error", "id"]
+SINK_COLUMNS = ["sink", "type", "state", "last_ok", "delivered", "dead", "last_error"]
+DURATIONS = ("30m", "1h", "2h", "4h", "12h", "1d", "3d", "7d")
+
+
+def notifications_frame(rows: list[dict[str, Any]], tz: str) -> pd.DataFrame:
+    """Recent notifications for display (newest first)."""
+    frame = pd.DataFrame(rows, columns=NOTIFICATION_COLUMNS)
+    frame["delivered_at"] = to_datetime(frame["delivered_at"].astype(float), tz)
+    return frame
+
+
+def silences_frame(silences: list, now: float, tz: str) -> pd.DataFrame:
+    """Silences for display: state (active, pending, expired), matchers joined, times in ``tz``."""
+    rows = [{"id": s.id, "state": "active" if s.active(now) else "pending" if s.starts_at > now else "expired",
+             "matchers": " ".join(map(str, s.matchers)), "starts_at": s.starts_at, "ends_at": s.ends_at,
+             "created_by": s.created_by, "comment": s.comment} for s in silences]
+    frame = pd.DataFrame(rows, columns=SILENCE_COLUMNS)
+    for c in ("starts_at", "ends_at"):
+        frame[c] = to_datetime(frame[c].astype(float), tz)
+    return frame
+
+
+def dead_frame(rows: list[dict[str, Any]], tz: str) -> pd.DataFrame:
+    """Dead letters for display (newest first)."""
+    frame = pd.DataFrame(rows, columns=DEAD_COLUMNS)
+    frame["dead_at"] = to_datetime(frame["dead_at"].astype(float), tz)
+    return frame
+
+
+def sinks_frame(states: dict[str, dict[str, Any]], now: float) -> pd.DataFrame:
+    """One row per sink: failing or ok, last success age, counters, last error (secrets already removed)."""
+    rows = []
+    for name, st_ in states.items():
+        fails = int(st_.get("consecutive_failures") or 0)
+        paused = float(st_.get("paused_until") or 0)
+        state = "ok" if not fails else f"failing ({fails} in a row)"
+        if paused > now:
+            state += f", rate-limited {paused - now:.0f} s"
+        last_ok = st_.get("last_ok_at")
+        rows.append({"sink": name, "type": st_.get("type", ""), "state": state,
+                     "last_ok": f"{fmt_age(now - float(last_ok))} ago" if last_ok else "never",
+                     "delivered": int(st_.get("delivered") or 0), "dead": int(st_.get("dead") or 0),
+                     "last_error": st_.get("last_error", "") if fails else ""})
+    return pd.DataFrame(rows, columns=SINK_COLUMNS)
+
+
+@st.fragment(run_every=REFRESH_S)
+def live(run: str | None) -> None:
+    """Worker status, sinks, recent notifications and dead letters, refreshed every ``REFRESH_S`` seconds."""
+    try:
+        c = client()
+        now = time.time()
+        beats = store.workers(c)
+        stats = store.outbox_stats(c)
+        sinks = store.sink_states(c)
+        only_run = st.session_state.get("alerts_only_run", True) and bool(run)
+        sent = store.recent_notifications(c, 200, run=run if only_run else None)
+        dead = store.dead_letters(c, 200)
+        n_silences = sum(1 for s in store.list_silences(c, now) if s.active(now))
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+    tz = viewer_tz()
+    leader = next((b for b in beats if b.get("role") == "leader"), None)
+    m1, m2, m3, m4 = st.columns(4)
+    m1.metric("Alert worker", "running" if leader else "NOT RUNNING",
+              f"heartbeat {fmt_age(now - float(leader['t']))} ago" if leader else "start `trainhealth alerts`",
+              delta_color="off" if leader else "inverse")
+    m2.metric("Pending deliveries", f"{stats['pending']:,}")
+    m3.metric("Dead letters", f"{stats['dead']:,}", "resend below" if stats["dead"] else None, delta_color="off")
+    m4.metric("Active silences", f"{n_silences:,}")
+    if leader and leader.get("service_down"):
+        st.error("The alert worker raised **service_down**: ranks send data but no detector service runs.",
+                 icon=":material/heart_broken:")
+    if sinks:
+        st.dataframe(sinks_frame(sinks, now), hide_index=True, key="alerts_sinks")
+    st.markdown("##### Recent notifications" + (f" · run `{run}`" if only_run else " · all runs"))
+    if sent:
+        st.dataframe(notifications_frame(sent, tz), hide_index=True, key="alerts_sent", column_config={
+            "delivered_at": st.column_config.DatetimeColumn("delivered", format="MM-DD HH:mm:ss"),
+            "title": st.column_config.TextColumn("notification", width="large"),
+            "seq": st.column_config.NumberColumn("#", format="%d"),
+        })
+    else:
+        st.caption("No notification delivered yet.")
+    st.markdown("##### Dead letters")
+    if dead:
+        st.dataframe(dead_frame(dead, tz), hide_index=True, key="alerts_dead", column_config={
+            "dead_at": st.column_config.DatetimeColumn("given up", format="MM-DD HH:mm:ss"),
+            "error": st.column_config.TextColumn("last error", width="large"),
+        })
+    else:
+        st.caption("No dead letters: every notification was delivered or is still being tried.")
+
+
+def silences(run: str | None) -> None:
+    """The silences table, the add form (prefilled with the selected run) and the expire form."""
+    st.markdown("##### Silences")
+    try:
+        c = client()
+        now = time.time()
+        rows = store.list_silences(c, now, include_expired=st.session_state.get("alerts_expired", False))
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+    if rows:
+        st.dataframe(silences_frame(rows, now, viewer_tz()), hide_index=True, key="alerts_silences", column_config={
+            "starts_at": st.column_config.DatetimeColumn("from", format="MM-DD HH:mm"),
+            "ends_at": st.column_config.DatetimeColumn("until", format="MM-DD HH:mm"),
+        })
+    else:
+        st.caption("No silences.")
+    st.checkbox("Show expired silences", key="alerts_expired")
+    left, right = st.columns(2)
+    with left.form("add_silence", clear_on_submit=False):
+        st.markdown("**Add a silence** (every filled field must match)")
+        f_run = st.text_input("Run", value=run or "", key="sil_run")
+        f_kind = st.selectbox("Kind", ["(any)", *KINDS, *INTERNAL_KINDS], key="sil_kind")
+        f_sev = st.selectbox("Severity", ["(any)", *SEVERITIES], key="sil_severity")
+        f_rank = st.text_input("Rank", key="sil_rank", help="matches anomalies involving this rank")
+        f_host = st.text_input("Host", key="sil_host")
+        f_dur = st.selectbox("For", DURATIONS, index=2, key="sil_duration")
+        f_comment = st.text_input("Comment", key="sil_comment")
+        f_by = st.text_input("Your name", key="sil_by")
+        if st.form_submit_button("Add silence", icon=":material/notifications_off:"):
+            matchers = [f'{label}="{value.strip()}"' for label, value in
+                        (("run", f_run), ("rank", f_rank), ("host", f_host)) if value.strip()]
+            matchers += [f'{label}="{value}"' for label, value in (("kind", f_kind), ("severity", f_sev))
+                         if value != "(any)"]
+            try:
+                s = store.add_silence(c, matchers, duration_s=parse_duration(f_dur), created_by=f_by.strip(),
+                                      comment=f_comment.strip())
+            except MatcherError as exc:
+                st.error(f"Not added: {exc}", icon=":material/error:")
+            except redis.RedisError as exc:
+                redis_trouble(exc)
+            else:
+                st.success(f"Silence `{s.id}` added: {' '.join(map(str, s.matchers))} for {f_dur}.",
+                           icon=":material/check_circle:")
+    active = [s for s in rows if s.ends_at > now]
+    with right.form("expire_silence"):
+        st.markdown("**Expire a silence**")
+        chosen = st.selectbox("Silence", [s.id for s in active], key="sil_expire",
+                              format_func=lambda i: next(f"{i} · {' '.join(map(str, s.matchers))}"
+                                                         for s in active if s.id == i))
+        if st.form_submit_button("Expire now", icon=":material/notifications_active:", disabled=not active):
+            try:
+                done = store.expire_silence(c, chosen) if chosen else False
+            except redis.RedisError as exc:
+                redis_trouble(exc)
+            else:
+                (st.success if done else st.warning)(f"Silence `{chosen}` expired." if done else
+                                                     f"Silence `{chosen}` was already over.")
+
+
+def dead_actions() -> None:
+    """Requeue dead letters (all, or one) into the outbox."""
+    try:
+        c = client()
+        dead = store.dead_letters(c, 200)
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+    if not dead:
+        return
+    with st.form("requeue_dead"):
+        ids = [d["id"] for d in dead]
+        chosen = st.multiselect("Dead letters to resend", ids, key="dead_pick",
+                                format_func=lambda i: next(f"{i} · {d['sink']} · #{d['seq']} {d['group']}"
+                                                           for d in dead if d["id"] == i))
+        c1, c2 = st.columns(2)
+        one = c1.form_submit_button("Resend selected", icon=":material/send:")
+        every = c2.form_submit_button("Resend all", icon=":material/forward_to_inbox:")
+        if one or every:
+            try:
+                n = store.requeue_dead(c, None if every else chosen)
+            except redis.RedisError as exc:
+                redis_trouble(exc)
+            else:
+                st.success(f"{n} notification{'s' if n != 1 else ''} back in the outbox.",
+                           icon=":material/check_circle:")
+
+
+run = page_run()
+st.subheader("Alerts" + (f" · {run}" if run else ""))
+st.toggle("Only notifications of the selected run", value=True, key="alerts_only_run", disabled=not run)
+live(run)
+dead_actions()
+silences(run)

@@ -1,0 +1,181 @@
+"""The alerting config: the documented example loads, and every error names the file, the key and the value
+(never a secret's value)."""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from detectors.alerts.config import load, parse_duration
+from detectors.alerts.inhibition import DEFAULT_RULES
+from detectors.alerts.secrets import Secret, redact
+from trainhealth.exceptions import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "docs" / "alerts.example.toml"
+SLACK_URL = "https://hooks.slack.com/services/T000/B000/SECRETSECRET"
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    monkeypatch.setenv("TH_SLACK_WEBHOOK_URL", SLACK_URL)
+    monkeypatch.setenv("TH_WEBHOOK_SECRET", "whsec-123")
+    monkeypatch.setenv("TH_PAGERDUTY_ROUTING_KEY", "R" * 32)
+    monkeypatch.setenv("TH_DEADMAN_URL", "https://hc-ping.com/abc-uuid")
+    return tmp_path
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "alerts.toml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+MINIMAL = """
+    [route]
+    receivers = ["s"]
+    [sinks.s]
+    type = "slack"
+    url_env = "TH_SLACK_WEBHOOK_URL"
+"""
+
+
+def test_the_documented_example_loads_with_its_routes_sinks_and_secrets(env: Path, tmp_path: Path) -> None:
+    secret_file = tmp_path / "slack-ml"
+    secret_file.write_text("https://hooks.slack.com/services/T1/B1/FILESECRET\n")
+    text = EXAMPLE.read_text().replace("/run/secrets/slack-ml-webhook", str(secret_file))
+    cfg = load(write(tmp_path, text))
+    assert [r.id for r in cfg.route.walk()] == ["root", "archive", "page", "restarts", "default"]
+    page = cfg.route.routes[1]
+    assert (page.receivers, page.timers.group_wait, page.timers.group_interval, page.timers.repeat_interval) == (
+        ("pagerduty", "oncall-slack"), 10.0, 300.0, 3600.0)
+    assert cfg.route.timers.group_wait == 30.0 and cfg.route.routes[0].group_by == ("...",)
+    assert sorted(cfg.sinks) == ["incident-bot", "ml-slack", "oncall-slack", "pagerduty"]
+    assert cfg.sinks["ml-slack"].url.reveal() == "https://hooks.slack.com/services/T1/B1/FILESECRET"
+    assert cfg.sinks["oncall-slack"].url.reveal() == SLACK_URL
+    assert cfg.sinks["pagerduty"].url.reveal() == "https://events.pagerduty.com/v2/enqueue"
+    assert cfg.sinks["incident-bot"].timeout == 5.0
+    assert cfg.inhibit_rules == DEFAULT_RULES  # the example spells out the built-in rules
+    assert (cfg.delivery.max_attempts, cfg.delivery.backoff_max, cfg.delivery.jitter) == (12, 300.0, 0.5)
+    assert cfg.deadman is not None and cfg.deadman.interval == 60.0
+    described = cfg.describe()
+    for secret in (SLACK_URL, "whsec-123", "R" * 32, "FILESECRET", "abc-uuid"):
+        assert secret not in described
+    assert "url from env TH_SLACK_WEBHOOK_URL" in described and "routing_key from env TH_PAGERDUTY_ROUTING_KEY" in \
+        described
+
+
+def test_defaults_are_alertmanagers(env: Path) -> None:
+    cfg = load(write(env, MINIMAL))
+    t = cfg.route.timers
+    assert (t.group_wait, t.group_interval, t.repeat_interval) == (30.0, 300.0, 14400.0)
+    assert cfg.route.group_by == ("run", "kind") and cfg.inhibit_rules == DEFAULT_RULES
+    assert cfg.sinks["s"].send_resolved is True and cfg.sinks["s"].timeout == 10.0
+    assert load(write(env, "inhibit_rules = []\n" + MINIMAL)).inhibit_rules == ()
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    ('[route]\nreceivers = ["s"]\ngroup_wait = "30x"\n[sinks.s]\ntype = "slack"\nurl_env = "TH_SLACK_WEBHOOK_URL"',
+     'route.group_wait = "30x": not a duration (use e.g. 30s, 5m, 4h, 1h30m, 1d, or a number of seconds)'),
+    ('[route]\nreceivers = ["nope"]\n',
+     'route.receivers[0] = "nope": no sink of this name (sinks: none)'),
+    ('[route]\nreceivers = []\ngroup_by = ["run", "node"]\n',
+     'route.group_by[1] = "node": not an alert label (labels: run, kind, severity, rank, host; '
+     'or ["..."] for one group per anomaly)'),
+    ('[route]\nreceivers = []\n[[route.routes]]\nmatchers = [\'kind="stragler"\']\n',
+     "route.routes[0].matchers[0] = \"kind=\\\"stragler\\\"\": kind 'stragler' is unknown (kinds: nan_inf, "
+     "loss_spike, divergence, straggler, hang, restart, service_down)"),
+    ('[route]\nreceivers = []\n[[route.routes]]\nmatchers = [\'severity="high"\']\n',
+     "route.routes[0].matchers[0] = \"severity=\\\"high\\\"\": severity 'high' is unknown (severities: info, "
+     "warning, critical)"),
+    ('[route]\nreceivers = []\n[[route.routes]]\nmatchers = [\'run=~"(unclosed"\']\n',
+     "route.routes[0].matchers[0] = \"run=~\\\"(unclosed\\\"\": '(unclosed' is not a valid regular expression: "
+     "missing ), unterminated subpattern at position 0"),
+    ('[route]\nreceivers = []\ngroup_interval = 0\n', "route.group_interval = 0: must be > 0 s"),
+    ('[route]\nreceivers = []\nfoo = 1\n',
+     "route.foo: unknown key (expected one of: name, receivers, group_by, group_wait, group_interval, "
+     "repeat_interval, routes)"),
+    ('[route]\nreceivers = []\n[sinks.s]\ntype = "sms"\n', 'sinks.s.type = "sms": must be one of slack, webhook, '
+     'pagerduty'),
+    ('[route]\nreceivers = []\n[sinks.s]\ntype = "slack"\n',
+     "sinks.s: missing url_env (environment variable) or url_file (file holding it)"),
+    ('[route]\nreceivers = []\n[sinks.s]\ntype = "webhook"\nurl = "ftp://x/y"\nsecret_env = "TH_WEBHOOK_SECRET"\n',
+     'sinks.s.url = "ftp://x/y": not an http:// or https:// URL'),
+    ('[route]\nreceivers = []\n[sinks.s]\ntype = "webhook"\nurl = "https://x/y"\n',
+     "sinks.s: missing secret_env (environment variable) or secret_file (file holding it)"),
+    ('[route]\nreceivers = []\n[sinks.s]\ntype = "slack"\nurl_env = "TH_SLACK_WEBHOOK_URL"\nmax_alerts = 9\n',
+     "sinks.s.max_alerts = 9: must be an integer from 1 to 7 (Slack allows 50 blocks)"),
+    ('[route]\nreceivers = []\n[sinks.s]\ntype = "slack"\nurl_env = "TH_SLACK_WEBHOOK_URL"\nsend_resolved = "yes"\n',
+     'sinks.s.send_resolved = "yes": must be true or false'),
+    ('[route]\nreceivers = []\n[delivery]\njitter = 2\n',
+     "delivery.jitter = 2: must be a number from 0 (none) to 1 (full jitter)"),
+    ('[route]\nreceivers = []\n[delivery]\nbackoff_base = "10s"\nbackoff_max = "5s"\n',
+     'delivery.backoff_max = "5s": must be >= 10 s'),
+    ('[route]\nreceivers = []\n[[inhibit_rules]]\nsource_matchers = [\'kind="hang"\']\n',
+     "inhibit_rules[0]: needs non-empty source_matchers and target_matchers"),
+    ('receivers = []\n', "receivers: unknown key (expected one of: version, dashboard_url, backfill, route, "
+     "inhibit_rules, sinks, delivery, watchdog, deadman)"),
+    ('dashboard_url = "localhost:8501"\n[route]\nreceivers = []\n',
+     'dashboard_url = "localhost:8501": must be an http:// or https:// URL'),
+    ("[route]\nreceivers = []\n[[route.routes]]\nname = \"a\"\n[[route.routes]]\nname = \"a\"\n",
+     'route.routes[1].name = "a": another route has this name'),
+])
+def test_errors_name_file_key_and_value(env: Path, toml: str, message: str) -> None:
+    path = write(env, toml)
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+def test_secret_errors_never_show_the_secret(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(env, '[route]\nreceivers = []\n[sinks.s]\ntype = "slack"\n' f'url = "{SLACK_URL}"\n')
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert str(err.value) == (f"{path}: sinks.s.url: is a secret and must not be written in the file: set url_env "
+                              "or url_file instead (value not shown)")
+    assert "SECRETSECRET" not in str(err.value)
+    monkeypatch.setenv("TH_SLACK_WEBHOOK_URL", "not-a-url-SECRETSECRET")
+    with pytest.raises(ConfigError) as err:
+        load(write(env, MINIMAL))
+    assert str(err.value) == (f"{path}: sinks.s.url_env (from env TH_SLACK_WEBHOOK_URL; value not shown): "
+                              "not an http:// or https:// URL")
+    monkeypatch.delenv("TH_SLACK_WEBHOOK_URL")
+    with pytest.raises(ConfigError) as err:
+        load(path := write(env, MINIMAL))
+    assert str(err.value) == f"{path}: sinks.s.url_env: environment variable TH_SLACK_WEBHOOK_URL is not set (or empty)"
+    missing = env / "nope"
+    with pytest.raises(ConfigError) as err:
+        load(path := write(env, MINIMAL.replace('url_env = "TH_SLACK_WEBHOOK_URL"', f'url_file = "{missing}"')))
+    assert str(err.value) == (f"{path}: sinks.s.url_file: cannot read secret file '{missing}' "
+                              "(No such file or directory)")
+
+
+def test_toml_syntax_and_missing_file(env: Path) -> None:
+    path = write(env, "[route\nreceivers = []\n")
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert str(err.value).startswith(f"{path}: not valid TOML: ") and "line 1" in str(err.value)
+    with pytest.raises(ConfigError, match=r"cannot read the alerts config \(No such file or directory\)"):
+        load(env / "absent.toml")
+
+
+def test_secrets_never_print_and_are_redacted_from_text(caplog: pytest.LogCaptureFixture) -> None:
+    s = Secret(SLACK_URL, "env X")
+    logging.getLogger("test").warning("posting to %s failed", s)
+    assert SLACK_URL not in caplog.text and "posting to *** failed" in caplog.text
+    assert (str(s), repr(s), f"{s}", f"{s:>40}") == ("***", "Secret('***' from env X)", "***", "***")
+    text = f"ConnectError: cannot reach {SLACK_URL} (hooks.slack.com/services/T000/B000/SECRETSECRET)"
+    assert redact(text, [s]) == "ConnectError: cannot reach *** (***)"
+    with pytest.raises(TypeError):
+        import pickle
+
+        pickle.dumps(s)
+
+
+def test_durations() -> None:
+    assert [parse_duration(v) for v in ("0", "500ms", "1d", "1w", "2h30m", "90", 45, 1.5)] == [
+        0.0, 0.5, 86400.0, 604800.0, 9000.0, None, 45.0, 1.5]
+    assert [parse_duration(v) for v in ("", "1x", "-5s", -1, True, None)] == [None] * 6
