@@ -8,6 +8,7 @@ discarded attempt is badput). Category names follow Google's ``ml-goodput-measur
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any
 
@@ -111,7 +112,8 @@ class GoodputLedger:
         self._tokens_good = 0
         self._steps_done = 0
         self._restarts = 0
-        self._pending: dict[tuple[str, Any, str], float] = {}
+        # Declared badput not yet placed in a gap: (kind, step, name) -> (seconds, unix s it ended).
+        self._pending: dict[tuple[str, Any, str], tuple[float, float]] = {}
         self._custom_by_name: dict[str, float] = {}
         self._applied: deque[tuple[str, Any, str]] = deque(maxlen=4096)
 
@@ -137,13 +139,19 @@ class GoodputLedger:
         if key in self._applied:
             return
         secs = max(0.0, ev.seconds)
-        self._pending[key] = max(self._pending.get(key, 0.0), secs)
+        old_s, old_t = self._pending.get(key, (0.0, ev.t))
+        self._pending[key] = (max(old_s, secs), max(old_t, ev.t))
         self._last_t = max(self._last_t, ev.t)
 
-    def _take(self, kind: str, limit: float) -> float:
-        """Consume pending seconds of ``kind``, at most ``limit`` (custom badput kept by name too)."""
-        took = self._split(kind, limit)
-        for key in [k for k in self._pending if k[0] == kind]:
+    def _take(self, kind: str, limit: float, before: float) -> float:
+        """Consume the pending seconds of ``kind`` that ended before ``before`` (unix s), at most
+        ``limit`` in total (custom badput kept by name too).
+
+        A step closes only once its slowest rank reported, so events of later gaps may already be
+        pending: each belongs to the gap before the first step that ends after it.
+        """
+        took = self._split(kind, limit, before)
+        for key in [k for k, (_, t) in self._pending.items() if k[0] == kind and t < before]:
             self._pending.pop(key)
             self._applied.append(key)
         if kind == "badput":
@@ -151,12 +159,12 @@ class GoodputLedger:
                 self._custom_by_name[name] = self._custom_by_name.get(name, 0.0) + v
         return sum(took.values())
 
-    def _split(self, kind: str, limit: float) -> dict[str, float]:
-        """Pending seconds of ``kind`` by name, oldest first, capped at ``limit`` in total."""
+    def _split(self, kind: str, limit: float, before: float = math.inf) -> dict[str, float]:
+        """Pending seconds of ``kind`` ended before ``before``, by name, oldest first, capped at ``limit``."""
         left = max(0.0, limit)
         out: dict[str, float] = {}
-        for key, v in self._pending.items():
-            if key[0] != kind:
+        for key, (v, t) in self._pending.items():
+            if key[0] != kind or t >= before:
                 continue
             part = min(v, left)
             left -= part
@@ -177,11 +185,11 @@ class GoodputLedger:
             start = end
         else:
             # An untimed step: declared badput since the last step came first, then the step.
-            start = min(last + sum(self._pending.values()), end)
+            start = min(last + sum(v for v, t in self._pending.values() if t < agg.t_end), end)
         gap = start - last
         sec = self._sec
         if self._last_end is None:
-            restore = self._take("checkpoint_load", gap)
+            restore = self._take("checkpoint_load", gap, end)
             sec["checkpoint_restore"] += restore
             sec["program_startup"] += gap - restore
         elif agg.gen != self._gen:
@@ -190,16 +198,16 @@ class GoodputLedger:
             launched = min(max(agg.inc, last), start)  # new processes started here (inc = process start)
             sec["infrastructure_recovery_from_disruption"] += launched - last
             rest = start - launched
-            restore = self._take("checkpoint_load", rest)
+            restore = self._take("checkpoint_load", rest, end)
             sec["checkpoint_restore"] += restore
             # New processes spend the rest starting up; an in-process rollback just waited.
             sec["program_startup" if agg.inc > last else "idle"] += rest - restore
-            self._take("checkpoint_save", 0.0)  # saves of the discarded timeline are not in this gap
-            self._take("badput", 0.0)
+            self._take("checkpoint_save", 0.0, end)  # saves of the discarded timeline are not in this gap
+            self._take("badput", 0.0, end)
         else:
-            save = self._take("checkpoint_save", gap)
-            custom = self._take("badput", gap - save)
-            restore = self._take("checkpoint_load", gap - save - custom)
+            save = self._take("checkpoint_save", gap, end)
+            custom = self._take("badput", gap - save, end)
+            restore = self._take("checkpoint_load", gap - save - custom, end)
             sec["checkpoint_save"] += save
             sec["custom"] += custom
             sec["checkpoint_restore"] += restore
@@ -323,7 +331,7 @@ class GoodputLedger:
         last = self._last_end if self._last_end is not None else start
         tail = end - last
         # Time since the last step: declared checkpoint/custom time first, the rest idle.
-        pend = {k: sum(v for key, v in self._pending.items() if key[0] == k)
+        pend = {k: sum(v for key, (v, _) in self._pending.items() if key[0] == k)
                 for k in ("checkpoint_save", "badput", "checkpoint_load")}
         save = min(pend["checkpoint_save"], tail)
         tail_custom = self._split("badput", tail - save)

@@ -269,3 +269,16 @@ def test_ledger_straggler_wait_skipped_steps_hang_and_rollback_vs_disruption() -
         "hang": 100.0,                             # 14 -> 114
     }
     assert math.fsum(sec.values()) == 123.0
+
+
+def test_ledger_places_an_early_checkpoint_event_in_the_right_gap() -> None:
+    # Step 10 closes only when its slowest rank reports, after a fast rank's checkpoint event of
+    # the save that follows step 10 was already processed: the save belongs to the 10 -> 11 gap.
+    led = GoodputLedger(world_size=2)
+    led.note_start(0.0)
+    led.add_step(agg(9, t_start=0.0, t_end=9.0, tokens=1))
+    led.add_event(Event("checkpoint_save", 0, 10.5, 0.0, step=10, seconds=0.5))
+    led.add_step(agg(10, t_start=9.0, t_end=10.0, tokens=1))
+    led.add_step(agg(11, t_start=10.6, t_end=11.6, tokens=1))
+    sec = led.snapshot(now=11.6)["seconds"]
+    assert {k: round(v, 9) for k, v in sec.items() if v} == {"productive": 11.0, "checkpoint_save": 0.5, "idle": 0.1}
