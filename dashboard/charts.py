@@ -20,6 +20,27 @@ SHADED_KINDS = frozenset({"nan_inf", "loss_spike", "divergence"})
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 #: The throughput-goodput band (badput) on the goodput chart.
 BADPUT_FILL = "rgba(214,39,40,0.18)"
+#: A fixed colour per goodput ledger category, the same on every chart: productive green, every
+#: badput category its own hue (none green), so a band or bar keeps its colour as others come and go.
+CATEGORY_COLORS = {
+    "productive": "#2ca02c",
+    "program_startup": "#9467bd",
+    "data_loading": "#1f77b4",
+    "straggler_wait": "#ff7f0e",
+    "skipped_steps": "#e377c2",
+    "checkpoint_save": "#17becf",
+    "checkpoint_restore": "#9edae5",
+    "wasted_progress_from_disruption": "#d62728",
+    "wasted_progress_from_rollback": "#ff9896",
+    "infrastructure_recovery_from_disruption": "#8c564b",
+    "custom": "#e7ba52",
+    "hang": "#393b79",
+    "idle": "#b0b0b0",
+}
+#: Colour of a category the ledger added after this dashboard was written.
+OTHER_CATEGORY_COLOR = "#7f7f7f"
+#: Names of the rolling-rate windows of a ledger snapshot, for legends.
+WINDOW_NAMES = {"60s": "1 min", "600s": "10 min", "3600s": "1 h"}
 _LANES = ["anomaly", "checkpoint", "restart"]
 #: Event-lane markers besides anomalies (triangles in the severity colour): symbol and colour.
 _LANE_STYLE = {"restart": ("x", SEVERITY_COLORS["warning"]), "checkpoint save": ("square", "#2ca02c"),
@@ -162,7 +183,7 @@ def _local_times(t: pd.Series, tz: str | None) -> pd.Series:
     return pd.to_datetime(t, unit="s", utc=True).dt.tz_convert(tz or "UTC").dt.tz_localize(None)
 
 
-def goodput_over_time(history: pd.DataFrame, tz: str | None = None) -> go.Figure:
+def goodput_over_time(history: pd.DataFrame, tz: str | None = None, rate_window: str | None = None) -> go.Figure:
     """Throughput and goodput (tokens/s, cumulative since the run started) over wall-clock time.
 
     From ``ledger_history``. Throughput = all tokens / seconds spent inside steps (what the
@@ -171,27 +192,162 @@ def goodput_over_time(history: pd.DataFrame, tz: str | None = None) -> go.Figure
     is at most throughput. Goodput is drawn last and narrower, so where the two coincide
     (no badput yet) it shows on top of the wider throughput line instead of under it. The
     time axis is in ``tz`` (IANA name; UTC if None).
+
+    With ``rate_window`` (``"60s"``, ``"600s"``, ``"3600s"``) the ledger's rolling rates over
+    that window are drawn too, as thin dotted lines in the same colours (what the job does
+    *now*; the since-start lines move slowly in a long run), and the names say which is which.
     """
     fig = go.Figure()
+    rate_col = f"rate.{rate_window}." if rate_window else None
+    since = " · since start" if rate_col else ""
     if not history.empty:
         x = _local_times(history["t"], tz)
         mode = "lines" if len(history) > 1 else "lines+markers"  # a single snapshot: a line would be invisible
-        fig.add_trace(go.Scatter(x=x, y=history["throughput_tok_s"], name="throughput", mode=mode,
+        fig.add_trace(go.Scatter(x=x, y=history["throughput_tok_s"], name="throughput" + since, mode=mode,
                                  line={"color": "#1f77b4", "width": 4},
-                                 hovertemplate="%{y:,.0f} tokens/s<extra>throughput</extra>"))
-        fig.add_trace(go.Scatter(x=x, y=history["goodput_tok_s"], name="goodput", mode=mode,
+                                 hovertemplate="%{y:,.0f} tokens/s<extra>throughput" + since + "</extra>"))
+        fig.add_trace(go.Scatter(x=x, y=history["goodput_tok_s"], name="goodput" + since, mode=mode,
                                  fill="tonexty", fillcolor=BADPUT_FILL, line={"color": "#2ca02c", "width": 2},
-                                 hovertemplate="%{y:,.0f} tokens/s<extra>goodput</extra>"))
+                                 hovertemplate="%{y:,.0f} tokens/s<extra>goodput" + since + "</extra>"))
         # Legend entry for the shaded band only (no data of its own).
         fig.add_trace(go.Scatter(x=[None], y=[None], name="gap = badput", mode="lines", fill="toself",
                                  fillcolor=BADPUT_FILL, line={"width": 0}, hoverinfo="skip"))
-    fig.update_layout(height=340, margin={"l": 10, "r": 10, "t": 40, "b": 10}, hovermode="x unified",
-                      title={"text": "Throughput vs goodput (tokens/s, since start)", "x": 0, "font": {"size": 14}},
-                      # Inside the plot, bottom right: the y axis starts at 0, so that corner is empty.
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 0.02, "x": 0.99, "xanchor": "right",
-                              "bgcolor": "rgba(255,255,255,0.7)", "traceorder": "normal"},
-                      xaxis_title=f"time ({tz or 'UTC'})", yaxis_title="tokens/s", yaxis_rangemode="tozero")
+        if rate_col and f"{rate_col}throughput_tok_s" in history:
+            span = WINDOW_NAMES.get(str(rate_window), str(rate_window))
+            for what, color in (("throughput", "#1f77b4"), ("goodput", "#2ca02c")):
+                name = f"{what} · last {span}"
+                fig.add_trace(go.Scatter(x=x, y=history[f"{rate_col}{what}_tok_s"], name=name, mode=mode,
+                                         line={"color": color, "width": 1.5, "dash": "dot"},
+                                         hovertemplate="%{y:,.0f} tokens/s<extra>" + name + "</extra>"))
+    if rate_col:
+        # Five entries, and the rolling lines reach every corner: the legend goes under the plot.
+        legend = {"orientation": "h", "yanchor": "top", "y": -0.16, "x": 0, "traceorder": "normal"}
+    else:
+        # Inside the plot, bottom right: the y axis starts at 0, so that corner is empty.
+        legend = {"orientation": "h", "yanchor": "bottom", "y": 0.02, "x": 0.99, "xanchor": "right",
+                  "bgcolor": "rgba(255,255,255,0.7)", "traceorder": "normal"}
+    fig.update_layout(height=380 if rate_col else 340, margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      hovermode="x unified",
+                      title={"text": "Throughput vs goodput (tokens/s" + (")" if rate_col else ", since start)"),
+                             "x": 0, "font": {"size": 14}},
+                      legend=legend, xaxis_title=None if rate_col else f"time ({tz or 'UTC'})",
+                      yaxis_title="tokens/s", yaxis_rangemode="tozero")
     return fig
+
+
+def ledger_categories(history: pd.DataFrame) -> list[str]:
+    """The ledger categories of ``ledger_history`` columns that were above 0 s in any snapshot:
+    ``productive`` first, then the badput categories in the ledger's order (added ones last)."""
+    cats = [c[len("seconds."):] for c in history.columns if c.startswith("seconds.")]
+    return [c for c in cats if (pd.to_numeric(history[f"seconds.{c}"], errors="coerce") > 0).any()]
+
+
+def category_color(category: str) -> str:
+    """The fixed colour of a ledger category (:data:`CATEGORY_COLORS`)."""
+    return CATEGORY_COLORS.get(category, OTHER_CATEGORY_COLOR)
+
+
+def wall_time_shares(history: pd.DataFrame) -> pd.DataFrame:
+    """Per snapshot, each category's share (%) of the wall time since the run started.
+
+    Columns = :func:`ledger_categories` (those at 0 s in every snapshot are omitted); the
+    shares of a snapshot sum to 100 (the categories sum to the wall time by construction;
+    should ``wall_s`` be missing, their sum is used).
+    """
+    cats = ledger_categories(history)
+    secs = history[[f"seconds.{c}" for c in cats]].astype("float64").fillna(0.0)
+    secs.columns = cats
+    wall = pd.to_numeric(history["wall_s"], errors="coerce").astype("float64")
+    wall = wall.where(np.isfinite(wall) & (wall > 0), secs.sum(axis=1))
+    return secs.div(wall.where(wall > 0), axis=0) * 100.0
+
+
+def share_axis_floor(shares: pd.DataFrame) -> float:
+    """Where the % axis of :func:`wall_time_breakdown` starts: 0, or, when productive stays above 40 %
+    all along, 10 points below its lowest share rounded down to 10 (so thin badput bands get room)."""
+    if "productive" not in shares or shares.empty:
+        return 0.0
+    low = float(shares["productive"].min(skipna=True))
+    if not math.isfinite(low) or low < 40.0:
+        return 0.0
+    return max(0.0, math.floor(low / 10.0) * 10.0 - 10.0)
+
+
+def wall_time_breakdown(history: pd.DataFrame, tz: str | None = None,
+                        custom_names: list[str] | None = None) -> go.Figure:
+    """Stacked area of where the wall time went, as a share of wall time since the run started.
+
+    From ``ledger_history``: one band per ledger category that was ever above 0 s, productive
+    at the bottom in green (its top edge is the goodput % at that time), the badput bands above
+    it in their fixed colours (:data:`CATEGORY_COLORS`), stacked to 100 %. Each snapshot is
+    cumulative, so a band that widens is a cause that is costing time now; a re-attribution
+    (steps lost to a restart move from productive to wasted progress) shows as a step. Hover
+    gives each category's share and seconds. The % axis starts at :func:`share_axis_floor`
+    (said in the axis title when above 0). ``custom_names`` (the snapshot's
+    ``custom_by_name`` keys) name the custom band.
+    """
+    fig = go.Figure()
+    floor = 0.0
+    if not history.empty:
+        shares = wall_time_shares(history)
+        floor = share_axis_floor(shares)
+        x = _local_times(history["t"], tz)
+        single = len(history) == 1
+        for cat in shares.columns:
+            seconds = history[f"seconds.{cat}"].astype("float64").fillna(0.0)
+            name = label(cat) + (f" ({', '.join(custom_names)})" if cat == "custom" and custom_names else "")
+            fig.add_trace(go.Scatter(
+                x=x, y=shares[cat], name=name, stackgroup="ledger", mode="lines+markers" if single else "lines",
+                line={"width": 0.5, "color": category_color(cat)}, fillcolor=category_color(cat),
+                customdata=seconds, hovertemplate="%{y:.1f}% · %{customdata:,.0f} s<extra>" + name + "</extra>"))
+    fig.update_layout(height=380, margin={"l": 10, "r": 10, "t": 40, "b": 10}, hovermode="x unified",
+                      title={"text": "Where the wall time went (share of wall time since start, by cause)", "x": 0,
+                             "font": {"size": 14}},
+                      # Top band first, as stacked; productive (the bottom band) last.
+                      legend={"traceorder": "reversed", "title": {"text": ""}},
+                      xaxis_title=f"time ({tz or 'UTC'})",
+                      yaxis={"title": "% of wall time" + (f" (axis from {floor:g} %)" if floor else ""),
+                             "range": [floor, 100], "ticksuffix": "%"})
+    return fig
+
+
+def badput_cost_bar(causes: pd.DataFrame, priced: bool, wall_s: float | None = None) -> go.Figure:
+    """Horizontal bars of what each cause of badput cost, largest on top (:func:`dashboard.data.badput_by_cause`).
+
+    USD when the run has a GPU-hour price (``priced``), else GPU-hours; each bar in its
+    category's colour (the custom names in the colour of ``custom``), labelled with USD and
+    GPU-hours; hover adds seconds and the share of wall time.
+    """
+    value = "cost_usd" if priced else "gpu_hours"
+    frame = causes.sort_values(value, ascending=False, kind="stable").iloc[::-1]  # first bar is drawn at the bottom
+    text = [(f"{_usd(c)} · " if priced else "") + f"{_gpuh(g)} GPU-h"
+            for c, g in zip(frame["cost_usd"], frame["gpu_hours"], strict=True)]
+    hover = [f"{s:,.0f} s" + (f" ({s / wall_s * 100:.1f}% of wall time)" if wall_s else "") + f" · {t}"
+             for s, t in zip(frame["seconds"], text, strict=True)]
+    fig = go.Figure(go.Bar(
+        x=frame[value], y=[label(c) for c in frame["category"]], orientation="h",
+        marker_color=[category_color(c) for c in frame["ledger_category"]], text=text, textposition="auto",
+        insidetextanchor="end", hovertext=hover, hoverinfo="text+y"))
+    title = "Money lost per cause (USD since start)" if priced else "GPU-hours lost per cause (no GPU-hour price set)"
+    fig.update_layout(height=max(200, min(380, 90 + 30 * len(frame))), margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      title={"text": title, "x": 0, "font": {"size": 14}},
+                      xaxis={"title": "USD" if priced else "GPU-hours", "rangemode": "tozero",
+                             **({"tickprefix": "$"} if priced else {})},
+                      yaxis={"automargin": True})
+    return fig
+
+
+def _usd(x: float) -> str:
+    if x is None or not math.isfinite(float(x)):
+        return "—"
+    # As dashboard.common.fmt_usd (charts import no Streamlit module).
+    return f"${x / 1e3:,.0f}k" if abs(x) >= 1e5 else f"${x:,.0f}" if abs(x) >= 1e3 else f"${x:,.2f}"
+
+
+def _gpuh(x: float) -> str:
+    if x is None or not math.isfinite(float(x)):
+        return "—"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:,.1f}" if abs(x) >= 10 else f"{x:,.2f}"
 
 
 def badput_bar(breakdown: pd.DataFrame, wall_s: float | None = None) -> go.Figure:

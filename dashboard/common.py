@@ -132,6 +132,18 @@ def fmt_usd(x: Any) -> str:
     return f"${x:,.2f}"
 
 
+def fmt_gpu_hours(x: Any) -> str:
+    """GPU-hours, compact: ``0.0312`` → ``0.03``, ``12.34`` → ``12.3``, ``1234.5`` → ``1,235``; missing → ``—``."""
+    if x is None or not math.isfinite(float(x)):
+        return "—"
+    x = float(x)
+    if abs(x) >= 1e3:
+        return f"{x:,.0f}"
+    if abs(x) >= 10:
+        return f"{x:,.1f}"
+    return f"{x:,.2f}"
+
+
 def fmt_age(seconds: float) -> str:
     """Seconds → ``42 s`` / ``3.5 min`` / ``2.0 h`` / ``3.1 d``."""
     if not math.isfinite(seconds):

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 import redis
 
+from detectors import recommendations as recommendation_store
 from trainhealth import defaults
 from trainhealth.events import decode_event
 from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys
@@ -58,6 +59,14 @@ LEDGER_CATEGORIES = ("productive", "program_startup", "data_loading", "straggler
                      "checkpoint_save", "checkpoint_restore", "wasted_progress_from_disruption",
                      "wasted_progress_from_rollback", "infrastructure_recovery_from_disruption", "custom", "hang",
                      "idle")
+#: Windows of the ledger's rolling rates (``rates`` keys) and the history columns they fill:
+#: ``rate.<window>.throughput_tok_s`` and ``rate.<window>.goodput_tok_s``.
+RATE_WINDOWS = ("60s", "600s", "3600s")
+RATE_COLUMNS = [f"rate.{w}.{v}" for w in RATE_WINDOWS for v in ("throughput_tok_s", "goodput_tok_s")]
+#: Columns of :func:`badput_by_cause`.
+CAUSE_COLUMNS = ["category", "ledger_category", "seconds", "gpu_hours", "cost_usd"]
+#: Recommendation statuses that still ask for a decision (shown as a card).
+OPEN_RECOMMENDATION_STATUSES = ("proposed", "acknowledged")
 RANK_SUMMARY_COLUMNS = ["rank", "host", "median_busy_s", "ratio", "steps"]
 #: Steps the rank table summarises: recent enough that a new straggler is not diluted by the
 #: run's healthy history (the straggler detector itself scores 20-step windows).
@@ -401,53 +410,125 @@ def ledger_latest(client: redis.Redis, run: str) -> dict[str, Any] | None:
     return snap if isinstance(snap, dict) else None
 
 
-def ledger_history(client: redis.Redis, run: str, count: int = LEDGER_HISTORY_ENTRIES) -> pd.DataFrame:
+def history_row(snap: Mapping[str, Any]) -> dict[str, Any]:
+    """One :func:`ledger_history` row from a ledger snapshot dict (floats, NaN where absent).
+
+    Also a ``seconds.<name>`` entry for every category the snapshot has beyond
+    :data:`LEDGER_CATEGORIES` (a category added to the ledger later).
+    """
+    row: dict[str, Any] = {c: _num(snap.get(c)) for c in LEDGER_COLUMNS}
+    seconds = snap.get("seconds") or {}
+    if not isinstance(seconds, Mapping):
+        seconds = {}
+    row.update({f"seconds.{c}": _num(seconds.get(c)) for c in LEDGER_CATEGORIES})
+    row.update({f"seconds.{c}": _num(v) for c, v in seconds.items() if c not in LEDGER_CATEGORIES})
+    rates = snap.get("rates") or {}
+    for w in RATE_WINDOWS:
+        rate = rates.get(w) if isinstance(rates, Mapping) else None
+        rate = rate if isinstance(rate, Mapping) else {}
+        for v in ("throughput_tok_s", "goodput_tok_s"):
+            row[f"rate.{w}.{v}"] = _num(rate.get(v))
+    return row
+
+
+def _history_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    base = [*LEDGER_COLUMNS, *(f"seconds.{c}" for c in LEDGER_CATEGORIES), *RATE_COLUMNS]
+    extra = sorted({k for row in rows for k in row if k not in base})
+    frame = pd.DataFrame(rows, columns=[*base, *extra], dtype="float64")
+    return frame.fillna({c: 0.0 for c in extra})  # an added category was 0 s before it existed
+
+
+def _thin(n: int, max_points: int | None) -> list[int]:
+    """Indices of ``n`` items to keep: all, or ``max_points`` evenly spaced with the first and last."""
+    if max_points is None or n <= max_points:
+        return list(range(n))
+    if max_points < 2:
+        return [n - 1]
+    return sorted({round(i * (n - 1) / (max_points - 1)) for i in range(max_points)})
+
+
+def ledger_history(client: redis.Redis, run: str, count: int = LEDGER_HISTORY_ENTRIES,
+                   max_points: int | None = None) -> pd.DataFrame:
     """The newest ``count`` ledger snapshots (``ledger`` stream, field ``json``), oldest first.
 
-    Columns :data:`LEDGER_COLUMNS` (floats; NaN where a snapshot lacks the value) plus one
-    ``seconds.<category>`` column (s of wall time) per category of :data:`LEDGER_CATEGORIES`.
-    One ``XREVRANGE … COUNT``.
+    Columns :data:`LEDGER_COLUMNS` (floats; NaN where a snapshot lacks the value), one
+    ``seconds.<category>`` column (s of wall time, cumulative since the run started) per
+    category of :data:`LEDGER_CATEGORIES` and any category a snapshot adds, and
+    :data:`RATE_COLUMNS` (the rolling 1 min / 10 min / 1 h rates, tokens/s).
+
+    One ``XREVRANGE … COUNT``. With ``max_points``, a longer history is thinned to that many
+    evenly spaced snapshots (the oldest and the newest always kept) before decoding them: the
+    snapshots are cumulative, so dropping some loses resolution, not totals.
     """
-    cat_cols = [f"seconds.{c}" for c in LEDGER_CATEGORIES]
+    entries = client.xrevrange(run_keys(run).ledger, count=count)
+    entries.reverse()
     rows = []
-    for _id, fields in reversed(client.xrevrange(run_keys(run).ledger, count=count)):
-        d = {_s(k): v for k, v in fields.items()}
+    for i in _thin(len(entries), max_points):
+        d = {_s(k): v for k, v in entries[i][1].items()}
         try:
             snap = _json(d["json"])
         except (KeyError, TypeError, ValueError):
             continue
-        if not isinstance(snap, dict):
-            continue
-        row = {c: _num(snap.get(c)) for c in LEDGER_COLUMNS}
-        seconds = snap.get("seconds") or {}
-        row.update({f"seconds.{c}": _num(seconds.get(c)) for c in LEDGER_CATEGORIES})
-        rows.append(row)
-    return pd.DataFrame(rows, columns=[*LEDGER_COLUMNS, *cat_cols], dtype="float64")
+        if isinstance(snap, dict):
+            rows.append(history_row(snap))
+    return _history_frame(rows)
 
 
-def badput_seconds(snapshot: Mapping[str, Any] | None) -> pd.DataFrame:
-    """Badput breakdown of a ledger snapshot: one row per non-productive category.
+def with_latest(history: pd.DataFrame, snap: Mapping[str, Any] | None) -> pd.DataFrame:
+    """``history`` with the snapshot ``snap`` (``ledger:latest``) appended when it is newer than its last row.
 
-    Columns ``category``, ``seconds`` (s of wall time), ``cost_usd`` (USD or NaN when no
-    price is set), sorted by seconds descending; categories absent from the snapshot are 0 s.
-    The ``custom`` category is split by the names in ``custom_by_name`` (the names given to
-    ``Monitor.badput``: ``evaluation``, ``profiling``…), one row each, named ``custom: <name>``
-    only when the name collides with a category; custom seconds no name covers stay a
-    ``custom`` row, and cost is split in proportion to the seconds.
+    Lets a page read the (slow, cached) history less often than the latest snapshot and
+    still end its charts at the KPIs' values.
     """
-    cols = ["category", "seconds", "cost_usd"]
+    if not snap:
+        return history
+    t = _num(snap.get("t"))
+    if not math.isfinite(t) or (not history.empty and t <= history["t"].iloc[-1]):
+        return history
+    return _history_frame([*history.to_dict("records"), history_row(snap)])
+
+
+def badput_by_cause(snapshot: Mapping[str, Any] | None) -> pd.DataFrame:
+    """What each cause of badput cost: one row per non-productive category of a ledger snapshot.
+
+    Columns :data:`CAUSE_COLUMNS`: ``category`` (the row's name), ``ledger_category`` (the
+    ledger category it belongs to: ``custom`` for the custom names), ``seconds`` (s of wall
+    time), ``gpu_hours`` (``seconds × world_size / 3600``, from the snapshot's ``gpu_hours``),
+    ``cost_usd`` (USD, NaN when no price is set); sorted by seconds descending, categories
+    absent from the snapshot at 0 s. The ``custom`` category is split by the names in
+    ``custom_by_name`` (the names given to ``Monitor.badput``: ``evaluation``,
+    ``profiling``…), one row each, named ``custom: <name>`` only when the name collides with a
+    category; custom seconds no name covers stay a ``custom`` row, and GPU-hours and cost are
+    split in proportion to the seconds.
+    """
     if not snapshot:
-        return pd.DataFrame({c: pd.Series(dtype=object if c == "category" else "float64") for c in cols})
+        return pd.DataFrame({c: pd.Series(dtype=object if c in ("category", "ledger_category") else "float64")
+                             for c in CAUSE_COLUMNS})
     seconds = snapshot.get("seconds") or {}
     costs = snapshot.get("cost_usd") or {}
+    hours = snapshot.get("gpu_hours") or {}
     by_name = snapshot.get("custom_by_name") or {}
     names: Iterable[str] = [c for c in LEDGER_CATEGORIES if c != "productive"]
     names = [*names, *sorted(k for k in seconds if k not in LEDGER_CATEGORIES)]
-    rows = [{"category": c, "seconds": _num(seconds.get(c, 0.0)), "cost_usd": _num(costs.get(c))}
-            for c in names]
+    world = _num(snapshot.get("world_size"))
+
+    def gpu_hours(c: str, sec: float) -> float:
+        # Written by the ledger; recomputed for a snapshot without them (same definition).
+        return _num(hours[c]) if c in hours else sec * world / 3600.0
+
+    rows = []
+    for c in names:
+        sec = _num(seconds.get(c, 0.0))
+        rows.append({"category": c, "ledger_category": c, "seconds": sec, "gpu_hours": gpu_hours(c, sec),
+                     "cost_usd": _num(costs.get(c))})
     if isinstance(by_name, Mapping) and by_name:
         custom = rows.pop(names.index("custom"))
-        total, cost = custom["seconds"], custom["cost_usd"]
+        total = custom["seconds"]
+
+        def part(sec: float) -> dict[str, float]:
+            share = sec / total if total > 0 else math.nan
+            return {"seconds": sec, "gpu_hours": custom["gpu_hours"] * share, "cost_usd": custom["cost_usd"] * share}
+
         named = 0.0
         for name, v in by_name.items():
             sec = _num(v)
@@ -455,11 +536,17 @@ def badput_seconds(snapshot: Mapping[str, Any] | None) -> pd.DataFrame:
                 continue
             named += sec
             label = f"custom: {name}" if name in names else str(name)
-            rows.append({"category": label, "seconds": sec, "cost_usd": cost * sec / total if total > 0 else math.nan})
+            rows.append({"category": label, "ledger_category": "custom", **part(sec)})
         if total - named > 1e-3:  # custom seconds without a name (rounding stays far below a ms)
-            rows.append({"category": "custom", "seconds": total - named, "cost_usd": cost * (total - named) / total})
-    out = pd.DataFrame(rows, columns=cols)
+            rows.append({"category": "custom", "ledger_category": "custom", **part(total - named)})
+    out = pd.DataFrame(rows, columns=CAUSE_COLUMNS)
     return out.sort_values("seconds", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def badput_seconds(snapshot: Mapping[str, Any] | None) -> pd.DataFrame:
+    """Badput breakdown of a ledger snapshot: :func:`badput_by_cause` with columns ``category``,
+    ``seconds`` (s of wall time) and ``cost_usd`` (USD or NaN when no price is set)."""
+    return badput_by_cause(snapshot)[["category", "seconds", "cost_usd"]]
 
 
 def has_token_counts(snapshot: Mapping[str, Any] | None) -> bool:
@@ -469,6 +556,42 @@ def has_token_counts(snapshot: Mapping[str, Any] | None) -> bool:
         return True  # nothing known yet: the KPIs show "—"
     tokens = _num(snapshot.get("tokens_total"))
     return not (math.isfinite(tokens) and tokens <= 0)
+
+
+# --- rollback recommendations ----------------------------------------------------------------
+
+def recommendations(client: redis.Redis, run: str) -> list[dict[str, Any]]:
+    """Every stored recommendation of the run (``recommendations`` hash), newest update first.
+
+    The dicts as the service stores them (``Recommendation.to_dict()`` plus ``status``,
+    ``history``, ``created_at``, ``updated_at``), read with
+    :func:`detectors.recommendations.load`; one ``HGETALL``. Should a value not decode, the
+    others are still returned.
+    """
+    try:
+        return recommendation_store.load(client, run)
+    except (TypeError, ValueError):
+        recs = []
+        for raw in client.hgetall(run_keys(run).recommendations).values():
+            try:
+                d = _json(raw)
+            except (TypeError, ValueError):
+                continue
+            if isinstance(d, dict):
+                recs.append(d)
+        return sorted(recs, key=lambda d: d.get("updated_at") or 0.0, reverse=True)
+
+
+def open_recommendations(recs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The recommendations still waiting for a decision (``proposed`` or ``acknowledged``), newest
+    proposal first (by ``created_at``; the service bumps ``updated_at`` whenever it refreshes the figures)."""
+    active = [dict(d) for d in recs if d.get("status") in OPEN_RECOMMENDATION_STATUSES]
+
+    def created(d: Mapping[str, Any]) -> float:
+        t = _num(d.get("created_at"))
+        return t if math.isfinite(t) else -math.inf
+
+    return sorted(active, key=created, reverse=True)
 
 
 # --- which steps the rank table summarises ---------------------------------------------------

@@ -52,11 +52,13 @@ def page_config() -> None:
 
 
 def navigation() -> StreamlitPage:
-    """Declare the three pages (Overview is the default, at ``/``); returns the selected one."""
+    """Declare the pages (Overview is the default, at ``/``); returns the selected one."""
     return st.navigation([
         st.Page(HERE / "pages" / "overview.py", title="Overview", icon=":material/monitoring:", default=True),
+        st.Page(HERE / "pages" / "goodput.py", title="Goodput", icon=":material/savings:"),
         st.Page(HERE / "pages" / "ranks.py", title="Ranks", icon=":material/grid_view:"),
         st.Page(HERE / "pages" / "anomalies.py", title="Anomalies", icon=":material/warning:"),
+        st.Page(HERE / "pages" / "alerts.py", title="Alerts", icon=":material/notifications:"),
     ])
 
 

@@ -1,4 +1,5 @@
-"""Overview page: KPIs, loss/grad-norm curves with anomaly markers, goodput over time, badput."""
+"""Overview page: open rollback recommendations, KPIs, loss/grad-norm curves with anomaly markers,
+goodput over time, badput."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pandas as pd
 import redis
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import cards, charts, data
 from dashboard.common import (
     URL_KEY,
     anomaly_delta,
@@ -178,4 +179,5 @@ def live(run: str) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · overview")
+    cards.recommendation_cards(run, "overview")
     live(run)

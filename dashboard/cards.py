@@ -1,0 +1,238 @@
+"""The rollback recommendation card: what the advisor proposes, what it costs, and its lifecycle buttons.
+
+Shown at the top of the Overview (:func:`recommendation_cards`, a live fragment of its own) and
+under the KPIs of the Goodput page (:func:`render`, inside that page's live fragment) for every
+recommendation still waiting for a decision (``proposed`` or ``acknowledged``), newest first.
+The buttons move it through its lifecycle with :func:`detectors.recommendations.set_status`
+(``by="dashboard"``), the only write the dashboard makes; the fragment the card is in then
+re-runs and re-reads Redis, so an applied or dismissed recommendation disappears at once. See
+docs/advisor.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+import streamlit as st
+
+from dashboard import data
+from dashboard.common import client, fmt_age, fmt_gpu_hours, fmt_int, fmt_usd, to_datetime, viewer_tz
+from detectors import recommendations as recommendation_store
+from detectors.advisor import Recommendation
+from trainhealth.defaults import DASHBOARD_REFRESH_S
+from trainhealth.exceptions import ConfigError
+
+#: How each action is headed: title, badge colour, icon.
+ACTIONS = {
+    "rollback": ("Roll back", "red", ":material/history:"),
+    "wait": ("Wait", "orange", ":material/hourglass_top:"),
+    "none_possible": ("No checkpoint", "red", ":material/block:"),
+}
+STATUS_COLORS = {"proposed": "blue", "acknowledged": "violet", "applied": "green", "dismissed": "gray"}
+KIND_NAMES = {"loss_spike": "Loss spike", "divergence": "Divergence", "nan_inf": "NaN/Inf loss"}
+#: The buttons: label, status they set, icon, help.
+BUTTONS = (
+    ("Acknowledge", "acknowledged", ":material/visibility:",
+     "Someone is on it: keeps the card, marked acknowledged."),
+    ("Mark applied", "applied", ":material/check_circle:",
+     "The advice was carried out (rolled back / waited): closes the card."),
+    ("Dismiss", "dismissed", ":material/close:", "Not acting on this advice: closes the card."),
+)
+#: Height (px) of the Megatron arguments box (it scrolls beyond).
+MEGATRON_HEIGHT_PX = 120
+_DONE = {"acknowledged": "acknowledged", "applied": "marked applied", "dismissed": "dismissed"}
+#: Session-state key of the outcome of the last button click, shown (once) on the next run.
+_FLASH = "th_rec_flash"
+
+
+def _steps(a: int, b: int) -> str:
+    return f"{fmt_int(a)}–{fmt_int(b)}"
+
+
+def _cost_line(cost: Mapping[str, Any]) -> str:
+    """``26.8 GPU-h · $67.11`` (GPU-hours only without a price; "step time unknown" without them)."""
+    if cost.get("gpu_hours") is None:
+        return "step time unknown"
+    usd = cost.get("usd")
+    return f"{fmt_gpu_hours(cost['gpu_hours'])} GPU-h" + (f" · {fmt_usd(usd)}" if usd is not None else "")
+
+
+def _per_hour(gpu_hours: float, usd: float | None) -> str:
+    """``64 GPU-h · $160``: the burn rate of the whole job (GPU-hours and USD per hour)."""
+    gh = f"{gpu_hours:,.0f}" if float(gpu_hours).is_integer() else fmt_gpu_hours(gpu_hours)
+    if usd is None:
+        return f"{gh} GPU-h"
+    return f"{gh} GPU-h · " + (f"${usd:,.0f}" if abs(usd) >= 100 else fmt_usd(usd))
+
+
+def facts(rec: Mapping[str, Any]) -> list[str]:
+    """The four fact columns of a card, as markdown: checkpoint, data to skip, rollback cost, cost of continuing."""
+    action = rec.get("action")
+    ckpt = rec.get("checkpoint_step")
+    if ckpt is None:
+        first = "**Checkpoint**  \nnone before the onset"
+    else:
+        first = f"**Checkpoint**  \nload step {fmt_int(ckpt)}"
+    if action == "wait" and rec.get("recheck_step") is not None:
+        first += f"  \nre-check at step {fmt_int(rec['recheck_step'])}"
+
+    skip = ["**Skip** (inclusive)"]
+    if rec.get("skip_steps"):
+        a, b = rec["skip_steps"]
+        skip.append(f"steps {_steps(a, b)} ({fmt_int(b - a + 1)})")
+    if rec.get("skip_samples"):
+        a, b = rec["skip_samples"]
+        skip.append(f"samples {_steps(a, b - 1)}")
+    if rec.get("skip_batches"):
+        a, b = rec["skip_batches"]
+        skip.append(f"batches {_steps(a, b - 1)}")
+    if len(skip) == 2:
+        skip.append("no data positions recorded")
+
+    cost = rec.get("cost") or {}
+    head = "**If rolled back**" if action == "wait" else "**Rolling back costs**"
+    rollback = [head, f"{fmt_int(rec.get('recompute_steps', 0))} steps recomputed", _cost_line(cost)]
+    if cost.get("wall_hours") is not None:
+        rollback.append(f"{cost['wall_hours']:.2f} h of the run's time")
+
+    cont = rec.get("continue_cost") or {}
+    keep = ["**Continuing costs**", f"{fmt_int(cont.get('wasted_steps_so_far', 0))} steps wasted so far",
+            _cost_line(cont)]
+    if cont.get("gpu_hours_per_hour") is not None:
+        per_h = cont.get("usd_per_hour")
+        keep.append(f"then {_per_hour(cont['gpu_hours_per_hour'], per_h)} per hour")
+    return [first, "  \n".join(skip), "  \n".join(rollback), "  \n".join(keep)]
+
+
+def _when(t: Any, tz: str) -> str:
+    ts = to_datetime(float(t), tz) if isinstance(t, (int, float)) and math.isfinite(t) else None
+    return f"{ts:%m-%d %H:%M:%S}" if ts is not None else "?"
+
+
+def status_line(rec: Mapping[str, Any], tz: str, now: float) -> str:
+    """``Status **acknowledged** · proposed 11-30 00:53:20 → acknowledged by dashboard 11-30 01:05:00 (UTC) ·
+    figures of step 300, updated 5 s ago``."""
+    steps = [f"proposed {_when(rec.get('created_at'), tz)}"]
+    for h in rec.get("history") or []:
+        who = f" by {h['by']}" if h.get("by") else ""
+        note = f" ({h['note']})" if h.get("note") else ""
+        steps.append(f"{h.get('status', '?')}{who} {_when(h.get('t'), tz)}{note}")
+    line = f"Status **{rec.get('status', '?')}** · " + " → ".join(steps) + f" ({tz})"
+    updated = rec.get("updated_at")
+    if isinstance(updated, (int, float)) and math.isfinite(updated):
+        line += f" · figures of step {fmt_int(rec.get('current_step'))}, updated {fmt_age(now - updated)} ago"
+    return line
+
+
+def skip_json(doc: Mapping[str, Any]) -> str:
+    """``skip_batches.json`` one key a line, each range on its line (``indent=2`` puts every number on its own)."""
+    return "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in doc.items()) + "\n}"
+
+
+def exports(rec: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+    """The Megatron arguments and the ``skip_batches.json`` document (None where not possible)."""
+    try:
+        r = Recommendation.from_dict(rec)
+    except (TypeError, ValueError):
+        return None, None
+    return r.megatron_args(), r.lightning_skip()
+
+
+def card_key(where: str, rec_id: str) -> str:
+    """Key of a card's container, so also its CSS class ``st-key-<key>``: the page, the id in
+    CSS-safe characters (``rec:loss_spike:*:250:0`` → ``rec_loss_spike_250_0``) and a short hash
+    of the id, which keeps two ids that tidy to the same text apart."""
+    digest = hashlib.sha1(rec_id.encode()).hexdigest()[:8]
+    return f"rec-card-{where}-{re.sub(r'[^A-Za-z0-9_-]+', '_', rec_id)}-{digest}"
+
+
+def button_key(where: str, status: str, rec_id: str) -> str:
+    """Key of the button that moves ``rec_id`` to ``status`` on page ``where``."""
+    return f"rec-{where}-{status}-{rec_id}"
+
+
+def _set_status(run: str, rec_id: str, status: str) -> None:
+    """Button callback: move the recommendation, remember the outcome for the next run."""
+    try:
+        recommendation_store.set_status(client(), run, rec_id, status, by="dashboard")
+    except (ConfigError, redis.RedisError) as exc:
+        st.session_state[_FLASH] = ("error", f"Could not set `{rec_id}` to {status}: {exc}")
+    else:
+        st.session_state[_FLASH] = ("ok", f"Recommendation {_DONE[status]}.")
+
+
+def card(rec: Mapping[str, Any], run: str, where: str, tz: str, now: float) -> None:
+    """One recommendation as a bordered card (see the module doc)."""
+    rec_id = str(rec.get("id", ""))
+    title, color, icon = ACTIONS.get(str(rec.get("action")), (str(rec.get("action")), "gray", ":material/help:"))
+    status = str(rec.get("status", "?"))
+    kind = KIND_NAMES.get(str(rec.get("kind")), str(rec.get("kind")))
+    with st.container(border=True, key=card_key(where, rec_id)):
+        onset, now_step = fmt_int(rec.get("onset_step")), fmt_int(rec.get("current_step"))
+        st.markdown(f":{color}-badge[{icon} {title}] :{STATUS_COLORS.get(status, 'gray')}-badge[{status}] "
+                    f"**{kind} at step {onset}** · now step {now_step}")
+        st.markdown(str(rec.get("summary") or ""))
+        for col, text in zip(st.columns(4), facts(rec), strict=True):
+            col.markdown(text)
+        row = st.container(horizontal=True, gap="small", vertical_alignment="center")
+        for label, target, bicon, help_text in BUTTONS:
+            row.button(label, key=button_key(where, target, rec_id), icon=bicon, help=help_text,
+                       type="primary" if target == "acknowledged" and status == "proposed" else "secondary",
+                       disabled=target == status, on_click=_set_status, args=(run, rec_id, target))
+        row.caption(status_line(rec, tz, now))
+        why, export = st.columns(2)
+        reasoning, options = rec.get("reasoning") or [], rec.get("options") or []
+        with why.expander("Why: the reasoning" + (" and options" if options else ""), icon=":material/psychology:"):
+            st.markdown("\n".join(f"{i}. {line}" for i, line in enumerate(reasoning, 1)) or "No reasoning recorded.")
+            if options:
+                st.markdown("**Options** (levers to consider, not part of the advice):\n\n"
+                            + "\n".join(f"- {o.removeprefix('option: ')}" for o in options))
+        megatron, skip = exports(rec)
+        with export.expander("Export for the launcher", icon=":material/terminal:"):
+            st.caption("Megatron arguments (`--train-range-to-skip` for Megatron-DeepSpeed, "
+                       "`--iterations-to-skip` for Megatron-LM) and the checkpoint step to load:")
+            if megatron:
+                # --iterations-to-skip lists every step (301 numbers by default): scroll, do not sprawl.
+                st.code(megatron, language="bash", wrap_lines=True, height=MEGATRON_HEIGHT_PX)
+            else:
+                st.markdown("No Megatron arguments: there is no checkpoint to load or no skip range.")
+            st.caption("`skip_batches.json` for Lightning or a custom loop:")
+            if skip:
+                body = skip_json(skip)
+                st.code(body, language="json")
+                st.download_button("Download skip_batches.json", body, file_name="skip_batches.json",
+                                   mime="application/json", on_click="ignore", icon=":material/download:",
+                                   key=f"rec-{where}-download-{rec_id}")
+            else:
+                st.markdown("No skip range.")
+
+
+def render(recs: list[dict[str, Any]], run: str, where: str) -> None:
+    """The cards of the open ones among ``recs`` (:func:`dashboard.data.recommendations`), newest first,
+    after the outcome of the last button click (a toast, or an error that says why it failed)."""
+    flash = st.session_state.pop(_FLASH, None)
+    if flash and flash[0] == "ok":
+        st.toast(flash[1], icon=":material/check:")
+    elif flash:
+        st.error(flash[1], icon=":material/error:")
+    tz, now = viewer_tz(), time.time()
+    for rec in data.open_recommendations(recs):
+        card(rec, run, where, tz, now)
+
+
+@st.fragment(run_every=DASHBOARD_REFRESH_S)
+def recommendation_cards(run: str, where: str) -> None:
+    """The open recommendations of ``run`` as cards, live (a fragment of their own); nothing when there
+    are none. ``where`` names the page (widget keys must differ between pages showing the same card)."""
+    try:
+        recs = data.recommendations(client(), run)
+    except redis.RedisError:
+        return  # the page's own live reads say that Redis is unreachable
+    render(recs, run, where)

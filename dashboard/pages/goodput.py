@@ -1,0 +1,233 @@
+"""Goodput page: where the run's wall time and money went, from the goodput ledger (docs/goodput.md).
+
+KPIs (goodput %, goodput and throughput tokens/s for the whole run and the last 1 min /
+10 min / 1 h, badput cost in USD and GPU-hours), the breakdown of wall time by ledger
+category over time, throughput vs goodput over time, and what each cause of badput cost;
+and the rollback advisor's open recommendations (:mod:`dashboard.cards`) under the KPIs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pandas as pd
+import redis
+import streamlit as st
+
+from dashboard import cards, charts, data
+from dashboard.common import (
+    URL_KEY,
+    client,
+    fmt_age,
+    fmt_duration,
+    fmt_gpu_hours,
+    fmt_pct,
+    fmt_rate,
+    fmt_usd,
+    get_client,
+    plural,
+    redis_trouble,
+    to_datetime,
+    viewer_tz,
+)
+from dashboard.frame import page_run
+from trainhealth.defaults import DASHBOARD_REFRESH_S
+
+#: History windows offered (label → ledger snapshots read: one per 2 s) and how long a read is
+#: reused (s): the charts' history is one ``XREVRANGE … COUNT`` per period, the KPIs stay live.
+WINDOWS = {"1 h": (1_800, 10), "6 h": (10_800, 60)}
+DEFAULT_WINDOW = "1 h"
+#: Snapshots drawn at most; a longer history is thinned evenly (snapshots are cumulative).
+MAX_POINTS = 600
+#: Rows of the rates table: label → snapshot key.
+RATE_ROWS = {"throughput": "throughput_tok_s", "goodput": "goodput_tok_s"}
+RATE_HEADERS = {"60s": "last 1 min", "600s": "last 10 min", "3600s": "last 1 h"}
+#: Bars shown only for causes that display as at least 0.1 s.
+MIN_BAR_S = 0.05
+CLOSED_COLUMNS = ["status", "action", "kind", "onset_step", "checkpoint_step", "summary", "by", "decided"]
+
+
+@st.cache_data(ttl=WINDOWS["1 h"][1], show_spinner=False)
+def _history_short(url: str, run: str, count: int) -> pd.DataFrame:
+    return data.ledger_history(get_client(url), run, count=count, max_points=MAX_POINTS)
+
+
+@st.cache_data(ttl=WINDOWS["6 h"][1], show_spinner=False)
+def _history_long(url: str, run: str, count: int) -> pd.DataFrame:
+    return data.ledger_history(get_client(url), run, count=count, max_points=MAX_POINTS)
+
+
+def history(url: str, run: str, window: str) -> pd.DataFrame:
+    """The ledger history of ``window`` (thinned to :data:`MAX_POINTS`), cached per its period."""
+    count, ttl = WINDOWS.get(window, WINDOWS[DEFAULT_WINDOW])
+    return (_history_short if ttl <= WINDOWS["1 h"][1] else _history_long)(url, run, count)
+
+
+def badput_gpu_hours(snap: dict) -> tuple[float, float]:
+    """(badput GPU-hours, total GPU-hours) of a snapshot: every category but productive, and all."""
+    hours = snap.get("gpu_hours") or {}
+    vals = {k: float(v) for k, v in hours.items() if v is not None}
+    if not vals and snap.get("world_size"):  # not written: the same definition from the seconds
+        vals = {k: float(v) * snap["world_size"] / 3600.0 for k, v in (snap.get("seconds") or {}).items()}
+    return sum(v for k, v in vals.items() if k != "productive"), sum(vals.values())
+
+
+def kpis(snap: dict, meta: dict) -> None:
+    """Goodput %, goodput and throughput (tokens/s, whole run), badput cost (USD) and GPU-hours."""
+    tokens = data.has_token_counts(snap)
+    unit = {"delta_color": "gray", "delta_arrow": "off", "border": True}
+    no_tokens = " The run reported no token counts, so there is no tokens/s."
+    cols = st.columns(5)
+    cols[0].metric("Goodput %", fmt_pct(snap.get("goodput_pct")), delta="of wall time", **unit,
+                   help="Productive seconds / wall seconds since the run started (goodput ledger).")
+    cols[1].metric("Goodput", fmt_rate(snap.get("goodput_tok_s")) if tokens else "n/a",
+                   delta="tokens/s · whole run" if tokens else "no token counts", **unit,
+                   help="Tokens of the steps the model keeps / wall seconds since the run started."
+                        + ("" if tokens else no_tokens))
+    cols[2].metric("Throughput", fmt_rate(snap.get("throughput_tok_s")) if tokens else "n/a",
+                   delta="tokens/s · whole run" if tokens else "no token counts", **unit,
+                   help="All tokens processed / seconds spent inside steps (what the framework prints)."
+                        + ("" if tokens else no_tokens))
+    price = snap.get("gpu_hour_usd") or meta.get("gpu_hour_usd")
+    cost = snap.get("badput_cost_usd")
+    if cost is not None:
+        cols[3].metric("Badput cost", fmt_usd(cost), delta=f"at ${price:g}/GPU-h" if price else None, **unit,
+                       help="USD spent on badput: non-productive wall time × GPUs × the GPU-hour price.")
+    else:
+        cols[3].metric("Badput cost", "n/a", delta="no price set", **unit,
+                       help="Set `gpu_hour_usd` on the Monitor to get USD figures.")
+    bad, total = badput_gpu_hours(snap)
+    cols[4].metric("Badput GPU-h", fmt_gpu_hours(bad), delta=f"of {fmt_gpu_hours(total)} GPU-h", **unit,
+                   help="GPU-hours of non-productive wall time: seconds × GPUs / 3600.")
+
+
+def rates_table(snap: dict) -> pd.DataFrame:
+    """Throughput and goodput (tokens/s, formatted) for the whole run and the ledger's rolling windows."""
+    rates = snap.get("rates") or {}
+    rows = {}
+    for label, key in RATE_ROWS.items():
+        row = {"whole run": fmt_rate(snap.get(key))}
+        for w, header in RATE_HEADERS.items():
+            row[header] = fmt_rate((rates.get(w) or {}).get(key))
+        rows[label] = row
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def summary_line(snap: dict, meta: dict, now: float) -> str:
+    """Wall time, productive and badput time, GPUs and price, restarts, and how old the snapshot is."""
+    wall = snap.get("wall_s") or 0.0
+    productive = (snap.get("seconds") or {}).get("productive") or 0.0
+    bits = [f"wall time {fmt_duration(wall)}", f"productive {fmt_duration(productive)}",
+            f"badput {fmt_duration(max(0.0, wall - productive))}"]
+    world = snap.get("world_size") or meta.get("world_size")
+    if world:
+        price = snap.get("gpu_hour_usd") or meta.get("gpu_hour_usd")
+        bits.append(plural(world, "GPU") + (f" at ${price:g}/GPU-hour" if price else ", no GPU-hour price set"))
+    if snap.get("restarts") is not None:
+        bits.append(plural(snap["restarts"], "restart"))
+    t = snap.get("t")
+    if isinstance(t, (int, float)) and math.isfinite(t):
+        bits.append(f"ledger snapshot {fmt_age(now - t)} old")
+    return " · ".join(bits)
+
+
+def closed_recommendations(recs: list[dict[str, Any]], tz: str) -> pd.DataFrame:
+    """Applied or dismissed recommendations with who decided and when, newest decision first."""
+    rows = []
+    for d in recs:
+        if d.get("status") not in ("applied", "dismissed"):
+            continue
+        last = (d.get("history") or [{}])[-1]
+        t = last.get("t", d.get("updated_at"))
+        rows.append({"status": d.get("status"), "action": d.get("action"), "kind": d.get("kind"),
+                     "onset_step": d.get("onset_step"), "checkpoint_step": d.get("checkpoint_step"),
+                     "summary": d.get("summary"), "by": last.get("by") or None,
+                     "_t": float(t) if isinstance(t, (int, float)) else math.nan})
+    frame = pd.DataFrame(rows, columns=[*CLOSED_COLUMNS[:-1], "_t"])
+    frame = frame.sort_values("_t", ascending=False, kind="stable", na_position="last").reset_index(drop=True)
+    frame["decided"] = to_datetime(frame["_t"].astype("float64"), tz)
+    return frame[CLOSED_COLUMNS]
+
+
+def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str) -> None:
+    """Breakdown over time (full width), then throughput vs goodput and the cost per cause side by side."""
+    if hist.empty:
+        st.info("No goodput ledger history yet.", icon=":material/hourglass_empty:")
+        return
+    fig = charts.wall_time_breakdown(hist, tz, custom_names=list(snap.get("custom_by_name") or {}))
+    fig.update_layout(uirevision=run)  # keep the user's zoom across refreshes
+    st.plotly_chart(fig, config={"displaylogo": False}, key="breakdown")
+    left, right = st.columns([3, 2])
+    with left:
+        if data.has_token_counts(snap):
+            fig = charts.goodput_over_time(hist, tz, rate_window="60s")
+            fig.update_layout(uirevision=run)
+            st.plotly_chart(fig, config={"displaylogo": False}, key="tokens")
+        else:
+            st.info("No token counts in this run, so there is no throughput or goodput in tokens/s; the "
+                    "breakdown of wall time above still applies.", icon=":material/info:")
+    with right:
+        causes = data.badput_by_cause(snap)
+        shown = causes[causes["seconds"] >= MIN_BAR_S]
+        if shown.empty:
+            st.info("No badput so far: all wall time was productive.", icon=":material/check_circle:")
+        else:
+            priced = snap.get("badput_cost_usd") is not None
+            st.plotly_chart(charts.badput_cost_bar(shown, priced, snap.get("wall_s")),
+                            config={"displaylogo": False}, key="cost")
+            rest = [charts.label(c) for c in causes.loc[causes["seconds"] < MIN_BAR_S, "category"]]
+            if rest:
+                st.caption("Nothing lost to " + ", ".join(rest) + ".")
+
+
+@st.fragment(run_every=DASHBOARD_REFRESH_S)
+def live(run: str) -> None:
+    """KPIs, rates, charts and past recommendations, re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
+    url = st.session_state.get(URL_KEY, "")
+    window = st.session_state.get("goodput_window") or DEFAULT_WINDOW
+    try:
+        cl = client()
+        meta = data.run_meta(cl, run)
+        snap = data.ledger_latest(cl, run)
+        hist = data.with_latest(history(url, run, window), snap)
+        recs = data.recommendations(cl, run)
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+    if not snap:
+        st.info("No goodput ledger snapshot yet for this run. The detector service (`trainhealth serve`) "
+                "writes one every 2 s once steps arrive.", icon=":material/hourglass_empty:")
+        cards.render(recs, run, "goodput")
+        return
+    tz = viewer_tz()
+    st.caption(summary_line(snap, meta, time.time()))
+    kpis(snap, meta)
+    if data.has_token_counts(snap):
+        rates = rates_table(snap)
+        st.dataframe(rates, key="rates", width="content", column_config={
+            "_index": st.column_config.TextColumn("tokens/s", width=150),
+            **{c: st.column_config.TextColumn(c, alignment="right", width=96) for c in rates.columns}})
+    # The advisor's open recommendations: what a rollback would cost against these numbers.
+    cards.render(recs, run, "goodput")
+    head, pick = st.columns([4, 1], vertical_alignment="bottom")
+    head.caption(f"Charts: the last {window} of ledger snapshots (times in {tz}); each snapshot covers the run "
+                 "since it started.")
+    pick.segmented_control("History", list(WINDOWS), default=DEFAULT_WINDOW, key="goodput_window",
+                           label_visibility="collapsed")
+    charts_section(hist, snap, tz, run)
+    closed = closed_recommendations(recs, tz)
+    if not closed.empty:
+        with st.expander(f"Closed recommendations ({len(closed)})", icon=":material/history:"):
+            st.dataframe(closed, hide_index=True, key="closed_recs", column_config={
+                "onset_step": st.column_config.NumberColumn("onset step", format="%d"),
+                "checkpoint_step": st.column_config.NumberColumn("checkpoint", format="%d"),
+                "decided": st.column_config.DatetimeColumn("decided", format="MM-DD HH:mm:ss"),
+            })
+
+
+run = page_run()
+if run:
+    st.subheader(f"{run} · goodput")
+    live(run)
