@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
-from collectors.importers import hf_trainer_state
+from collectors import importers
 from collectors.importers.base import LogPoint
 from collectors.monitor import Monitor
 from trainhealth.exceptions import ConfigError, InputFormatError
@@ -36,14 +37,18 @@ def default_run_id(path: Path) -> str:
     return "replay-" + (re.sub(r"[^A-Za-z0-9._-]", "-", stem)[:100] or "log")
 
 
-def read_points(path: str | Path) -> list[LogPoint]:
-    """Parse a supported log (Hugging Face ``trainer_state.json`` for now).
+def read_points(path: str | Path, fmt: str | None = None,
+                mapping: Mapping[str, str | None] | None = None) -> list[LogPoint]:
+    """Parse a supported training log (format detected, or ``fmt``; see :mod:`collectors.importers`).
 
     Raises :class:`InputFormatError` when it cannot be parsed or holds no training step.
     """
-    points = list(hf_trainer_state.read(path))
+    fmt = fmt or importers.detect(path)
+    points = list(importers.read(path, fmt, mapping))
     if not any(not p.is_eval for p in points):
-        raise InputFormatError(f"{path}: no training steps (log_history entries with 'loss') to replay")
+        if fmt == "hf_trainer_state":
+            raise InputFormatError(f"{path}: no training steps (log_history entries with 'loss') to replay")
+        raise InputFormatError(f"{path}: no training steps to replay (read as {fmt})")
     return points
 
 
@@ -60,8 +65,11 @@ def replay(
 ) -> ReplayResult:
     """Replay ``path`` into Redis as run ``run`` through :class:`collectors.Monitor` (rank 0 of 1).
 
-    The log has no wall times, so step ``s`` is placed ``step_seconds`` per step after the
-    previous logged step, with evaluations taking their logged ``eval_runtime``.
+    Step ``s`` is placed after the previous logged step by the seconds per step the log gives
+    for it (:attr:`LogPoint.step_seconds`: Megatron's elapsed time per iteration, a per-step
+    timer, wall-clock stamps), else by the assumed ``step_seconds``; evaluations take their
+    logged ``eval_runtime``. Skipped-step counts and consumed samples are passed on: a point
+    is marked skipped when every step since the previous logged one was skipped.
     ``speed=0`` pushes as fast as possible on that synthetic timeline, ending now;
     ``speed=k`` paces the pushes in real time at ``k`` x the synthetic pace. ``points`` may
     carry the file already parsed with :func:`read_points` (the CLI parses every file before
@@ -84,14 +92,23 @@ def replay(
     run = run or default_run_id(path)
     # Synthetic timeline: seconds from the start at which each point ends.
     offsets: list[float] = []
+    skipped: list[bool | None] = []  # a whole interval of skipped steps (fp16 overflow), per point
     cursor, prev_step = 0.0, 0
     for p in points:
+        skip = None
         if p.is_eval:
             cursor += max(p.eval_seconds or 0.0, 0.0)
         else:
-            cursor += max(p.step - prev_step, 1) * step_seconds
+            per = p.step_seconds
+            if per is None or not math.isfinite(per) or per <= 0:
+                per = step_seconds
+            steps = max(p.step - prev_step, 1)
+            cursor += steps * per
             prev_step = p.step
+            if p.skipped is not None:
+                skip = p.skipped >= steps
         offsets.append(cursor)
+        skipped.append(skip)
     span = cursor
     live = speed > 0
     start = clock() if live else clock() - span
@@ -99,7 +116,7 @@ def replay(
     mon._phase = "replay"  # the hang detector skips a replayed timeline
     client.hset(mon.keys.meta, "source", f"replay:{path.name}")
     evals = n = 0
-    for p, off in zip(points, offsets, strict=True):
+    for p, off, skip in zip(points, offsets, skipped, strict=True):
         if live:
             wait = start + off / speed - clock()
             if wait > 0:
@@ -109,7 +126,8 @@ def replay(
             mon.badput("evaluation", p.eval_seconds or 0.0, step=p.step, timestamp=ts)
             evals += 1
         else:
-            mon.log_step(p.step, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr, tokens=p.tokens, timestamp=ts)
+            mon.log_step(p.step, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr, tokens=p.tokens,
+                         consumed_samples=p.consumed_samples, skipped=skip, timestamp=ts)
             n += 1
     ok = mon.close("finished")
     log.debug("replayed %d steps and %d evaluations of %s as run %s", n, evals, path, run)

@@ -20,7 +20,18 @@ class LogPoint:
     eval_seconds : float | None
         For an evaluation entry: its runtime in seconds (a custom badput interval).
     source_line : int | None
-        Line or entry number in the file, for error messages.
+        Where the point is in the file, for error messages: the 1-based line of a text, CSV or
+        JSON-lines log, the ``log_history`` index of a ``trainer_state.json``, the record number
+        of a TensorBoard event file.
+    step_seconds : float | None
+        Seconds per optimizer step over the steps since the previous logged step, when the log
+        carries times (Megatron's elapsed time per iteration, a per-step timer, wall-clock stamps);
+        replay places the steps on that real timeline instead of an assumed pace.
+    skipped : int | None
+        Optimizer steps skipped (fp16 loss-scale overflow) since the previous logged step, as
+        the log reports them; 0 when it reports none, None when it cannot tell.
+    consumed_samples : int | None
+        Global samples consumed so far (Megatron's data position), when logged.
     """
 
     step: int
@@ -30,6 +41,9 @@ class LogPoint:
     tokens: int | None = None
     eval_seconds: float | None = None
     source_line: int | None = None
+    step_seconds: float | None = None
+    skipped: int | None = None
+    consumed_samples: int | None = None
 
     @property
     def is_eval(self) -> bool:

@@ -1,0 +1,47 @@
+"""PyTorch Lightning ``CSVLogger`` ``metrics.csv``: a sparse row per ``log()`` call; columns ``epoch``, ``step``, ….
+
+A row with a training loss, grad norm or learning rate is a step (``train_loss_step``, ``train_loss``,
+``loss``, ``lr-<Optimizer>``, … — see :mod:`collectors.importers._table`); validation and epoch-end
+rows (``val_loss``, ``train_loss_epoch``) carry none of these and are not steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from collectors.importers import _table
+from collectors.importers.base import LogPoint
+
+CANDIDATES = {"step": ("step",), **_table.COMMON}
+
+
+def sniff(header: list[str]) -> bool:
+    """Lightning writes ``epoch`` and ``step`` columns in every metrics.csv."""
+    return "step" in header and "epoch" in header
+
+
+def read(path: str | Path, mapping: Mapping[str, str | None] | None = None) -> Iterator[LogPoint]:
+    """Yield the training steps of a Lightning ``metrics.csv`` in file order.
+
+    Raises
+    ------
+    InputFormatError
+        For a missing step or metric column, a row with the wrong field count, or a
+        non-numeric value (naming the file, line and column).
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> f = tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False)
+    >>> _ = f.write("epoch,step,train_loss_step,val_loss\\n0,49,7.6,\\n0,99,7.5,\\n0,99,,7.1\\n"); f.close()
+    >>> [(p.step, p.loss) for p in read(f.name)]
+    [(49, 7.6), (99, 7.5)]
+    >>> os.unlink(f.name)
+    """
+    path = Path(path)
+    mapping = _table.check_mapping(mapping, "lightning_csv")
+    header, rows = _table.read_csv(path)
+    cols = _table.resolve(path, header, CANDIDATES, mapping)
+    _table.require(path, cols, CANDIDATES)
+    yield from _table.points(path, rows, cols)

@@ -1,0 +1,163 @@
+"""Megatron-LM, Megatron-DeepSpeed, GPT-NeoX and NeMo stdout: an ``iteration N/ M | key: value |`` line per interval.
+
+Megatron-LM / Megatron-DeepSpeed / GPT-NeoX::
+
+     iteration     6502/  159576 | consumed samples: 216960 | elapsed time per iteration (ms): 31074.1 |
+     learning rate: 5.997E-05 | global batch size: 80 | lm loss: 3.876781E+00 | loss scale: 4096.0 |
+     grad norm: 3246.595 | number of skipped iterations: 0 | number of nan iterations: 0 |
+
+(one line; GPT-NeoX starts with ``samples/sec: … |`` and names the loss ``lm_loss``; newer
+Megatron-LM prefixes a ``[date time]``; launchers may prefix ``[default7]:``). NeMo 2::
+
+    Training epoch 0, iteration 9/99 | lr: 1.5e-05 | global_batch_size: 32 | global_step: 9 |
+    reduced_train_loss: 11.03 | train_step_timing in s: 0.52 | consumed_samples: 320
+
+(one line; the step is ``global_step``, ``iteration`` counts within the epoch).
+
+Read: the step, loss (``lm loss``/``lm_loss``/``reduced_train_loss``), ``grad norm``, learning
+rate, elapsed time per iteration (ms or s; NeMo's ``train_step_timing in s``) as seconds per
+step, consumed samples, consumed tokens (cumulative → tokens since the previous line), and the
+skipped and NaN iteration counts. Megatron omits the loss when every iteration of the interval
+was skipped; with NaN iterations reported and no loss, the loss is read as NaN.
+
+DeepSpeed's ``OVERFLOW! Rank 0 Skipping step. Attempted loss scale: …`` lines (fp16 dynamic loss
+scaling, also ``fp16 dynamic loss scale overflow! Skipping step``) precede the iteration line of
+the step they skipped and are counted into its ``skipped`` (Megatron's own counter stays 0 when
+DeepSpeed's engine does the skipping; the larger of the two counts is kept).
+
+Excerpts pasted into documents survive: a Megatron line hard-wrapped onto up to three more lines
+is re-joined (its keys are matched ignoring whitespace, so ``number of skipped iteratio`` +
+``ns: 0`` reads right); ``#`` comment lines, ``...``/``[...]`` elisions, blank lines and any other
+output are ignored. A Megatron line that still does not end with ``|`` (torn by a crash) or whose
+known field is not a number is skipped, with one warning for all of them naming the first.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+from collectors.importers._common import BadLines, CumulativeTokens, read_lines
+from collectors.importers.base import LogPoint
+
+START = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)")
+RECORD = re.compile(r"\biteration\s+\d+\s*/\s*\d+\s*\|")
+NEMO = re.compile(r"\bTraining epoch\s+\d+,\s*iteration\s+\d+\s*/\s*\d+\s*\|")
+OVERFLOW = re.compile(r"overflow!\s*(?:rank\s+(\d+)\s+)?skipping step", re.IGNORECASE)
+MAX_WRAPPED = 3
+
+# Key (lower case, all whitespace removed) → (field, scale).
+KEYS: dict[str, tuple[str, float]] = {
+    "lmloss": ("loss", 1.0), "lm_loss": ("loss", 1.0), "reduced_train_loss": ("loss", 1.0), "loss": ("loss", 1.0),
+    "gradnorm": ("grad_norm", 1.0), "grad_norm": ("grad_norm", 1.0),
+    "learningrate": ("lr", 1.0), "lr": ("lr", 1.0),
+    "elapsedtimeperiteration(ms)": ("step_seconds", 1e-3), "elapsedtimeperiteration(s)": ("step_seconds", 1.0),
+    "train_step_timingins": ("step_seconds", 1.0),
+    "consumedsamples": ("consumed_samples", 1.0), "consumed_samples": ("consumed_samples", 1.0),
+    "consumedtokens": ("tokens_total", 1.0),
+    "numberofskippediterations": ("skipped", 1.0), "numberofnaniterations": ("nan", 1.0),
+    "global_step": ("step", 1.0),
+}
+
+
+def sniff_line(line: str) -> bool:
+    return RECORD.search(line) is not None and ":" in line
+
+
+def _parse(text: str, nemo: bool) -> tuple[dict[str, float], str | None]:
+    """Fields of one (re-joined) record, or the reason it is malformed."""
+    if not nemo and not text.rstrip().endswith("|"):
+        return {}, "the line ends before its closing '|' (torn or wrapped beyond repair)"
+    m = START.search(text)
+    assert m is not None
+    fields: dict[str, float] = {"iteration": float(m.group(1))}
+    for seg in text[m.end():].split("|"):
+        key, sep, value = seg.rpartition(":")
+        if not sep:
+            continue
+        known = KEYS.get(re.sub(r"\s+", "", key).lower())
+        if known is None:
+            continue
+        name, scale = known
+        v = value.strip()
+        try:
+            x = float(v)
+        except ValueError:
+            return {}, f"field {' '.join(key.split())!r} is not a number: {v!r}"
+        fields[name] = x * scale
+    if not any(k in fields for k in ("loss", "grad_norm", "lr")):
+        return {}, "no loss, grad norm or learning rate on the line"
+    return fields, None
+
+
+def read(path: str | Path) -> Iterator[LogPoint]:
+    """Yield one point per iteration line, in file order.
+
+    Raises
+    ------
+    InputFormatError
+        When no iteration line can be read (naming the first malformed one, if any).
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> f = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+    >>> _ = f.write(" iteration 10/ 100 | consumed samples: 80 | elapsed time per iteration (ms): 1500.0 | "
+    ...             "learning rate: 1.0E-04 | global batch size: 8 | lm loss: 7.5E+00 | loss scale: 1.0 | "
+    ...             "grad norm: 2.5 | number of skipped iterations: 0 | number of nan iterations: 0 |\\n"); f.close()
+    >>> [(p.step, p.loss, p.grad_norm, p.step_seconds, p.skipped, p.consumed_samples) for p in read(f.name)]
+    [(10, 7.5, 2.5, 1.5, 0, 80)]
+    >>> os.unlink(f.name)
+    """
+    path = Path(path)
+    bad = BadLines(path, "iteration")
+    tokens = CumulativeTokens()
+    overflows: Counter[int] = Counter()
+    lines = read_lines(path)
+    held: list[tuple[int, str]] = []
+    good = 0
+
+    def next_line() -> tuple[int, str] | None:
+        return held.pop() if held else next(lines, None)
+
+    while (cur := next_line()) is not None:
+        lineno, text = cur
+        o = OVERFLOW.search(text)
+        if o:
+            overflows[int(o.group(1)) if o.group(1) else -1] += 1
+            continue
+        if START.search(text) is None or text.lstrip().startswith("#"):
+            continue
+        nemo = NEMO.search(text) is not None
+        parts = [text]
+        while not nemo and len(parts) <= MAX_WRAPPED and not parts[-1].rstrip().endswith("|"):
+            peek = next_line()
+            if peek is None:
+                break
+            s = peek[1].strip()
+            if not s or s[0] in "#[" or START.search(peek[1]) or OVERFLOW.search(peek[1]):
+                held.append(peek)
+                break
+            parts.append(peek[1])
+        fields, err = _parse("".join(parts), nemo)
+        if err is not None:
+            bad.add(lineno, err)
+            continue
+        skipped = fields.get("skipped")
+        seen = max(overflows.values(), default=0)
+        overflows.clear()
+        if seen:
+            skipped = max(skipped or 0.0, float(seen))
+        loss = fields.get("loss")
+        if loss is None and fields.get("nan", 0.0) > 0:
+            loss = math.nan
+        good += 1
+        yield LogPoint(
+            step=int(fields.get("step", fields["iteration"])), loss=loss, grad_norm=fields.get("grad_norm"),
+            lr=fields.get("lr"), tokens=tokens.delta(fields.get("tokens_total")), source_line=lineno,
+            step_seconds=fields.get("step_seconds"), skipped=None if skipped is None else int(skipped),
+            consumed_samples=int(fields["consumed_samples"]) if "consumed_samples" in fields else None)
+    bad.finish(good)

@@ -1,0 +1,84 @@
+"""modded-nanogpt stdout: the training script's own source, then ``step:N/M train_loss:X train_time:Tms step_avg:Ams``.
+
+``train_time`` is a cumulative timer of training only: it stops during validation
+(``step:N/M val_loss:X train_time:Tms …`` lines, which update the timer reading but are not
+steps) and is reset to 0 once after the first ~10 warm-up steps. The seconds per step are the
+difference of consecutive readings over the steps between them; after a reset (the reading
+goes down) the new reading itself, over the steps since the previous reading. ``step_avg`` is
+not used: its ``nanms`` on early lines is the script's literal output (``timed_steps`` is NaN
+while warming up), not a NaN loss. Newer records print train lines without ``train_loss``:
+those give steps with a duration and no loss.
+
+Source code lines never match (the f-strings in it hold ``{step}``, not digits). A
+``step:N/M`` line that does not parse is skipped, with one warning for all.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from collectors.importers._common import BadLines, read_lines
+from collectors.importers.base import LogPoint
+
+START = re.compile(r"^step:(\d+)/(\d+)\s")
+FIELD = re.compile(r"(\w+):(\S+)")
+
+
+def sniff_line(line: str) -> bool:
+    return START.match(line) is not None and ("train_time:" in line or "_loss:" in line)
+
+
+def read(path: str | Path) -> Iterator[LogPoint]:
+    """Yield one point per train line (``step:N/M train_loss:… train_time:…``).
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> f = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+    >>> _ = f.write("step:0/3 val_loss:11.0 train_time:300ms step_avg:nanms\\n"
+    ...             "step:1/3 train_loss:11.0 train_time:24300ms step_avg:nanms\\n"
+    ...             "step:2/3 train_loss:10.9 train_time:1500ms step_avg:nanms\\n"
+    ...             "step:3/3 train_loss:10.8 train_time:1750ms step_avg:875.00ms\\n"); f.close()
+    >>> [(p.step, p.loss, p.step_seconds) for p in read(f.name)]
+    [(1, 11.0, 24.0), (2, 10.9, 1.5), (3, 10.8, 0.25)]
+    >>> os.unlink(f.name)
+    """
+    path = Path(path)
+    bad = BadLines(path, "step:N/M")
+    good = 0
+    prev: tuple[int, float] | None = None  # (step, train_time ms) of the last timer reading
+    for lineno, text in read_lines(path):
+        m = START.match(text)
+        if m is None:
+            continue
+        step = int(m.group(1))
+        fields = dict(FIELD.findall(text[m.end():]))
+        nums: dict[str, float] = {}
+        err = None
+        for name in ("train_time", "train_loss", "val_loss"):
+            if name in fields:
+                try:
+                    nums[name] = float(fields[name].removesuffix("ms") if name == "train_time" else fields[name])
+                except ValueError:
+                    err = f"field {name!r} is not a number: {fields[name]!r}"
+                    break
+        if err is not None:
+            bad.add(lineno, err)
+            continue
+        t_ms, loss = nums.get("train_time"), nums.get("train_loss")
+        if t_ms is None and loss is None and "val_loss" not in fields:
+            bad.add(lineno, f"no train_loss, val_loss or train_time: {text[:80]!r}")
+            continue
+        per = None
+        if t_ms is not None:
+            if prev is not None and step > prev[0]:
+                elapsed = t_ms - prev[1] if t_ms >= prev[1] else t_ms  # a reset: the timer restarted at 0
+                per = elapsed / (step - prev[0]) / 1000.0
+            prev = (step, t_ms)
+        if "val_loss" in fields:
+            continue  # a validation line: a timer reading, not a step
+        good += 1
+        yield LogPoint(step=step, loss=loss, step_seconds=per, source_line=lineno)
+    bad.finish(good)

@@ -1,0 +1,67 @@
+"""nanoGPT ``train.py`` stdout: ``iter N: loss X, time Yms, mfu Z%`` (some forks add ``, lr L``).
+
+``time`` is the wall time of that one iteration (nanoGPT's ``dt``), read as the seconds per
+step; ``mfu -100.00%`` on the first iterations is nanoGPT's "not measured yet". The loss is
+``loss.item() * gradient_accumulation_steps`` of the last micro-batch, as printed (``nan`` kept).
+Evaluation lines (``step N: train loss X, val loss Y``) carry no duration and are not steps.
+A line that starts with ``iter N:`` but does not parse is skipped, with one warning for all.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from collectors.importers._common import BadLines, read_lines
+from collectors.importers.base import LogPoint
+
+START = re.compile(r"^iter (\d+):")
+LINE = re.compile(r"^iter (\d+): loss (\S+?)(?:, lr (\S+?))?, time (\S+?)ms(?:, mfu (\S+?)%)?\s*$")
+
+
+def sniff_line(line: str) -> bool:
+    return LINE.match(line) is not None
+
+
+def read(path: str | Path) -> Iterator[LogPoint]:
+    """Yield one point per ``iter`` line.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> f = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+    >>> _ = f.write("step 0: train loss 10.9, val loss 10.9\\niter 0: loss 10.9321, time 3012.50ms, mfu -100.00%\\n"
+    ...             "iter 10: loss 9.1000, time 250.00ms, mfu 12.50%\\n"); f.close()
+    >>> [(p.step, p.loss, p.step_seconds) for p in read(f.name)]
+    [(0, 10.9321, 3.0125), (10, 9.1, 0.25)]
+    >>> os.unlink(f.name)
+    """
+    path = Path(path)
+    bad = BadLines(path, "nanoGPT iter")
+    good = 0
+    for lineno, text in read_lines(path):
+        if not START.match(text):
+            continue
+        m = LINE.match(text)
+        if m is None:
+            bad.add(lineno, f"not 'iter N: loss X, time Yms, mfu Z%': {text[:80]!r}")
+            continue
+        try:
+            loss = float(m.group(2))
+        except ValueError:
+            bad.add(lineno, f"field 'loss' is not a number: {m.group(2)!r}")
+            continue
+        try:
+            lr = float(m.group(3)) if m.group(3) is not None else None
+        except ValueError:
+            bad.add(lineno, f"field 'lr' is not a number: {m.group(3)!r}")
+            continue
+        try:
+            ms = float(m.group(4))
+        except ValueError:
+            bad.add(lineno, f"field 'time' is not a number: {m.group(4)!r}")
+            continue
+        good += 1
+        yield LogPoint(step=int(m.group(1)), loss=loss, lr=lr, step_seconds=ms / 1000.0, source_line=lineno)
+    bad.finish(good)

@@ -1,0 +1,74 @@
+"""PyTorch ``examples/word_language_model`` stdout: ``| epoch E | B/ N batches | lr L | ms/batch T | loss X | ppl P``.
+
+The step is the global batch index ``(E - 1) * N + B`` (``B`` counts the epoch's batches, ``N``
+is its batch count); ``ms/batch`` (the mean over the log interval) gives the seconds per step;
+``loss`` is the mean over the interval, ``nan`` kept. ``| end of epoch …`` (validation) and
+``| End of training …`` lines carry no step and are ignored. A line that starts with
+``| epoch`` but does not parse is skipped, with one warning for all.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from collectors.importers._common import BadLines, read_lines
+from collectors.importers.base import LogPoint
+
+START = re.compile(r"^\|\s*epoch\s+\d")
+LINE = re.compile(r"^\|\s*epoch\s+(\d+)\s*\|\s*(\d+)\s*/\s*(\d+)\s+batches\s*\|(.*)$")
+KEYS = {"lr": "lr", "ms/batch": "ms", "loss": "loss", "ppl": "ppl"}
+
+
+def sniff_line(line: str) -> bool:
+    return LINE.match(line) is not None
+
+
+def read(path: str | Path) -> Iterator[LogPoint]:
+    """Yield one point per ``| epoch … batches …`` line.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> f = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+    >>> _ = f.write("| epoch   1 |   200/ 2983 batches | lr 20.00 | ms/batch 11.61 | loss  6.50 | ppl   665.14\\n"
+    ...             "| epoch   2 |   200/ 2983 batches | lr 20.00 | ms/batch 11.49 | loss   nan | ppl      nan\\n")
+    >>> f.close()
+    >>> [(p.step, p.loss, p.lr, round(p.step_seconds, 6)) for p in read(f.name)]
+    [(200, 6.5, 20.0, 0.01161), (3183, nan, 20.0, 0.01149)]
+    >>> os.unlink(f.name)
+    """
+    path = Path(path)
+    bad = BadLines(path, "'| epoch'")
+    good = 0
+    for lineno, text in read_lines(path):
+        if not START.match(text):
+            continue
+        m = LINE.match(text)
+        if m is None:
+            bad.add(lineno, f"not '| epoch E | B/ N batches | …': {text[:80]!r}")
+            continue
+        epoch, batch, per_epoch = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        vals: dict[str, float] = {}
+        err = None
+        for seg in m.group(4).split("|"):
+            key, _, value = seg.strip().rpartition(" ")
+            name = KEYS.get(key.strip())
+            if name is None:
+                continue
+            try:
+                vals[name] = float(value)
+            except ValueError:
+                err = f"field {key.strip()!r} is not a number: {value!r}"
+                break
+        if err is None and "loss" not in vals:
+            err = "no loss on the line"
+        if err is not None:
+            bad.add(lineno, err)
+            continue
+        good += 1
+        ms = vals.get("ms")
+        yield LogPoint(step=(epoch - 1) * per_epoch + batch, loss=vals["loss"], lr=vals.get("lr"),
+                       step_seconds=None if ms is None else ms / 1000.0, source_line=lineno)
+    bad.finish(good)

@@ -1,0 +1,255 @@
+"""Every real log in ../shared/real_logs through format detection and its importer: counts and exact values.
+
+Values are the files' own (see ../shared/real_logs/MANIFEST.md); a file added there without
+an entry in REAL below fails ``test_every_real_log_is_covered``.
+
+Out of scope (not training logs, refused with a clear error): the Kineto profiler traces (one
+rank's sampled kernels, no steps) and the all-reduce benchmark (per-rank collective timings,
+no loss): a LogPoint is one rank's training step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from collectors.importers import detect, read
+from collectors.importers.base import LogPoint
+from detectors.hang import HangDetector
+from detectors.service import DetectorService
+from trainhealth.exceptions import InputFormatError
+from trainhealth.replay import read_points, replay
+
+# file → (format, points read (train + eval)); None format = refused (the error's text instead).
+REAL: dict[str, tuple[str | None, int | str]] = {
+    "hf_tinyllama_sft_healthy.trainer_state.json": ("hf_trainer_state", 200),
+    "hf_trocr_large_gradnorm.trainer_state.json": ("hf_trainer_state", 707),
+    "hf_whisper_small_lr_too_high.trainer_state.json": ("hf_trainer_state", 25),
+    "tensorboard_t5_summarization": ("tensorboard", 430),
+    "lightning_slm_wikitext103.metrics.csv": ("lightning_csv", 2814),
+    "llamafactory_mistral7b_translator.trainer_log.jsonl": ("llamafactory", 866),
+    "megatron_mixtral8x7b_h100.golden_values.json": ("megatron_golden", 4538),
+    "modded_nanogpt_soap.log": ("modded_nanogpt", 6000),
+    "megatron_deepspeed_bloom176b_excerpt.log": ("megatron", 18),
+    "megatron_deepspeed_104b_overflow_excerpt.log": ("megatron", 19),
+    "pytorch_word_lm_all_nan.log": ("word_lm", 70),
+    "allreduce_bench_16ranks.log": (None, "unknown log format (no line of a known training log"),
+    "kineto_trace_rank0_ws128.json.gz": (None, "a PyTorch profiler (Kineto) trace, not a training log"),
+    "kineto_trace_rank1_ws128.json.gz": (None, "a PyTorch profiler (Kineto) trace, not a training log"),
+}
+
+
+def steps(real_logs: Path, name: str) -> dict[int, LogPoint]:
+    return {p.step: p for p in read(real_logs / name) if not p.is_eval}
+
+
+def test_every_real_log_is_covered(real_logs: Path) -> None:
+    assert sorted(p.name for p in real_logs.iterdir() if p.name != "MANIFEST.md") == sorted(REAL)
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_detected_format_and_point_count(real_logs: Path, name: str) -> None:
+    fmt, expected = REAL[name]
+    if fmt is None:
+        with pytest.raises(InputFormatError) as err:
+            detect(real_logs / name)
+        assert str(err.value).startswith(f"{real_logs / name}: {expected}")
+        assert "supported formats: hf_trainer_state (" in str(err.value)
+        return
+    assert detect(real_logs / name) == fmt
+    assert len(list(read(real_logs / name))) == expected
+    assert len(read_points(real_logs / name)) == expected
+
+
+def test_hf_trainer_state_files(real_logs: Path) -> None:
+    tiny = list(read(real_logs / "hf_tinyllama_sft_healthy.trainer_state.json"))
+    assert sum(p.is_eval for p in tiny) == 14
+    train = [p for p in tiny if not p.is_eval]
+    assert [p.step for p in train] == list(range(15, 2791, 15))
+    assert (train[0].loss, train[0].tokens, train[-1].loss) == (2.0762, 61440, 1.025)
+    trocr = steps(real_logs, "hf_trocr_large_gradnorm.trainer_state.json")
+    assert sorted(trocr) == list(range(2, 1401, 2))
+    assert (trocr[680].loss, trocr[682].loss, trocr[684].loss) == (0.1839, 0.4896, 0.1485)
+    assert trocr[682].grad_norm == 1894075.125
+    whisper = steps(real_logs, "hf_whisper_small_lr_too_high.trainer_state.json")
+    assert [(s, p.loss) for s, p in whisper.items()] == [
+        (500, 1.2366), (1000, 2.028), (1500, 2.157), (2000, 1.9848), (2500, 1.7866)]
+
+
+def test_tensorboard_t5_grad_norm_spikes(real_logs: Path) -> None:
+    tb = steps(real_logs, "tensorboard_t5_summarization")
+    assert sorted(tb) == list(range(500, 215001, 500))
+    assert tb[164000].grad_norm == pytest.approx(13.1679239, rel=1e-7)
+    assert tb[190000].grad_norm == pytest.approx(35.5915413, rel=1e-7)
+    assert max(p.grad_norm for s, p in tb.items() if s not in (164000, 190000)) == pytest.approx(5.8833156, rel=1e-7)
+    assert (tb[164000].loss, tb[190000].loss) == (pytest.approx(1.7571, abs=1e-6), pytest.approx(1.7553, abs=1e-6))
+    assert tb[500].loss == pytest.approx(1.9963, abs=1e-6)
+    assert tb[215000].loss == pytest.approx(1.7423, abs=1e-6)
+    assert tb[500].lr == pytest.approx(4.98839e-05, rel=1e-5)
+    assert tb[500].step_seconds is None  # the first point has no previous wall time
+    assert tb[190000].step_seconds == pytest.approx(0.2585730, rel=1e-6)  # wall-time difference / 500 steps
+
+
+def test_lightning_metrics_csv(real_logs: Path) -> None:
+    pts = list(read(real_logs / "lightning_slm_wikitext103.metrics.csv"))
+    assert (pts[0].step, pts[0].loss, pts[0].source_line) == (49, 7.628580570220947, 2)
+    assert (pts[-1].step, pts[-1].loss, pts[-1].source_line) == (140699, 3.565943479537964, 2833)
+    assert [p.step for p in pts[:3]] == [49, 99, 149]
+    # validation and epoch-end rows (val_loss, train_loss_epoch) are not steps: 2834 rows - 10 - 10
+    assert all(p.lr is None and p.grad_norm is None and p.step_seconds is None for p in pts)
+    assert (pts[281].step, pts[281].loss, pts[282].step) == (14099, 4.139174938201904, 14149)
+
+
+def test_llamafactory_rows(real_logs: Path) -> None:
+    pts = list(read(real_logs / "llamafactory_mistral7b_translator.trainer_log.jsonl"))
+    assert [p.step for p in pts] == list(range(10, 8661, 10))
+    assert (pts[0].loss, pts[0].lr, pts[0].step_seconds) == (2.4977, 5.773672055427253e-07, 2.4)  # 0:00:24 / 10
+    assert (pts[-1].loss, pts[-1].lr, pts[-1].source_line) == (0.1333, 0.0, 866)
+    # "throughput": "0.00" and "total_tokens": 0 on every row mean "not recorded"
+    assert {p.tokens for p in pts} == {None}
+    assert min(p.step_seconds for p in pts) == 2.0 and max(p.step_seconds for p in pts) == 2.7
+
+
+def test_megatron_golden_values(real_logs: Path) -> None:
+    g = steps(real_logs, "megatron_mixtral8x7b_h100.golden_values.json")
+    # steps 1-24000 every 5; "nan" strings (every step after 22685) = not recorded
+    assert sorted(g) == [1, *range(5, 22686, 5)]
+    assert (g[3845].loss, g[3850].loss, g[3855].loss) == (2.45451, 3.41116, 2.64597)
+    assert (g[4255].loss, g[4260].loss, g[4265].loss) == (2.43455, 3.02472, 2.49236)
+    assert (g[1].loss, g[1].step_seconds) == (12.66665, 92.35132)
+    assert [g[s].step_seconds for s in (9870, 20020, 20455)] == [88.10275, 21.10315, 26.97059]
+    assert (g[22685].loss, g[22685].step_seconds) == (1.9726, 8.73795)
+    assert not any(math.isnan(p.loss) for p in g.values())
+
+
+def test_modded_nanogpt_soap(real_logs: Path) -> None:
+    m = steps(real_logs, "modded_nanogpt_soap.log")
+    assert sorted(m) == list(range(1, 6001))
+    assert (m[918].loss, m[919].loss, m[920].loss) == (3.8561, 5.0667, 3.783)
+    assert (m[946].loss, m[947].loss, m[948].loss) == (3.6821, 5.2862, 3.8458)
+    assert (m[1105].loss, m[1106].loss, m[1107].loss) == (3.6104, 4.3535, 3.5152)
+    assert not any(math.isnan(p.loss) for p in m.values())  # step_avg:nanms is text, not a NaN loss
+    # train_time is cumulative, stops during validation and restarts from 0 after step 10
+    assert m[1].step_seconds == pytest.approx(23.874)  # 24179 ms - 305 ms (the step-0 validation line)
+    assert m[11].step_seconds == pytest.approx(1.539)  # the reset: 1539 ms for step 11 alone
+    assert (m[20].step_seconds, m[21].step_seconds, m[22].step_seconds) == (
+        pytest.approx(0.253), pytest.approx(1.325), pytest.approx(0.251))  # every 10th step is slow
+    assert [s for s, p in sorted(m.items()) if p.step_seconds > 1.0][:4] == [1, 11, 21, 31]
+    assert m[6000].step_seconds == pytest.approx(0.256)
+
+
+def test_bloom_176b_excerpt(real_logs: Path) -> None:
+    b = steps(real_logs, "megatron_deepspeed_bloom176b_excerpt.log")
+    assert sorted(b) == [12695, *range(31214, 31223), 31250, 31251, *range(42780, 42785), 45000]
+    p = b[31219]
+    assert (p.loss, p.grad_norm, p.lr, p.step_seconds, p.consumed_samples) == (
+        5.098124, 960.351, 5.279e-05, 106.36, 47778736)
+    assert [b[s].loss for s in (31214, 31216, 31219, 31220, 31250)] == [
+        2.198845, 2.595213, 5.098124, 3.492029, 2.215699]
+    # the hard-wrapped block: 'learning' / ' rate:' and 'number of nan' / 'iterations:' re-joined
+    assert [(b[s].step_seconds, b[s].lr, b[s].loss) for s in (42782, 42783, 42784)] == [
+        (106.25, 4.475e-05, 2.110646), (110.17, 4.475e-05, 2.12482), (111.14, 4.475e-05, 2.127643)]
+    assert {q.skipped for q in b.values()} == {0}
+    assert b[31219].tokens == 4194304  # consumed tokens 97850851328 - 97846657024
+    assert b[12695].tokens == 20155564032  # the first line: everything consumed since the start
+
+
+def test_megatron_104b_overflow_excerpt(real_logs: Path) -> None:
+    m = steps(real_logs, "megatron_deepspeed_104b_overflow_excerpt.log")
+    assert sorted(m) == [6502, 6503, 6504, 8600, 12000, 12001, 13251, 14000, 16800, 16801, *range(17060, 17069)]
+    # DeepSpeed "OVERFLOW! Rank 0 Skipping step" lines while Megatron prints "skipped iterations: 0"
+    assert [s for s, p in sorted(m.items()) if p.skipped] == [17062, 17063, 17064, 17065, 17067, 17068]
+    assert {m[s].grad_norm for s in (17061, 17062, 17063, 17064, 17065)} == {464441.887}
+    assert {m[s].grad_norm for s in (17066, 17067, 17068)} == {879946.622}
+    assert [m[s].loss for s in (17060, 17061, 17062, 17068)] == [2.665295, 2.667121, 4.374269, 4.137348]
+    assert (m[17062].step_seconds, m[17062].consumed_samples) == (pytest.approx(422.832), 8130784)
+    w = m[13251]  # wrapped over three lines, "iteratio" / "ns:" split mid-word
+    assert (w.loss, w.lr, w.grad_norm, w.skipped, w.step_seconds) == (
+        2.924229, 5.996e-05, 122160.116, 0, pytest.approx(220.6319))
+
+
+def test_word_lm_all_nan(real_logs: Path) -> None:
+    pts = list(read(real_logs / "pytorch_word_lm_all_nan.log"))
+    assert all(math.isnan(p.loss) for p in pts)
+    assert [p.step for p in pts[:2]] == [200, 400]
+    assert pts[14].step == 2983 + 200  # epoch 2: (epoch - 1) * 2983 batches + 200
+    assert pts[-1].step == 4 * 2983 + 2800
+    assert sorted({p.lr for p in pts}) == [0.3125, 1.25, 5.0, 20.0]
+    assert min(p.step_seconds for p in pts) == pytest.approx(0.01115)
+    assert max(p.step_seconds for p in pts) == pytest.approx(0.01161)
+
+
+def _drain(client: redis.Redis) -> None:
+    svc = DetectorService(client, consumer="t", snapshot_interval=0.0, hang_factory=lambda: HangDetector(floor_s=60))
+    for _ in range(1000):
+        if svc.run_once(block_ms=20) == 0:
+            break
+    svc._tick(svc.clock() + 10)
+
+
+def _anomalies(client: redis.Redis, run: str) -> dict[str, dict]:
+    return {k.decode(): json.loads(v) for k, v in client.hgetall(f"th:{{{run}}}:anomalies").items()}
+
+
+def test_replay_of_megatron_104b_uses_logged_times_and_skips(r: redis.Redis, real_logs: Path) -> None:
+    path = real_logs / "megatron_deepspeed_104b_overflow_excerpt.log"
+    pts = read_points(path)
+    res = replay(path, r, run="m104b", points=pts)
+    assert res.points == 19
+    # The timeline is the log's own elapsed time per iteration, not the assumed 1 s per step.
+    prev, span = 0, 0.0
+    for p in pts:
+        span += (p.step - prev) * p.step_seconds
+        prev = p.step
+    assert res.span_s == pytest.approx(span)
+    _drain(r)
+    snap = json.loads(r.get("th:{m104b}:ledger:latest"))
+    skipped = [p.step_seconds for p in pts if p.skipped]
+    assert snap["seconds"]["skipped_steps"] == pytest.approx(math.fsum(skipped), abs=1e-3)
+
+
+def test_replay_of_real_logs_flags_what_current_detectors_can(r: redis.Redis, real_logs: Path) -> None:
+    """The anomalies today's detectors already raise on these logs (the rest needs detector work)."""
+    replay(real_logs / "pytorch_word_lm_all_nan.log", r, run="wlm")
+    _drain(r)
+    found = _anomalies(r, "wlm")
+    assert sorted(found) == ["nan_inf:*:200:0"]
+    assert (found["nan_inf:*:200:0"]["severity"], found["nan_inf:*:200:0"]["evidence"]["steps"]) == ("critical", 70)
+    r.flushdb()
+    replay(real_logs / "megatron_mixtral8x7b_h100.golden_values.json", r, run="mixtral")
+    _drain(r)
+    spikes = {a["evidence"]["peak_step"] for a in _anomalies(r, "mixtral").values() if a["kind"] == "loss_spike"}
+    assert {3850, 4260} <= spikes
+    r.flushdb()
+    replay(real_logs / "modded_nanogpt_soap.log", r, run="modded")
+    _drain(r)
+    spikes = {a["evidence"]["peak_step"] for a in _anomalies(r, "modded").values() if a["kind"] == "loss_spike"}
+    assert {919, 947} <= spikes
+
+
+def test_cli_replays_a_megatron_log(r: redis.Redis, redis_url: str, real_logs: Path) -> None:
+    path = real_logs / "megatron_deepspeed_bloom176b_excerpt.log"
+    env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
+    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(path), "--run", "bloom"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert "replayed 18 steps and 0 evaluations" in out.stdout
+    assert r.hget("th:{bloom}:meta", "source") == b"replay:megatron_deepspeed_bloom176b_excerpt.log"
+    assert r.xlen("th:{bloom}:steps") >= 1
+
+
+def test_cli_refuses_a_profiler_trace_before_touching_redis(real_logs: Path) -> None:
+    env = {**os.environ, "TRAINHEALTH_REDIS_URL": "redis://127.0.0.1:1/0"}  # never reached
+    path = real_logs / "kineto_trace_rank0_ws128.json.gz"
+    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(path)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"trainhealth: error: {path}: a PyTorch profiler (Kineto) trace, not a training log; "
+                                 "supported formats: hf_trainer_state (")

@@ -1,0 +1,404 @@
+"""Hand-made fixtures (tests/data/importers/) for every format: exact values, exact errors and warnings."""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collectors.importers import FORMATS, detect, read
+from collectors.importers.base import LogPoint
+from trainhealth.exceptions import ConfigError, InputFormatError
+from trainhealth.replay import read_points
+
+DATA = Path(__file__).resolve().parent / "data" / "importers"
+ROOT = DATA.parent.parent.parent
+
+
+def rows(path: Path, *fields: str, **kw) -> list[tuple]:
+    return [tuple(getattr(p, f) for f in ("step", *fields)) for p in read(path, **kw)]
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "collectors.importers" and r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize(("name", "fmt"), [
+    ("megatron_lm.log", "megatron"), ("gpt_neox.log", "megatron"), ("nemo.log", "megatron"),
+    ("megatron_deepspeed_overflow.log", "megatron"), ("megatron_wrapped_partly_bad.log", "megatron"),
+    ("megatron_all_bad.log", "megatron"), ("nanogpt.log", "nanogpt"), ("nanogpt_partly_bad.log", "nanogpt"),
+    ("modded_nanogpt.log", "modded_nanogpt"), ("modded_nanogpt_record_no_train_loss.log", "modded_nanogpt"),
+    ("word_lm.log", "word_lm"), ("lightning_metrics.csv", "lightning_csv"),
+    ("lightning_bad_value.csv", "lightning_csv"), ("lightning_bad_row.csv", "lightning_csv"),
+    ("wandb_history.csv", "wandb_csv"),
+    ("wandb_chart_export.csv", "wandb_csv"), ("wandb_chart_two_runs.csv", "wandb_csv"),
+    ("wandb-history.jsonl", "wandb_jsonl"), ("wandb_bad_value.jsonl", "wandb_jsonl"),
+    ("trainer_log.jsonl", "llamafactory"), ("llamafactory_bad_elapsed.trainer_log.jsonl", "llamafactory"),
+    ("golden_values_dev_dgx_h100.json", "megatron_golden"), ("golden_values_bad.json", "megatron_golden"),
+    ("nemo_expected.json", "megatron_golden"), ("metrics.jsonl", "jsonl"), ("bad_step.jsonl", "jsonl"),
+    ("header_only.csv", "csv"),
+])
+def test_detect(name: str, fmt: str) -> None:
+    assert detect(DATA / name) == fmt
+
+
+def test_detect_by_content_alone(tmp_path: Path, real_logs: Path) -> None:
+    """Renamed to a name that says nothing, every fixture and real log is still recognised."""
+    cases = {p: detect(p) for p in DATA.iterdir() if p.name not in ("loss_log.csv", "broken.json")}
+    cases.update({real_logs / n: detect(real_logs / n) for n in (
+        "hf_trocr_large_gradnorm.trainer_state.json", "llamafactory_mistral7b_translator.trainer_log.jsonl",
+        "megatron_mixtral8x7b_h100.golden_values.json")})
+    for i, (path, fmt) in enumerate(cases.items()):
+        neutral = tmp_path / f"file{i}"
+        shutil.copy(path, neutral)
+        assert detect(neutral) == fmt, path.name
+
+
+def test_every_fixture_has_a_detection_case() -> None:
+    listed = {"loss_log.csv", "broken.json"}  # undetectable on purpose: see test_unknown_formats
+    src = Path(__file__).read_text()
+    assert all(f'"{p.name}"' in src for p in DATA.iterdir() if p.name not in listed)
+
+
+def test_unknown_formats(tmp_path: Path) -> None:
+    with pytest.raises(InputFormatError) as err:
+        detect(DATA / "loss_log.csv")  # no step column by a common name
+    assert str(err.value).startswith(f"{DATA / 'loss_log.csv'}: unknown log format (no line of a known training log "
+                                     "in its first 8 MiB); supported formats: hf_trainer_state (Hugging Face "
+                                     "trainer_state.json), tensorboard (")
+    assert all(f"{name} (" in str(err.value) for name in FORMATS)
+    with pytest.raises(InputFormatError, match=r"broken\.json: not valid JSON \(line 1, column 11\): Invalid control"):
+        detect(DATA / "broken.json")
+    empty = tmp_path / "empty.log"
+    empty.write_text("\n\n")
+    with pytest.raises(InputFormatError, match=r"empty\.log: empty file; supported formats: "):
+        detect(empty)
+    with pytest.raises(InputFormatError, match=r"nope\.log: cannot read: No such file or directory"):
+        detect(tmp_path / "nope.log")
+    with pytest.raises(InputFormatError, match=r": a directory without TensorBoard event files"):
+        detect(tmp_path)
+    odd = tmp_path / "odd.json"
+    odd.write_text('{"a": 1,\n "b": 2}\n')
+    with pytest.raises(InputFormatError, match=r"odd\.json: a JSON document of unknown shape; supported"):
+        detect(odd)
+
+
+def test_read_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"fmt='parquet' is not a supported format; formats: hf_trainer_state, "):
+        read(DATA / "metrics.jsonl", fmt="parquet")
+    with pytest.raises(ConfigError, match=r"mapping is not supported for fmt='megatron'"):
+        read(DATA / "megatron_lm.log", mapping={"loss": "x"})
+    with pytest.raises(ConfigError, match=r"mapping key 'los' is not a field; fields: step \(the optimizer step"):
+        list(read(DATA / "metrics.jsonl", mapping={"los": "x"}))
+    with pytest.raises(ConfigError, match=r"mapping\['step'\] is not used for golden values"):
+        list(read(DATA / "golden_values_dev_dgx_h100.json", mapping={"step": "x"}))
+
+
+# --- Megatron-LM / Megatron-DeepSpeed / GPT-NeoX / NeMo text logs ----------------------------------------
+
+def test_megatron_lm() -> None:
+    pts = list(read(DATA / "megatron_lm.log"))
+    assert [(p.step, p.loss, p.grad_norm, p.lr, p.skipped, p.consumed_samples, p.source_line) for p in pts[:3]] == [
+        (1, 10.43863, 26.203, 6.976744e-08, 0, 128, 2),
+        (2, 10.44022, 26.305, 1.395349e-07, 0, 256, 3),
+        (12, 9.871234, 12.5, 8.372093e-07, 2, 1536, 5),
+    ]
+    assert [p.step_seconds for p in pts] == pytest.approx([19.1388, 12.9361, 13.1, 13.1])
+    last = pts[3]  # every iteration of the interval NaN: Megatron omits the loss and counts them
+    assert (last.step, math.isnan(last.loss), math.isnan(last.grad_norm), last.skipped) == (22, True, True, 10)
+    assert {p.tokens for p in pts} == {None}  # no consumed tokens on Megatron-LM lines
+
+
+def test_gpt_neox_and_nemo() -> None:
+    assert rows(DATA / "gpt_neox.log", "loss", "lr", "skipped") == [
+        (100, 7.123456, 1.5e-05, 0), (200, 6.54321, 3e-05, 1)]
+    assert [p.step_seconds for p in read(DATA / "gpt_neox.log")] == pytest.approx([2.5923, 2.5861])
+    nemo = list(read(DATA / "nemo.log"))
+    # the step is global_step (the "iteration" restarts each epoch)
+    assert [(p.step, p.lr, p.step_seconds, p.consumed_samples) for p in nemo] == [
+        (0, 1.499e-07, 61.94, 512), (1, 2.999e-07, 53.67, 1024), (5, 4.498e-07, 46.86, 3072)]
+    assert [p.loss for p in nemo[:2]] == [11.03, 11.02] and math.isnan(nemo[2].loss)
+
+
+def test_deepspeed_overflow_lines_count_as_skipped_steps() -> None:
+    assert rows(DATA / "megatron_deepspeed_overflow.log", "loss", "skipped", "tokens", "consumed_samples") == [
+        (10, 8.123456, 2, 1310720, 640),   # two OVERFLOW lines before it; Megatron says 0
+        (20, 7.654321, 1, 1310720, 1280),  # the fused optimizer's "fp16 dynamic loss scale overflow!"
+        (30, 7.345678, 0, 1310720, 1920),
+    ]
+
+
+def test_megatron_wrapped_comments_and_bad_lines(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "megatron_wrapped_partly_bad.log"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        got = rows(path, "loss", "lr", "grad_norm", "skipped", "tokens", "source_line")
+    assert got == [
+        (8600, 3.407058, 6e-05, 3035.816, 0, None, 3),
+        (13251, 2.924229, 5.996e-05, 122160.116, 0, 4779704320, 6),  # wrapped over 3 lines
+        (13253, 2.910001, 5.996e-05, 101234.5, 0, 3276800, 10),     # [default7]: prefix, wrapped over 3 lines
+    ]
+    # ONE warning: the letter O in a number (line 9) and the line torn by the crash (line 14)
+    assert warnings_of(caplog) == [f"{path}: skipped 2 malformed iteration line(s); the first: line 9: "
+                                   "field 'lm loss' is not a number: '2.9O1234E+00'"]
+
+
+def test_megatron_nothing_good_is_an_error() -> None:
+    path = DATA / "megatron_all_bad.log"
+    with pytest.raises(InputFormatError) as err:
+        list(read(path))
+    assert str(err.value) == f"{path}: line 1: the line ends before its closing '|' (torn or wrapped beyond repair)"
+    with pytest.raises(InputFormatError, match=r"nanogpt\.log: no iteration lines found"):
+        list(read(DATA / "nanogpt.log", fmt="megatron"))
+
+
+# --- nanoGPT, modded-nanogpt, word_language_model ------------------------------------------------------
+
+def test_nanogpt(caplog: pytest.LogCaptureFixture) -> None:
+    pts = list(read(DATA / "nanogpt.log"))
+    assert [(p.step, p.source_line) for p in pts] == [(0, 4), (10, 5), (20, 6), (30, 7)]
+    assert [p.loss for p in pts[:3]] == [10.9321, 9.6543, 8.1234] and math.isnan(pts[3].loss)
+    assert [p.step_seconds for p in pts] == pytest.approx([30.72883, 0.4125, 0.41025, 0.40975])
+    path = DATA / "nanogpt_partly_bad.log"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        assert rows(path, "loss", "lr") == [(0, 10.9321, 6e-06), (10, 9.6543, 6e-05)]
+    assert warnings_of(caplog) == [f"{path}: skipped 2 malformed nanoGPT iter line(s); the first: line 3: "
+                                   "not 'iter N: loss X, time Yms, mfu Z%': 'iter 20: loss 8.12'"]
+
+
+def test_modded_nanogpt() -> None:
+    pts = list(read(DATA / "modded_nanogpt.log"))  # the source code printed first does not match
+    assert [(p.step, p.source_line) for p in pts] == [(1, 9), (2, 10), (3, 11), (4, 13), (5, 14)]
+    assert [p.loss for p in pts if p.step != 4] == [11.0091, 11.0001, 10.984, 10.9001]
+    assert math.isnan(pts[3].loss)  # train_loss:nan is a NaN loss; step_avg:nanms is not
+    # 24179 - 305 (the val line); a reset to 0 (1539 alone); 1795 - 1539; 2100 - 1800 (the val line); 2355 - 2100
+    assert [p.step_seconds for p in pts] == pytest.approx([23.874, 1.539, 0.256, 0.3, 0.255])
+    newer = list(read(DATA / "modded_nanogpt_record_no_train_loss.log"))
+    assert [(p.step, p.loss) for p in newer] == [(1, None), (2, None), (3, None)]
+    assert [p.step_seconds for p in newer] == pytest.approx([0.142, 0.06, 0.06])
+
+
+def test_word_lm(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "word_lm.log"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        pts = list(read(path))
+    assert [(p.step, p.lr, p.source_line) for p in pts] == [(200, 20.0, 2), (400, 20.0, 3), (3183, 5.0, 7)]
+    assert [p.loss for p in pts[:2]] == [7.63, 6.85] and math.isnan(pts[2].loss)
+    assert [p.step_seconds for p in pts] == pytest.approx([0.04512, 0.04498, 0.04501])
+    assert warnings_of(caplog) == [f"{path}: skipped 1 malformed '| epoch' line(s); the first: line 8: "
+                                   "field 'ms/batch' is not a number: '45.0x'"]
+
+
+# --- CSV: Lightning, W&B, generic --------------------------------------------------------------------
+
+def test_lightning_csv() -> None:
+    pts = list(read(DATA / "lightning_metrics.csv"))
+    # the val_loss row and the train_loss_epoch row at step 99 are not steps; lr from the lr-AdamW column
+    assert [(p.step, p.lr, p.source_line) for p in pts] == [(49, 0.001, 2), (99, 0.001, 3), (149, 0.0005, 6)]
+    assert [p.loss for p in pts[:2]] == [2.5, 2.25] and math.isnan(pts[2].loss)
+
+
+def test_lightning_csv_errors() -> None:
+    with pytest.raises(InputFormatError) as err:
+        list(read(DATA / "lightning_bad_value.csv"))
+    path = DATA / "lightning_bad_value.csv"
+    assert str(err.value) == f"{path}: line 3 field 'train_loss_step' is not a number: 'two'"
+    with pytest.raises(InputFormatError) as err:
+        list(read(DATA / "lightning_bad_row.csv"))
+    assert str(err.value) == f"{DATA / 'lightning_bad_row.csv'}: line 3: 2 fields, the header has 3"
+
+
+def test_wandb_history_csv() -> None:
+    pts = list(read(DATA / "wandb_history.csv"))
+    # the step is train/global_step (not W&B's _step); the eval row is not a step; "NaN"/"Infinity" strings
+    assert [(p.step, p.loss, p.lr, p.source_line) for p in pts] == [
+        (10, 2.75, 1e-05, 2), (20, 2.5, 2e-05, 3), (30, 2.25, 3e-05, 5)]
+    assert pts[0].grad_norm == 1.5 and math.isnan(pts[1].grad_norm) and pts[2].grad_norm == math.inf
+    assert [p.step_seconds for p in pts] == pytest.approx([4.55, 2.0, 2.0])  # _runtime 45.5 / 10, then differences
+
+
+def test_wandb_chart_export() -> None:
+    assert rows(DATA / "wandb_chart_export.csv", "loss", "source_line") == [(100, 3.25, 2), (200, 3.0, 3)]
+    path = DATA / "wandb_chart_two_runs.csv"
+    with pytest.raises(InputFormatError) as err:
+        list(read(path))
+    assert str(err.value) == (f"{path}: line 1: a chart export of 2 runs (run-a, run-b); export one run, or name its "
+                              "columns with mapping={'loss': '<run> - <metric>', …}")
+    assert rows(path, "loss", fmt="wandb_csv", mapping={"loss": "run-b - train/loss"}) == [(100, 3.5)]
+
+
+def test_wandb_jsonl(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "wandb-history.jsonl"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        pts = list(read(path))
+    assert [(p.step, p.lr) for p in pts] == [(49, 0.001), (99, 0.001), (149, 0.0005)]  # trainer/global_step
+    assert pts[0].loss == 7.5 and math.isnan(pts[1].loss) and pts[2].loss == 7.25
+    assert [p.step_seconds for p in pts] == pytest.approx([12.0 / 49, 0.2, 0.2])
+    assert warnings_of(caplog) == [f"{path}: skipped 1 malformed JSON line(s); the first: line 5: not valid JSON "
+                                   "(column 54): Expecting ',' delimiter"]
+    with pytest.raises(InputFormatError) as err:
+        list(read(DATA / "wandb_bad_value.jsonl"))
+    assert str(err.value) == f"{DATA / 'wandb_bad_value.jsonl'}: line 2 field 'train/loss' is not a number: 'abc'"
+
+
+def test_generic_csv_and_jsonl_with_mapping() -> None:
+    path = DATA / "loss_log.csv"
+    got = list(read(path, fmt="csv", mapping={"step": "it", "loss": "my_loss", "grad_norm": "gnorm",
+                                              "wall_time": "wall"}))
+    assert [(p.step, p.loss, p.grad_norm, p.step_seconds) for p in got] == [
+        (100, 3.5, 1.25, None), (200, 3.25, 1.5, 0.5), (300, 3.0, None, 0.5)]
+    with pytest.raises(InputFormatError) as err:
+        list(read(path, fmt="csv"))
+    assert str(err.value) == (f"{path}: line 1: no step column (looked for 'step', 'global_step', 'train/global_step', "
+                              "'trainer/global_step', 'iteration', 'iter', '_step', 'Step', 'current_steps'); "
+                              "pass mapping={'step': NAME}")
+    with pytest.raises(InputFormatError) as err:
+        list(read(path, fmt="csv", mapping={"step": "it", "loss": "loss"}))
+    assert str(err.value) == (f"{path}: column 'loss' (mapped to loss) not found; columns: 'it', 'my_loss', 'gnorm', "
+                              "'wall'")
+    assert rows(DATA / "metrics.jsonl", "loss", "grad_norm", "lr", "source_line") == [
+        (1, 4.5, 2.0, 0.0001, 1), (2, 4.25, None, 0.0001, 3)]
+    with pytest.raises(InputFormatError) as err:
+        list(read(DATA / "bad_step.jsonl"))
+    assert str(err.value) == f"{DATA / 'bad_step.jsonl'}: line 2 field 'global_step' is not an integer step: 'two'"
+    assert list(read(DATA / "header_only.csv")) == []
+    with pytest.raises(InputFormatError, match=r"header_only\.csv: no training steps to replay \(read as csv\)"):
+        read_points(DATA / "header_only.csv")
+
+
+# --- LLaMA-Factory, Megatron golden values -------------------------------------------------------------
+
+def test_llamafactory() -> None:
+    pts = list(read(DATA / "trainer_log.jsonl"))
+    # the eval_loss row and the closing summary row are not steps; total_tokens is cumulative
+    assert [(p.step, p.loss, p.lr, p.tokens, p.source_line) for p in pts] == [
+        (5, 1.8, 1e-05, 20480, 1), (10, 1.6, 2e-05, 20480, 2), (20, 1.2, 0.0, 40960, 4)]
+    # elapsed_time "0:00:10" / 5 steps; 10 s / 5 steps; "1 day, 0:00:46" - 20 s over 10 steps
+    assert [p.step_seconds for p in pts] == pytest.approx([2.0, 2.0, 8642.6])
+    path = DATA / "llamafactory_bad_elapsed.trainer_log.jsonl"
+    with pytest.raises(InputFormatError) as err:
+        list(read(path))
+    assert str(err.value) == f"{path}: line 2 field 'elapsed_time' is not a number: 'ten seconds'"
+
+
+def test_megatron_golden_values() -> None:
+    pts = list(read(DATA / "golden_values_dev_dgx_h100.json"))
+    # "nan" strings (steps 15, 20) = not recorded; a JSON NaN (step 10) is a real NaN loss
+    assert [(p.step, p.step_seconds) for p in pts] == [(1, 92.5), (5, 9.25), (10, 9.5)]
+    assert [p.loss for p in pts[:2]] == [10.85, 10.12] and math.isnan(pts[2].loss)
+    # the older list form (NeMo's expected_json): step = start_step + i * step_interval
+    assert rows(DATA / "nemo_expected.json", "loss") == [(0, 11.01242), (5, 9.50525), (10, 8.83931), (15, 8.48559)]
+    with pytest.raises(InputFormatError) as err:
+        list(read(DATA / "golden_values_bad.json"))
+    path = DATA / "golden_values_bad.json"
+    assert str(err.value) == f"{path}: metric 'lm loss' value at step 5 is not a number: 'ten'"
+
+
+# --- TensorBoard (event files written here with tensorboard's own writer) -----------------------------
+
+def _write_events(logdir: Path, events: list[tuple[int, float, dict[str, object]]]) -> Path:
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    from tensorboard.util import tensor_util
+
+    w = EventFileWriter(str(logdir))
+    for step, wall, values in events:
+        vals = []
+        for tag, v in values.items():
+            if isinstance(v, str):
+                vals.append(summary_pb2.Summary.Value(tag=tag, tensor=tensor_util.make_tensor_proto(v)))
+            elif isinstance(v, tuple):  # a one-element tensor (how HF's writer logs scalars)
+                vals.append(summary_pb2.Summary.Value(tag=tag, tensor=tensor_util.make_tensor_proto(v[0])))
+            else:
+                vals.append(summary_pb2.Summary.Value(tag=tag, simple_value=v))
+        w.add_event(event_pb2.Event(step=step, wall_time=wall, summary=summary_pb2.Summary(value=vals)))
+    w.close()
+    (f,) = logdir.glob("events.out.tfevents.*")
+    return f
+
+
+def test_tensorboard(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    f = _write_events(run, [
+        (0, 1000.0, {"args/text_summary": "lr=1e-4"}),
+        (10, 1020.0, {"train/loss": 2.5, "train/grad_norm": 1.25, "train/learning_rate": (1e-4,)}),
+        (20, 1030.0, {"train/loss": (2.25,), "train/grad_norm": 35.5, "train/learning_rate": 2e-4}),
+        (20, 1031.0, {"train/epoch": 1.0}),
+        (30, 1040.0, {"train/loss": float("nan"), "train/epoch": 1.5}),
+    ])
+    assert detect(f) == "tensorboard" and detect(run) == "tensorboard"
+    pts = list(read(run))
+    assert [(p.step, p.grad_norm, p.lr, p.step_seconds) for p in pts] == [
+        (10, 1.25, pytest.approx(1e-4), None), (20, 35.5, pytest.approx(2e-4), 1.0), (30, None, None, 1.0)]
+    assert [p.loss for p in pts[:2]] == [2.5, 2.25] and math.isnan(pts[2].loss)
+    # detection by content when the name says nothing
+    plain = tmp_path / "scalars.bin"
+    shutil.copy(f, plain)
+    assert detect(plain) == "tensorboard"
+    # a torn last record (a crash while writing): the records before it stand
+    torn = tmp_path / "torn" / f.name
+    torn.parent.mkdir()
+    torn.write_bytes(f.read_bytes()[:-7])
+    assert [p.step for p in read(torn)] == [10, 20]
+
+
+def test_tensorboard_megatron_tags_and_mapping(tmp_path: Path) -> None:
+    f = _write_events(tmp_path, [
+        (1, 0.0, {"lm loss": 10.5, "grad-norm": 20.0, "learning-rate": 1e-6, "iteration-time": 92.0}),
+        (2, 0.0, {"lm loss": 10.25, "grad-norm": 18.0, "learning-rate": 2e-6, "iteration-time": 11.5,
+                  "my/loss": 3.0}),
+    ])
+    assert rows(f, "loss", "grad_norm", "step_seconds") == [(1, 10.5, 20.0, 92.0), (2, 10.25, 18.0, 11.5)]
+    assert rows(f, "loss", mapping={"loss": "my/loss", "grad_norm": None}) == [(1, None), (2, 3.0)]
+    with pytest.raises(InputFormatError, match=r"tag 'nope' \(mapped to loss\) not found; tags: 'lm loss', "):
+        list(read(f, mapping={"loss": "nope"}))
+    with pytest.raises(ConfigError, match=r"mapping\['step'\] is not used for TensorBoard"):
+        list(read(f, mapping={"step": "x"}))
+
+
+def test_tensorboard_errors(tmp_path: Path) -> None:
+    f = _write_events(tmp_path, [(1, 0.0, {"accuracy": 0.5})])
+    with pytest.raises(InputFormatError) as err:
+        list(read(f))
+    assert str(err.value).startswith(f"{f}: no loss, grad norm or learning-rate tag (looked for 'train/loss', 'loss', "
+                                     "'lm loss', 'train/grad_norm', 'train/learning_rate', …); scalar tags: 'accuracy'")
+    junk = tmp_path / "events.out.tfevents.junk"
+    junk.write_bytes(b"this is not an event file at all")
+    with pytest.raises(InputFormatError, match=r"tfevents\.junk: no TensorBoard event records \(empty, or not"):
+        list(read(junk))
+    two = tmp_path / "runs"
+    for sub in ("a", "b"):
+        (two / sub).mkdir(parents=True)
+        _write_events(two / sub, [(1, 0.0, {"loss": 1.0})])
+    with pytest.raises(InputFormatError, match=r"runs: event files of 2 runs \(a, b\); replay one run directory"):
+        detect(two)
+
+
+# --- generic behaviour ---------------------------------------------------------------------------------
+
+def test_gzip_is_read_transparently(tmp_path: Path) -> None:
+    for name in ("megatron_lm.log", "trainer_log.jsonl", "lightning_metrics.csv"):
+        gz = tmp_path / (name + ".gz")
+        gz.write_bytes(gzip.compress((DATA / name).read_bytes()))
+        assert [repr(p) for p in read(gz)] == [repr(p) for p in read(DATA / name)], name  # repr: nan == nan
+
+
+def test_logpoint_keeps_its_positional_fields() -> None:
+    p = LogPoint(3, 1.5, 0.5, 1e-4, 100, None, 7)
+    assert (p.step, p.loss, p.grad_norm, p.lr, p.tokens, p.eval_seconds, p.source_line) == (3, 1.5, 0.5, 1e-4, 100,
+                                                                                          None, 7)
+    assert (p.step_seconds, p.skipped, p.consumed_samples, p.is_eval) == (None, None, None, False)
+
+
+def test_collectors_import_stays_standard_library_plus_redis() -> None:
+    code = ("import sys, collectors, collectors.importers; "
+            "heavy = {'tensorboard', 'numpy', 'pandas', 'torch', 'google.protobuf'} & set(sys.modules); "
+            "assert not heavy, heavy")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
