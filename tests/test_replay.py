@@ -103,3 +103,17 @@ def test_doctor_reports_redis_and_missing_service(redis_url: str) -> None:
     assert out.returncode == 1
     assert f"Redis: {redis_url} ok" in out.stdout
     assert "Detector service: NOT RUNNING" in out.stdout
+
+
+def test_cli_replay_of_a_generic_csv_with_a_column_mapping(r: redis.Redis, redis_url: str) -> None:
+    data = ROOT / "tests" / "data" / "importers" / "loss_log.csv"
+    env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
+    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(data), "--run", "csvrun", "--format",
+                          "csv", "--map", "step=it", "--map", "loss=my_loss", "--map", "grad_norm=gnorm"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    steps = [rec for _, f in r.xrange("th:{csvrun}:steps") for rec in json.loads(f[b"recs"])]
+    assert [(d["step"], d.get("loss"), d.get("grad_norm")) for d in steps][:2] == [(100, 3.5, 1.25), (200, 3.25, 1.5)]
+    bad = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(data), "--map", "loss"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--map 'loss' is not FIELD=COLUMN" in bad.stderr

@@ -89,7 +89,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if not args.step_seconds > 0:
         raise ConfigError(f"--step-seconds={args.step_seconds!r} must be > 0")
     # Parse every file before touching Redis: a typo must not start a server or half-write a run.
-    parsed = [(path, read_points(path)) for path in args.paths]
+    mapping = None
+    if args.map:
+        mapping = {}
+        for item in args.map:
+            field, sep, column = item.partition("=")
+            if not sep or not field:
+                raise ConfigError(f"--map {item!r} is not FIELD=COLUMN (e.g. loss=train/loss)")
+            mapping[field] = column or None
+    parsed = [(path, read_points(path, args.format, mapping)) for path in args.paths]
     url, _ = _resolve(args)
     client = connect(url)
     for path, points in parsed:
@@ -301,6 +309,8 @@ def _other_users(url: str, own_run: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from collectors.importers import FORMATS
+
     p = argparse.ArgumentParser(prog="trainhealth", description="Live training-health monitor: goodput, "
                                 "loss spikes, stragglers, hangs, restarts.")
     p.add_argument("--version", action="version", version=f"trainhealth {__version__}")
@@ -337,9 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"port on 127.0.0.1 (default {defaults.DASHBOARD_PORT})")
     b.set_defaults(func=cmd_dashboard)
 
-    r = with_url(cmd("replay", "Push a Hugging Face trainer_state.json (.gz too) through the collectors into "
-                               "Redis, so the detectors and the dashboard act on it."))
-    r.add_argument("paths", nargs="+", metavar="PATH", help="trainer_state.json file(s)")
+    r = with_url(cmd("replay", "Push a training log through the collectors into Redis, so the detectors and the "
+                               "dashboard act on it. Formats (detected, or --format): "
+                               + ", ".join(FORMATS) + "."))
+    r.add_argument("paths", nargs="+", metavar="PATH", help="log file(s) (a TensorBoard run directory too)")
+    r.add_argument("--format", choices=FORMATS, help="the log's format (default: detected from name and content)")
+    r.add_argument("--map", action="append", metavar="FIELD=COLUMN",
+                   help="map one of our fields (step, loss, grad_norm, lr, tokens, step_seconds, ...) to a column "
+                        "or scalar tag of the log; repeatable")
     r.add_argument("--run", help="run id (default replay-<file name>; only with one PATH)")
     r.add_argument("--speed", type=float, default=0.0, help="pace factor; 0 = as fast as possible (default)")
     r.add_argument("--step-seconds", type=float, default=1.0,
