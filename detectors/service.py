@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from detectors.advisor import Recommendation
+from detectors.advisor import Recommendation, RollbackAdvisor
 from detectors.anomaly import Anomaly
 from detectors.hang import HangDetector
 from detectors.pipeline import Output, RunPipeline, agg_fields
@@ -318,7 +318,28 @@ class DetectorService:
         for rec in out.recommendations.values():
             self._write_recommendation(run, rec, pipe)
         for a in out.anomalies:
+            if a.id not in out.recommendations and not RollbackAdvisor.concerns(a):
+                self._close_recommendation(run, a, pipe)
             self._write_anomaly(run, a, pipe)
+
+    def _close_recommendation(self, run: _Run, a: Anomaly, pipe: Any) -> None:
+        """The anomaly needs no action any more (the spike recovered, the loss came back): an open
+        recommendation for it is dismissed, saying why, so no stale advice stays on the dashboard."""
+        rid = f"rec:{a.id}"
+        if rid not in run.stored_recs:
+            return
+        raw = self.client.hget(run.keys.recommendations, rid)  # a person may have moved it meanwhile
+        d = json.loads(raw) if raw else dict(run.stored_recs[rid])  # else written in this very batch
+        if d.get("status") not in ("proposed", "acknowledged"):
+            return
+        why = ("the loss recovered by itself" if a.evidence.get("recovered") else
+               "training rolled back" if a.evidence.get("rolled_back") else f"the {a.kind} is over")
+        d["status"] = "dismissed"
+        d.setdefault("history", []).append({"t": self.clock(), "status": "dismissed", "by": "trainhealth",
+                                            "note": f"{why} (step {a.end_step})"})
+        d["updated_at"] = self.clock()
+        run.stored_recs[rid] = d
+        pipe.hset(run.keys.recommendations, rid, json.dumps(d, sort_keys=True))
 
     def _write_recommendation(self, run: _Run, rec: Recommendation, pipe: Any) -> None:
         d = rec.to_dict()

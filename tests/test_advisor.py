@@ -116,3 +116,22 @@ def test_service_stores_advice_with_the_anomaly_and_keeps_the_users_status(r: re
     with pytest.raises(ConfigError, match="recommendation id='rec:nope' does not exist in run 'adv'"):
         recommendations.set_status(r, "adv", "rec:nope", "applied")
     mon.close()
+
+
+def test_advice_for_a_spike_that_recovers_is_closed_by_itself(r: redis.Redis) -> None:
+    mon = Monitor("rec-ok", client=r, rank=0, world_size=1, started_at=T0, flush_interval=0.01)
+    for s in range(300):
+        loss = 3.0 + 0.001 * (s % 7) + (3.0 if 200 <= s < 205 else 0.0)  # a 5-step spike that recovers
+        mon.log_step(s, loss=loss, tokens=1000, timestamp=T0 + 10 + s)
+        if (s + 1) % 100 == 0:
+            mon.checkpoint_saved(s, 1.0)
+    assert mon.flush(10)
+    svc = DetectorService(r, consumer="t", clock=lambda: T0 + 1000, hang_factory=lambda: HangDetector(floor_s=1e9))
+    for _ in range(50):
+        if svc.run_once(block_ms=20) == 0:
+            break
+    [rec] = recommendations.load(r, "rec-ok")
+    assert (rec["id"], rec["action"], rec["status"]) == ("rec:loss_spike:*:200:0", "wait", "dismissed")
+    assert rec["history"][-1]["by"] == "trainhealth"
+    assert rec["history"][-1]["note"] == "the loss recovered by itself (step 204)"
+    mon.close()
