@@ -185,7 +185,9 @@ def cmd_redis(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from trainhealth.demo import DemoConfig, run_job
+    import secrets
+
+    from trainhealth.demo import DemoConfig, alerts_config, run_job, start_alert_receiver
     from trainhealth.keys import run_keys
     from trainhealth.server import connect
 
@@ -200,11 +202,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(run=run, ranks=args.ranks, steps=args.steps, straggler_rank=min(5, args.ranks - 1))
     env = _child_env(url)
     children: dict[str, subprocess.Popen] = {}
+    receiver = None
 
     def _stop(*_: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)
+    # Explicitly: Python leaves SIGINT ignored when started with it ignored (nohup, some launchers).
+    signal.signal(signal.SIGINT, _stop)
 
     def watch() -> None:
         for name, child in children.items():
@@ -214,6 +219,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         children["detector service"] = subprocess.Popen(
             [sys.executable, "-m", "trainhealth.cli", "serve", "--hang-floor", "30"], env=env)
+        # Alerts: the worker sends to a local receiver that prints them here, as a webhook would.
+        receiver, hook_url = start_alert_receiver()
+        alerts_toml = config.home_dir() / "demo" / "alerts.toml"
+        alerts_toml.parent.mkdir(parents=True, exist_ok=True)
+        alerts_toml.write_text(alerts_config(hook_url, f"http://127.0.0.1:{args.port}"))
+        children["alert worker"] = subprocess.Popen(
+            [sys.executable, "-m", "trainhealth.cli", "--log-level", "WARNING", "alerts", "--config",
+             str(alerts_toml)], env={**env, "TRAINHEALTH_DEMO_WEBHOOK_SECRET": secrets.token_hex(16)})
         if not args.no_dashboard:
             children["dashboard"] = subprocess.Popen(dashboard_command(url, args.port), env=env,
                                                      stdout=subprocess.DEVNULL)
@@ -238,6 +251,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         # A second Ctrl-C must not interrupt the cleanup and leave servers behind.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if receiver is not None:
+            receiver.shutdown()
         for c in children.values():
             if c.poll() is None:
                 c.send_signal(signal.SIGTERM)

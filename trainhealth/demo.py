@@ -164,3 +164,58 @@ def run_job(cfg: DemoConfig, url: str, workdir: Path, max_restarts: int = 3,
 
 def config_json(cfg: DemoConfig) -> str:
     return json.dumps(asdict(cfg))
+
+
+def start_alert_receiver(print_fn: Callable[[str], None] = print):
+    """A local HTTP endpoint standing in for the on-call's webhook receiver in the demo.
+
+    Receives the alert worker's signed JSON webhook (docs/alerts.md) on 127.0.0.1 and prints one
+    line per alert. Returns ``(server, url)``; ``server.shutdown()`` stops it.
+    """
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            try:
+                doc = json.loads(body)
+                for a in doc.get("alerts", []):
+                    labels, anomaly = a.get("labels", {}), a.get("anomaly") or {}
+                    print_fn(f"ALERT [{doc.get('status', '?').upper()}] {labels.get('severity', '')} "
+                             f"{labels.get('kind', '')} · run {labels.get('run', '')}: {anomaly.get('message', '')}")
+            except (ValueError, AttributeError):
+                pass
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass  # no access log on the demo's console
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, name="demo-alert-receiver", daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/alerts"
+
+
+def alerts_config(url: str, dashboard_url: str) -> str:
+    """The demo's alerting config: every anomaly to the local receiver at once.
+
+    ``group_wait = "0s"``: the demo's loss spike is over in half a second, which the usual 30 s
+    would (rightly, for flapping) never notify; here every anomaly should show.
+    """
+    return f'''# Written by `trainhealth demo`: alerts go to a local receiver that prints them.
+version = 1
+dashboard_url = "{dashboard_url}"
+
+[route]
+receivers = ["demo"]
+group_by = ["run", "kind"]
+group_wait = "0s"
+group_interval = "30s"
+repeat_interval = "4h"
+
+[sinks.demo]
+type = "webhook"
+url = "{url}"
+secret_env = "TRAINHEALTH_DEMO_WEBHOOK_SECRET"
+'''
