@@ -464,7 +464,7 @@ def test_overview_kpis_and_charts(seeded: redis.Redis, redis_url: str) -> None:
         "Step": ("12", "restart gen 1"),
         "Throughput": ("679", "tokens/s"),  # 14 × 4,096 tokens / 84.5 s inside steps
         "Goodput": ("492", "tokens/s"),  # 12 × 4,096 kept tokens / 100 s wall
-        "Goodput %": ("71.5%", "of wall time"),
+        "Goodput %": ("71.5%", "productive time"),
         "Active anomalies": ("2", "of 4 · 1 critical"),
         "Badput cost": ("$0.08", "at $2.5/GPU-h"),
     }
@@ -773,7 +773,7 @@ def test_replayed_run_overview(seeded: redis.Redis) -> None:
         "Step": ("1,400", None),
         "Throughput": ("n/a", "no token counts"),
         "Goodput": ("n/a", "no token counts"),
-        "Goodput %": ("92.4%", "of wall time"),
+        "Goodput %": ("92.4%", "productive time"),
         "Active anomalies": ("0", "of 0 total"),
         "Badput time": ("115 s", "no price set"),  # 1,512.8 - 1,398 s
     }

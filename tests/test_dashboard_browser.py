@@ -155,7 +155,7 @@ def test_dashboard_in_chromium(dashboard: tuple[str, threading.Event], r: redis.
                                    "Active anomalies": "2", "Badput cost": "$0.08"}
             # Units and the counts sit in the cards' grey/red sub-line.
             deltas = [d.strip() for d in page.locator('[data-testid="stMetricDelta"]').all_inner_texts()]
-            assert deltas == ["restart gen 1", "tokens/s", "tokens/s", "of wall time", "of 4 · 1 critical",
+            assert deltas == ["restart gen 1", "tokens/s", "tokens/s", "productive time", "of 4 · 1 critical",
                               "at $2.5/GPU-h"]
             # Nothing in a KPI card is cut off with an ellipsis.
             assert _overflowing(page, '[data-testid="stMetricValue"] div, [data-testid="stMetricDelta"] div') == []

@@ -355,7 +355,7 @@ def test_goodput_page_kpis_rates_and_summary(seeded: dict) -> None:
     # 2,710 of 3,600 s productive; 313 steps x 524,288 tokens in 3,130 s of steps; 289 kept in 3,600 s;
     # 890 s of badput x 64 GPUs / 3600 = 15.8 GPU-h, x $2.5 = $39.56.
     assert metrics(at) == {
-        "Goodput %": ("75.3%", "of wall time"),
+        "Goodput %": ("75.3%", "productive time"),
         "Goodput": ("42,089", "tokens/s · whole run"),
         "Throughput": ("52,429", "tokens/s · whole run"),
         "Badput cost": ("$39.56", "at $2.5/GPU-h"),

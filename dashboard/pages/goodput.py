@@ -80,7 +80,7 @@ def kpis(snap: dict, meta: dict) -> None:
     unit = {"delta_color": "gray", "delta_arrow": "off", "border": True}
     no_tokens = " The run reported no token counts, so there is no tokens/s."
     cols = st.columns(5)
-    cols[0].metric("Goodput %", fmt_pct(snap.get("goodput_pct")), delta="of wall time", **unit,
+    cols[0].metric("Goodput %", fmt_pct(snap.get("goodput_pct")), delta="productive time", **unit,
                    help="Productive seconds / wall seconds since the run started (goodput ledger).")
     cols[1].metric("Goodput", fmt_rate(snap.get("goodput_tok_s")) if tokens else "n/a",
                    delta="tokens/s · whole run" if tokens else "no token counts", **unit,

@@ -71,8 +71,10 @@ def kpis(steps: pd.DataFrame, snap: dict | None, anomalies: pd.DataFrame, meta: 
                    help="Tokens of the steps the model keeps / wall time since the run started. Below "
                         "throughput by every kind of badput: pauses, start-up, checkpoints, redone steps."
                         + ("" if tokens else " " + no_tokens))
-    cols[3].metric("Goodput %", fmt_pct(snap.get("goodput_pct")), delta="of wall time", **unit,
-                   help="Share of wall time spent on productive training (goodput ledger).")
+    cols[3].metric("Goodput %", fmt_pct(snap.get("goodput_pct")), delta="productive time", **unit,
+                   help="Share of wall time spent on productive training (goodput ledger), as Google's "
+                        "goodput % counts it: waits inside steps (data, stragglers) and skipped steps are not "
+                        "productive, so it can sit well below goodput / throughput.")
     # "Active anomalies" fits a 1,366 px card only without a help icon. The total counts resolved
     # anomalies too, restarts included (they are recorded already resolved).
     total = len(anomalies)
