@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 #: Stable snake_case kinds.
-KINDS = ("nan_inf", "loss_spike", "divergence", "straggler", "hang", "restart")
+KINDS = ("nan_inf", "loss_spike", "grad_norm_spike", "divergence", "straggler", "hang", "restart")
 SEVERITIES = ("info", "warning", "critical")
 ACTIVE, RESOLVED = "active", "resolved"
 

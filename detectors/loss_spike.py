@@ -89,6 +89,11 @@ class LossSpikeDetector:
     deviation", JASA 88 (1993) (the 1.4826 consistency constant).
     """
 
+    #: Anomaly kind, the aggregate's field watched, and its name in messages.
+    KIND = "loss_spike"
+    FIELD = "loss"
+    LABEL = "loss"
+
     def __init__(
         self,
         window: int = defaults.LOSS_SPIKE_WINDOW_STEPS,
@@ -150,7 +155,7 @@ class LossSpikeDetector:
 
     def update(self, agg: StepAggregate) -> list[Anomaly]:
         """Feed one step; return the anomaly states that changed."""
-        loss = agg.loss
+        loss = getattr(agg, self.FIELD)
         if loss is None or not math.isfinite(loss):
             return []
         if self._log and loss <= 0:
@@ -178,10 +183,10 @@ class LossSpikeDetector:
                 self._base = base
                 self._last_spike_step = agg.step
                 self._spike = Anomaly(
-                    kind="loss_spike", severity="warning", step=agg.step, gen=agg.gen,
-                    message=(f"loss {loss:.4g} at step {agg.step} is {loss / med:.2f}x the expected "
+                    kind=self.KIND, severity="warning", step=agg.step, gen=agg.gen,
+                    message=(f"{self.LABEL} {loss:.4g} at step {agg.step} is {loss / med:.2f}x the expected "
                              f"{med:.4g} ({z:.1f} robust SDs); watching whether it recovers"),
-                    evidence={"loss": loss, "baseline": med, "z": z, "peak": loss, "peak_step": agg.step},
+                    evidence={self.FIELD: loss, "baseline": med, "z": z, "peak": loss, "peak_step": agg.step},
                 )
                 out.append(self._spike)
             else:

@@ -17,6 +17,7 @@ from typing import Any
 from detectors.advisor import Checkpoint, Recommendation, RollbackAdvisor
 from detectors.aggregate import StepAggregate, StepAggregator
 from detectors.anomaly import Anomaly
+from detectors.grad_norm_spike import GradNormSpikeDetector
 from detectors.hang import HangDetector
 from detectors.ledger import GoodputLedger
 from detectors.loss_spike import LossSpikeDetector
@@ -59,7 +60,8 @@ class RunPipeline:
         self.aggregator = StepAggregator(world_size)
         self.ledger = GoodputLedger(world_size, gpu_hour_usd)
         self.hang = hang or HangDetector()
-        self.step_detectors = [NanInfDetector(), RestartDetector(), LossSpikeDetector(), StragglerDetector()]
+        self.step_detectors = [NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(),
+                               StragglerDetector()]
         #: rank -> host, from run_start events.
         self.hosts: dict[int, str] = {}
         self.ended_ranks: set[int] = set()

@@ -32,7 +32,11 @@ def test_demo_job_through_serve_flags_spike_straggler_and_restart(r: redis.Redis
 
         snap = wait_for(done, 60, "the service to process all 291 step attempts")
         anomalies = {k.decode(): json.loads(v) for k, v in r.hgetall("th:{e2e}:anomalies").items()}
-        assert sorted(anomalies) == ["loss_spike:*:120:0", "restart:*:200:1", "straggler:2:40:0"]
+        assert sorted(anomalies) == ["grad_norm_spike:*:118:0", "loss_spike:*:120:0", "restart:*:200:1",
+                                     "straggler:2:40:0"]
+        # the grad norm jumps two steps before the loss: the early warning
+        gn = anomalies["grad_norm_spike:*:118:0"]
+        assert (gn["status"], gn["step"], gn["end_step"]) == ("resolved", 118, 123)
         st = anomalies["straggler:2:40:0"]
         assert (st["status"], st["step"], st["end_step"], st["ranks"], st["hosts"]) == (
             "resolved", 40, 179, [2], ["demo-node-1"])

@@ -117,3 +117,14 @@ def test_cli_replay_of_a_generic_csv_with_a_column_mapping(r: redis.Redis, redis
     bad = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(data), "--map", "loss"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--map 'loss' is not FIELD=COLUMN" in bad.stderr
+
+
+def test_tensorboard_t5_replay_flags_exactly_its_two_grad_norm_spikes(r: redis.Redis, real_logs: Path) -> None:
+    # MANIFEST: two isolated grad-norm spikes with no loss reaction, steps 164000 (13.2) and 190000 (35.6)
+    res = replay(real_logs / "tensorboard_t5_summarization", r, run="t5")
+    assert res.points == 430
+    drain(r)
+    found = anomalies(r, "t5")
+    assert sorted(found) == ["grad_norm_spike:*:164000:0", "grad_norm_spike:*:190000:0"]
+    assert [round(found[k]["evidence"]["grad_norm"], 1) for k in sorted(found)] == [13.2, 35.6]
+    assert all(a["status"] == "resolved" for a in found.values())

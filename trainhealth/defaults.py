@@ -74,6 +74,9 @@ LOSS_SPIKE_WARMUP_STEPS = 10
 LOSS_SPIKE_Z_OPEN = 6.5
 LOSS_SPIKE_Z_CLOSE = 3.0
 LOSS_SPIKE_MIN_REL_RISE = 0.05
+#: Grad-norm spikes: same method on log(grad norm), stricter (a grad norm is noisier than a loss).
+GRAD_NORM_SPIKE_Z_OPEN = 8.0
+GRAD_NORM_SPIKE_MIN_REL_RISE = 1.0
 #: A spike still open after this many steps is reported as divergence as well.
 DIVERGENCE_STEPS = 100
 #: Straggler: steps per window, relative score threshold (NVRx/NeMo default 0.7 for

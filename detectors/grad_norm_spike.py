@@ -1,0 +1,58 @@
+"""Grad-norm spikes: the early warning of loss spikes, relative to the run's own level."""
+
+from __future__ import annotations
+
+from detectors.loss_spike import LossSpikeDetector
+from trainhealth import defaults
+
+
+class GradNormSpikeDetector(LossSpikeDetector):
+    """Relative spikes of the global grad norm, with the loss-spike detector's method.
+
+    The same robust, detrended trailing median/MAD of the log, on ``grad_norm``: a run whose
+    grad norm lives at 1e5-4e6 (fp16 scaling, some vision models) is judged against its own
+    level, never against an absolute threshold; a grad-norm spike often comes a few steps
+    before a loss spike (BLOOM, PaLM), and it is reported even when the loss does not react.
+    It never escalates to divergence (a raised grad-norm level is not a diverged loss).
+
+    Parameters are those of :class:`~detectors.loss_spike.LossSpikeDetector`, with ``z_open``
+    from ``defaults.GRAD_NORM_SPIKE_Z_OPEN`` and ``min_rel_rise`` from
+    ``defaults.GRAD_NORM_SPIKE_MIN_REL_RISE`` (a grad norm is noisier than a loss).
+
+    Evidence: ``grad_norm``, ``baseline`` (predicted), ``z``, ``peak``, ``peak_step``,
+    ``recovery_steps``.
+
+    Examples
+    --------
+    >>> import math, random
+    >>> from detectors.aggregate import StepAggregate
+    >>> rng = random.Random(2)
+    >>> det = GradNormSpikeDetector()
+    >>> for step in range(300):
+    ...     gn = 2e5 * math.exp(rng.gauss(0, 0.1)) * (12.0 if step == 250 else 1.0)
+    ...     a = StepAggregate(step, 0, 0.0, None, float(step), 1.0, gn, None, None, None, 1, (None,), 0.0)
+    ...     for an in det.update(a):
+    ...         print(an.kind, an.status, an.step, an.end_step)
+    grad_norm_spike active 250 None
+    grad_norm_spike resolved 250 250
+
+    References
+    ----------
+    BigScience BLOOM-176B chronicles (grad-norm spikes before loss spikes); the Hampel filter
+    references of :class:`~detectors.loss_spike.LossSpikeDetector`.
+    """
+
+    KIND = "grad_norm_spike"
+    FIELD = "grad_norm"
+    LABEL = "grad norm"
+
+    def __init__(
+        self,
+        window: int = defaults.LOSS_SPIKE_WINDOW_STEPS,
+        warmup: int = defaults.LOSS_SPIKE_WARMUP_STEPS,
+        z_open: float = defaults.GRAD_NORM_SPIKE_Z_OPEN,
+        z_close: float = defaults.LOSS_SPIKE_Z_CLOSE,
+        min_rel_rise: float = defaults.GRAD_NORM_SPIKE_MIN_REL_RISE,
+    ) -> None:
+        super().__init__(window=window, warmup=warmup, z_open=z_open, z_close=z_close, min_rel_rise=min_rel_rise,
+                         divergence_steps=2**62)
