@@ -23,6 +23,7 @@ import pandas as pd
 import redis
 
 from detectors import recommendations as recommendation_store
+from detectors.anomaly import KINDS
 from trainhealth import defaults
 from trainhealth.events import decode_event
 from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys
@@ -48,7 +49,7 @@ HOST_COLUMNS = ["rank", "host"]
 ANOMALY_COLUMNS = ["id", "kind", "severity", "status", "step", "end_step", "ranks", "hosts", "message",
                    "first_seen", "last_seen", "evidence"]
 SEVERITIES = ("critical", "warning", "info")
-ANOMALY_KINDS = ("nan_inf", "loss_spike", "divergence", "straggler", "hang", "restart")
+ANOMALY_KINDS = KINDS  # the detectors' stable kinds, one list
 ANOMALY_STATUSES = ("active", "resolved")
 LEDGER_COLUMNS = ["t", "started_at", "wall_s", "world_size", "gpu_hour_usd", "last_step", "steps_done",
                   "steps_good", "restarts", "tokens_total", "tokens_good", "throughput_tok_s",

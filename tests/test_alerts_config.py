@@ -87,7 +87,7 @@ def test_defaults_are_alertmanagers(env: Path) -> None:
      'or ["..."] for one group per anomaly)'),
     ('[route]\nreceivers = []\n[[route.routes]]\nmatchers = [\'kind="stragler"\']\n',
      "route.routes[0].matchers[0] = \"kind=\\\"stragler\\\"\": kind 'stragler' is unknown (kinds: nan_inf, "
-     "loss_spike, divergence, straggler, hang, restart, service_down)"),
+     "loss_spike, grad_norm_spike, divergence, straggler, hang, restart, service_down)"),
     ('[route]\nreceivers = []\n[[route.routes]]\nmatchers = [\'severity="high"\']\n',
      "route.routes[0].matchers[0] = \"severity=\\\"high\\\"\": severity 'high' is unknown (severities: info, "
      "warning, critical)"),
