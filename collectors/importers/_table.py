@@ -229,3 +229,25 @@ def columns_of(rows: Iterable[tuple[int, Mapping[str, Any]]]) -> list[str]:
         for k in row:
             seen.setdefault(k, None)
     return list(seen)
+
+
+def csv_points(path: Path, fmt: str, candidates: Mapping[str, Sequence[str]],
+               mapping: Mapping[str, str | None] | None) -> Iterator[LogPoint]:
+    """The whole read of a CSV whose columns map to fields: check the mapping, resolve, require, yield."""
+    mapping = check_mapping(mapping, fmt)
+    header, rows = read_csv(path)
+    cols = resolve(path, header, candidates, mapping)
+    require(path, cols, candidates)
+    yield from points(path, rows, cols)
+
+
+def jsonl_points(path: Path, fmt: str, candidates: Mapping[str, Sequence[str]],
+                 mapping: Mapping[str, str | None] | None) -> Iterator[LogPoint]:
+    """The same for JSON lines (torn lines skipped with one warning)."""
+    mapping = check_mapping(mapping, fmt)
+    bad = BadLines(path, "JSON")
+    rows = read_jsonl(path, bad)
+    bad.finish(len(rows))
+    cols = resolve(path, columns_of(rows), candidates, mapping, what="field")
+    require(path, cols, candidates, what="field", where="")
+    yield from points(path, rows, cols)

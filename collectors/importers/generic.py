@@ -12,7 +12,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from collectors.importers import _table
-from collectors.importers._common import BadLines
 from collectors.importers.base import LogPoint
 
 CANDIDATES = {"step": _table.GENERIC_STEP, **_table.COMMON, "wall_time": ("wall_time", "timestamp", "_timestamp"),
@@ -37,12 +36,7 @@ def read_csv(path: str | Path, mapping: Mapping[str, str | None] | None = None) 
     [(1, 2.5), (2, nan)]
     >>> os.unlink(f.name)
     """
-    path = Path(path)
-    mapping = _table.check_mapping(mapping, "csv")
-    header, rows = _table.read_csv(path)
-    cols = _table.resolve(path, header, CANDIDATES, mapping)
-    _table.require(path, cols, CANDIDATES)
-    yield from _table.points(path, rows, cols)
+    yield from _table.csv_points(Path(path), "csv", CANDIDATES, mapping)
 
 
 def read_jsonl(path: str | Path, mapping: Mapping[str, str | None] | None = None) -> Iterator[LogPoint]:
@@ -51,11 +45,4 @@ def read_jsonl(path: str | Path, mapping: Mapping[str, str | None] | None = None
     A line that is not a JSON object (a torn last write) is skipped with one warning; a field
     that is not a number is an InputFormatError naming the file, line and field.
     """
-    path = Path(path)
-    mapping = _table.check_mapping(mapping, "jsonl")
-    bad = BadLines(path, "JSON")
-    rows = _table.read_jsonl(path, bad)
-    bad.finish(len(rows))
-    cols = _table.resolve(path, _table.columns_of(rows), CANDIDATES, mapping, what="field")
-    _table.require(path, cols, CANDIDATES, what="field", where="")
-    yield from _table.points(path, rows, cols)
+    yield from _table.jsonl_points(Path(path), "jsonl", CANDIDATES, mapping)

@@ -39,9 +39,4 @@ def read(path: str | Path, mapping: Mapping[str, str | None] | None = None) -> I
     [(49, 7.6), (99, 7.5)]
     >>> os.unlink(f.name)
     """
-    path = Path(path)
-    mapping = _table.check_mapping(mapping, "lightning_csv")
-    header, rows = _table.read_csv(path)
-    cols = _table.resolve(path, header, CANDIDATES, mapping)
-    _table.require(path, cols, CANDIDATES)
-    yield from _table.points(path, rows, cols)
+    yield from _table.csv_points(Path(path), "lightning_csv", CANDIDATES, mapping)

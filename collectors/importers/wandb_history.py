@@ -17,7 +17,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from collectors.importers import _table
-from collectors.importers._common import BadLines
 from collectors.importers.base import LogPoint
 from trainhealth.exceptions import InputFormatError
 
@@ -86,11 +85,4 @@ def read_jsonl(path: str | Path, mapping: Mapping[str, str | None] | None = None
 
     A torn line is skipped with one warning; a non-numeric metric is an InputFormatError.
     """
-    path = Path(path)
-    mapping = _table.check_mapping(mapping, "wandb_jsonl")
-    bad = BadLines(path, "JSON")
-    rows = _table.read_jsonl(path, bad)
-    bad.finish(len(rows))
-    cols = _table.resolve(path, _table.columns_of(rows), CANDIDATES, mapping, what="field")
-    _table.require(path, cols, CANDIDATES, what="field", where="")
-    yield from _table.points(path, rows, cols)
+    yield from _table.jsonl_points(Path(path), "wandb_jsonl", CANDIDATES, mapping)
