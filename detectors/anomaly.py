@@ -11,7 +11,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 #: Stable snake_case kinds.
-KINDS = ("nan_inf", "loss_spike", "grad_norm_spike", "divergence", "straggler", "hang", "restart")
+KINDS = (
+    "nan_inf", "skipped_steps", "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion",
+    "straggler", "slow_node", "rank_outlier", "hang", "dead_rank", "throughput_drop", "slow_step",
+    "restart", "restart_storm",
+)
 SEVERITIES = ("info", "warning", "critical")
 ACTIVE, RESOLVED = "active", "resolved"
 

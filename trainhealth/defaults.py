@@ -94,6 +94,12 @@ HANG_CHECKPOINT_S = 1800.0
 #: Heartbeats older than this many intervals mean the rank's process is gone.
 HEARTBEAT_MISSED_INTERVALS = 4
 
+# --- Detectors: loss family (skipped steps, spike classes, divergence, grad-norm explosion) ---------
+
+# --- Detectors: timing family (throughput drop, slow steps) --------------------------------------
+
+# --- Detectors: rank family (slow node, rank outlier, dead rank, restart storm) ------------------
+
 # --- Rollback advisor -------------------------------------------------------------------
 #: Restart from a checkpoint at least this many steps before the onset (PaLM: ~100 steps).
 ROLLBACK_MARGIN_STEPS = 100

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -15,6 +14,7 @@ import redis
 from collectors import importers
 from collectors.importers.base import LogPoint
 from collectors.monitor import Monitor
+from detectors.offline import timeline
 from trainhealth.exceptions import ConfigError, InputFormatError
 
 log = logging.getLogger(__name__)
@@ -90,33 +90,16 @@ def replay(
     if points is None:
         points = read_points(path)
     run = run or default_run_id(path)
-    # Synthetic timeline: seconds from the start at which each point ends.
-    offsets: list[float] = []
-    skipped: list[bool | None] = []  # a whole interval of skipped steps (fp16 overflow), per point
-    cursor, prev_step = 0.0, 0
-    for p in points:
-        skip = None
-        if p.is_eval:
-            cursor += max(p.eval_seconds or 0.0, 0.0)
-        else:
-            per = p.step_seconds
-            if per is None or not math.isfinite(per) or per <= 0:
-                per = step_seconds
-            steps = max(p.step - prev_step, 1)
-            cursor += steps * per
-            prev_step = p.step
-            if p.skipped is not None:
-                skip = p.skipped >= steps
-        offsets.append(cursor)
-        skipped.append(skip)
-    span = cursor
+    placed = list(timeline(points, step_seconds))
+    span = placed[-1].offset if placed else 0.0
     live = speed > 0
     start = clock() if live else clock() - span
     mon = Monitor(run, client=client, rank=0, world_size=1, started_at=start)
     mon._phase = "replay"  # the hang detector skips a replayed timeline
     client.hset(mon.keys.meta, "source", f"replay:{path.name}")
     evals = n = 0
-    for p, off, skip in zip(points, offsets, skipped, strict=True):
+    for tp in placed:
+        p, off, skip = tp.point, tp.offset, tp.skipped
         if live:
             wait = start + off / speed - clock()
             if wait > 0:

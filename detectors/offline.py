@@ -1,0 +1,145 @@
+"""Run the live detection pipeline over a parsed log, without Redis.
+
+``trainhealth analyze`` and ``bench/detection_eval.py`` use this; ``trainhealth replay`` uses
+the same :func:`timeline`, so a log analysed offline and the same log replayed into the live
+service see the same steps at the same (synthetic) times and produce the same anomalies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from collectors.importers.base import LogPoint
+from detectors.anomaly import Anomaly
+from detectors.pipeline import Output, RunPipeline
+from trainhealth.events import Event, StepRecord
+
+
+@dataclass(frozen=True)
+class TimedPoint:
+    """A log point placed on the synthetic timeline.
+
+    Attributes
+    ----------
+    point : LogPoint
+        As parsed.
+    offset : float
+        Seconds from the run's start at which the point (step or evaluation) ended.
+    skipped : bool | None
+        For a train point: whether every step since the previous logged one was skipped
+        (fp16 overflow); None when the log cannot tell.
+    timed : bool
+        Whether the log gave this point's step time (else the assumed pace placed it).
+    """
+
+    point: LogPoint
+    offset: float
+    skipped: bool | None
+    timed: bool
+
+
+def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[TimedPoint]:
+    """Place points on a timeline, lazily (a generator: a million-step log is never in memory).
+
+    Step ``s`` ends after the previous logged step by ``(s - previous) x`` the seconds per step
+    the log gives for it (:attr:`LogPoint.step_seconds`), else ``step_seconds`` (assumed);
+    an evaluation takes its logged ``eval_seconds``.
+
+    Raises
+    ------
+    ValueError
+        For ``step_seconds <= 0``.
+    """
+    if not step_seconds > 0:
+        raise ValueError(f"step_seconds={step_seconds!r} must be > 0")
+    cursor, prev_step = 0.0, 0
+    for p in points:
+        skip, timed = None, False
+        if p.is_eval:
+            cursor += max(p.eval_seconds or 0.0, 0.0)
+            timed = True
+        else:
+            per = p.step_seconds
+            timed = per is not None and math.isfinite(per) and per > 0
+            if not timed:
+                per = step_seconds
+            steps = max(p.step - prev_step, 1)
+            cursor += steps * per
+            prev_step = p.step
+            if p.skipped is not None:
+                skip = p.skipped >= steps
+        yield TimedPoint(p, cursor, skip, timed)
+
+
+class OfflineRun:
+    """Feed a log's points through a :class:`RunPipeline` as rank 0 of a one-rank run.
+
+    Each train point becomes the :class:`StepRecord` the collector's ``log_step`` would send
+    (``t`` = start + offset, untimed), each evaluation a ``badput`` event named
+    ``evaluation`` — what ``trainhealth replay`` pushes through Redis.
+
+    Parameters
+    ----------
+    run : str
+        Run id put in anomalies and recommendations.
+    step_seconds : float
+        Assumed seconds per step where the log has no times.
+    start : float
+        Unix time of the run's start on the synthetic timeline.
+    pipeline : RunPipeline | None
+        A pipeline to feed (default: a fresh one-rank pipeline).
+
+    Attributes
+    ----------
+    anomalies : dict[str, Anomaly]
+        Latest state of every anomaly by id, in onset order.
+    steps, evals : int
+        Train points and evaluations fed.
+    timed_steps : int
+        Train points whose step time the log gave.
+    """
+
+    def __init__(self, run: str = "offline", step_seconds: float = 1.0, start: float = 0.0,
+                 pipeline: RunPipeline | None = None) -> None:
+        if not step_seconds > 0:
+            raise ValueError(f"step_seconds={step_seconds!r} must be > 0")
+        self.run = run
+        self.step_seconds = step_seconds
+        self.start = start
+        self.pipeline = pipeline or RunPipeline(1, run=run)
+        self.pipeline.ledger.note_start(start)
+        self.anomalies: dict[str, Anomaly] = {}
+        self.steps = self.evals = self.timed_steps = 0
+
+    def feed(self, tp: TimedPoint) -> Output:
+        """Feed one placed point; returns what the pipeline produced."""
+        p, t = tp.point, self.start + tp.offset
+        if p.is_eval:
+            self.evals += 1
+            self.pipeline.feed_event(Event("badput", 0, t, self.start, step=p.step, seconds=p.eval_seconds or 0.0,
+                                           extra={"name": "evaluation"}))
+            return Output()
+        self.steps += 1
+        self.timed_steps += tp.timed
+        rec = StepRecord(rank=0, step=p.step, inc=self.start, t=t, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr,
+                         tokens=p.tokens, consumed_samples=p.consumed_samples,
+                         skipped=None if tp.skipped is None else int(tp.skipped))
+        return self._keep(self.pipeline.feed_step(rec))
+
+    def feed_all(self, points: Iterable[LogPoint]) -> OfflineRun:
+        """Place and feed every point, then close pending steps; returns self."""
+        for tp in timeline(points, self.step_seconds):
+            self.feed(tp)
+        self.finish()
+        return self
+
+    def finish(self) -> Output:
+        """Close every pending step (the end of the file)."""
+        return self._keep(self.pipeline.flush())
+
+    def _keep(self, out: Output) -> Output:
+        for a in out.anomalies:
+            self.anomalies[a.id] = a
+        return out
