@@ -327,11 +327,14 @@ def badput_cost_bar(causes: pd.DataFrame, priced: bool, wall_s: float | None = N
     fig = go.Figure(go.Bar(
         x=frame[value], y=[label(c) for c in frame["category"]], orientation="h",
         marker_color=[category_color(c) for c in frame["ledger_category"]], text=text, textposition="auto",
-        insidetextanchor="end", hovertext=hover, hoverinfo="text+y"))
+        insidetextanchor="end", hovertext=hover, hoverinfo="text+y", cliponaxis=False))
+    top = float(frame[value].max()) if len(frame) else 0.0
     title = "Money lost per cause (USD since start)" if priced else "GPU-hours lost per cause (no GPU-hour price set)"
     fig.update_layout(height=max(200, min(380, 90 + 30 * len(frame))), margin={"l": 10, "r": 10, "t": 40, "b": 10},
                       title={"text": title, "x": 0, "font": {"size": 14}},
+                      # Headroom so a short bar's label, drawn outside it, is not cut at the right edge.
                       xaxis={"title": "USD" if priced else "GPU-hours", "rangemode": "tozero",
+                             **({"range": [0, top * 1.35]} if top > 0 else {}),
                              **({"tickprefix": "$"} if priced else {})},
                       yaxis={"automargin": True})
     return fig
@@ -416,12 +419,19 @@ def rank_heatmap(matrix: pd.DataFrame, relative: bool = False, highlight: list[i
     unit = "× step median" if relative else "s"
     binned = shown.shape[1] < matrix.shape[1]
     scale: dict[str, Any] = {"zmid": 1.0} if relative else {}
-    if not relative and np.isfinite(z).sum() > 100:
-        # Clip the colour range to p0.5-p99.5 so one slow step (a GC pause, a checkpoint) does
-        # not wash every other cell into the same colour; hover still shows the real value.
-        lo, hi = np.nanpercentile(z, [0.5, 99.5])
-        if hi > lo:
-            scale = {"zmin": float(lo), "zmax": float(hi)}
+    finite = z[np.isfinite(z)]
+    if relative and finite.size:
+        # At least 0.5x-1.5x of the step median: a fitted range would paint 2 % timer jitter as
+        # saturated red and blue; a real straggler (NVRx flags below 0.7 score) still stands out.
+        lo, hi = np.percentile(finite, [0.5, 99.5]) if finite.size > 100 else (finite.min(), finite.max())
+        scale = {"zmid": 1.0, "zmin": float(min(lo, 0.5)), "zmax": float(max(hi, 1.5))}
+    elif finite.size:
+        # From 0 s: busy seconds are a magnitude, so ranks within jitter of each other look alike.
+        # The top is clipped at p99.5 (with >100 cells) so one slow step (a GC pause, a checkpoint)
+        # does not wash every other cell into the same colour; hover still shows the real value.
+        hi = float(np.percentile(finite, 99.5)) if finite.size > 100 else float(finite.max())
+        if hi > 0:
+            scale = {"zmin": 0.0, "zmax": hi}
     fig = go.Figure(go.Heatmap(
         z=z, x=[int(c) for c in shown.columns], y=[int(r) for r in shown.index],
         colorscale="RdBu_r" if relative else "Viridis", colorbar={"title": {"text": unit}},

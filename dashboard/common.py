@@ -177,3 +177,23 @@ def redis_trouble(exc: Exception) -> None:
     url = st.session_state.get(URL_KEY) or ""
     st.warning(f"Redis is unreachable at `{redact_url(url)}` ({exc}). Retrying on the next refresh.",
                icon=":material/cloud_off:")
+
+
+RATE_ROWS = {"throughput": "throughput_tok_s", "goodput": "goodput_tok_s"}
+RATE_HEADERS = {"60s": "last 1 min", "600s": "last 10 min", "3600s": "last 1 h"}
+
+
+def rates_table(snap: dict) -> pd.DataFrame:
+    """Throughput and goodput (tokens/s, formatted) for the whole run and the ledger's rolling windows."""
+    rates = snap.get("rates") or {}
+    wall = snap.get("wall_s") or 0.0
+    # A window longer than the run so far covers the whole run: say so instead of implying a full window.
+    headers = {w: h + (" (run younger: whole run)" if wall < float(w.rstrip("s")) else "")
+               for w, h in RATE_HEADERS.items()}
+    rows = {}
+    for label, key in RATE_ROWS.items():
+        row = {"whole run": fmt_rate(snap.get(key))}
+        for w, header in headers.items():
+            row[header] = fmt_rate((rates.get(w) or {}).get(key))
+        rows[label] = row
+    return pd.DataFrame.from_dict(rows, orient="index")

@@ -68,7 +68,7 @@ RATE_COLUMNS = [f"rate.{w}.{v}" for w in RATE_WINDOWS for v in ("throughput_tok_
 CAUSE_COLUMNS = ["category", "ledger_category", "seconds", "gpu_hours", "cost_usd"]
 #: Recommendation statuses that still ask for a decision (shown as a card).
 OPEN_RECOMMENDATION_STATUSES = ("proposed", "acknowledged")
-RANK_SUMMARY_COLUMNS = ["rank", "host", "median_busy_s", "ratio", "steps"]
+RANK_SUMMARY_COLUMNS = ["rank", "host", "median_busy_s", "ratio", "score", "steps"]
 #: Steps the rank table summarises: recent enough that a new straggler is not diluted by the
 #: run's healthy history (the straggler detector itself scores 20-step windows).
 RANK_TABLE_STEPS = 100
@@ -263,7 +263,9 @@ def rank_summary(matrix: pd.DataFrame, hosts: pd.DataFrame | None = None) -> pd.
     ``matrix`` is a :func:`busy_matrix`; ``hosts`` a :func:`rank_hosts` frame. Columns
     :data:`RANK_SUMMARY_COLUMNS`: ``rank``, ``host`` (None if unknown), ``median_busy_s``
     (s), ``ratio`` (rank median / median of all rank medians; 1.0 = typical, 1.5 = 50 %
-    slower), ``steps`` (steps the rank reported). Ranks that never reported are dropped.
+    slower), ``score`` (the straggler detector's NVRx relative score: fastest rank's median /
+    this rank's; 1.0 = as fast as the fastest, flagged below 0.7), ``steps`` (steps the rank
+    reported). Ranks that never reported are dropped.
     """
     if matrix.empty:
         return pd.DataFrame({c: pd.Series(dtype=object) for c in RANK_SUMMARY_COLUMNS})
@@ -271,8 +273,10 @@ def rank_summary(matrix: pd.DataFrame, hosts: pd.DataFrame | None = None) -> pd.
     n = matrix.notna().sum(axis=1)
     typical = float(med.median(skipna=True))
     ratio = med / typical if typical > 0 else med * math.nan
+    best = float(med[n > 0].min()) if (n > 0).any() else math.nan
+    score = best / med.where(med > 0)
     out = pd.DataFrame({"rank": matrix.index.astype("int64"), "median_busy_s": med.to_numpy(),
-                        "ratio": ratio.to_numpy(), "steps": n.to_numpy().astype("int64")})
+                        "ratio": ratio.to_numpy(), "score": score.to_numpy(), "steps": n.to_numpy().astype("int64")})
     host_map = {} if hosts is None or hosts.empty else dict(zip(hosts["rank"], hosts["host"], strict=True))
     out["host"] = [host_map.get(int(r)) for r in out["rank"]]
     out = out[out["steps"] > 0]

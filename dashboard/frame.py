@@ -24,6 +24,7 @@ from dashboard.common import (
     NO_RUNS,
     RUN_KEY,
     URL_KEY,
+    client,
     current_run,
     fmt_age,
     fmt_int,
@@ -32,6 +33,7 @@ from dashboard.common import (
     redact_url,
     resolve_url,
 )
+from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import validate_run_id
 
@@ -217,18 +219,33 @@ def sidebar() -> bool:
     sb.selectbox("Run", options, key=_PICKER, on_change=_picked, format_func=lambda r: _run_label(info, r),
                  help="Newest first. The URL's `?run=` follows the selection, so links open this run.")
     st.query_params["run"] = selected
-    meta = info[selected]
+    with sb:
+        run_status(selected, info[selected])
+    sb.divider()
+    sb.caption(f"Redis: `{shown_url}`")
+    return True
+
+
+def status_line(meta: dict, now: float) -> str:
+    """The sidebar's one line about the selected run: status, ranks, age, source."""
     started = meta.get("started_at")
     bits = [f"**{meta.get('status') or 'unknown'}**"]
     if meta.get("world_size"):
         bits.append(plural(meta["world_size"], "rank"))
     if started:
-        bits.append(f"started {fmt_age(time.time() - started)} ago")
+        bits.append(f"started {fmt_age(now - started)} ago")
     if meta.get("source"):
         bits.append(f"source `{meta['source']}`")
-    sb.caption(" · ".join(bits))
-    sb.divider()
-    sb.caption(f"Redis: `{shown_url}`")
-    return True
+    return " · ".join(bits)
+
+
+@st.fragment(run_every=DASHBOARD_REFRESH_S)
+def run_status(run: str, listed: dict) -> None:
+    """The run's status line, re-read live (a run that crashes or ends changes status while watched)."""
+    try:
+        meta = {**listed, **data.run_meta(client(), run)}
+    except redis.RedisError:
+        meta = listed  # the page's own reads report the outage
+    st.caption(status_line(meta, time.time()))
 
 

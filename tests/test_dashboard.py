@@ -512,15 +512,19 @@ def test_ranks_page_heatmap_table_and_straggler(seeded: redis.Redis) -> None:
     # Only the steps since the active straggler's onset (step 4): rank medians 0.30, 0.16, 0.11, 0.10.
     assert list(table["median_busy_s"]) == pytest.approx([0.30, 0.16, 0.11, 0.10])
     assert table.loc[0, "ratio"] == pytest.approx(0.30 / 0.135)
+    assert list(table["score"]) == pytest.approx([0.10 / 0.30, 0.10 / 0.16, 0.10 / 0.11, 1.0])
     assert list(table["steps"]) == [9, 8, 9, 9]
     assert at.main.caption[0].value == (
         "Busy = seconds a rank spends in its own timed sections before the collective; a slow rank makes all "
-        "others wait. Ratio = the rank's median busy time / the median rank's, since the active straggler's "
-        "onset (steps 4–12, 9 steps).")
+        "others wait. Ratio = the rank's median busy time / the median rank's; score = the fastest rank's "
+        "median / this rank's (NVIDIA's relative score, which the straggler detector flags below 0.7), since "
+        "the active straggler's onset (steps 4–12, 9 steps).")
     assert [w.value for w in at.warning] == [
         "**Straggler**: rank 3 on node-b since step 4 — rank 3 is 2.6x slower than the median rank"]
     heat = figs[0]["data"][0]
     assert "zmid" not in heat and heat["colorbar"]["title"]["text"] == "s"  # seconds, Viridis
+    # From 0 s to the slowest cell (48 cells, no clipping): jitter between ranks stays one colour.
+    assert (heat["zmin"], heat["zmax"]) == (0.0, pytest.approx(float(np.nanmax(np.array(arr(heat["z"]), float)))))
     assert arr(heat["x"]) == list(range(1, 13)) and arr(heat["y"]) == [0, 1, 2, 3]
 
     at.segmented_control(key="ranks_mode").select("ratio to step median").run()
@@ -528,6 +532,8 @@ def test_ranks_page_heatmap_table_and_straggler(seeded: redis.Redis) -> None:
     assert not at.exception
     heat = figures(at)[0]["data"][0]
     assert heat["zmid"] == 1.0 and heat["colorbar"]["title"]["text"] == "× step median"
+    # At least 0.5x-1.5x of the step median; here the slowest cell (rank 3 at 0.30 s / 0.11 s) is above it.
+    assert heat["zmin"] == 0.5 and heat["zmax"] == pytest.approx(0.30 / 0.11)
     # Step 4: busy [0.10, 0.11, 0.12, 0.30], median 0.115 → rank 3 at 0.30 / 0.115.
     z = np.array(arr(heat["z"]))
     assert z.shape == (4, 12) and z[3, 3] == pytest.approx(0.30 / 0.115) and z[0, 3] == pytest.approx(0.10 / 0.115)
@@ -839,7 +845,7 @@ def test_rank_table_window_since_onset_or_last_100(r: redis.Redis) -> None:
     recent, onset = data.rank_table_window(matrix, data.anomalies(r, LATE))
     assert onset == 400 and list(recent.columns) == list(range(400, 429))
     assert data.rank_summary(recent).loc[0].to_dict() == {"rank": 2, "host": None, "median_busy_s": 0.2,
-                                                          "ratio": 2.0, "steps": 29}
+                                                          "ratio": 2.0, "score": 0.5, "steps": 29}
     recent, onset = data.rank_table_window(matrix, None)
     assert onset is None and list(recent.columns) == list(range(329, 429))
     # An onset before the last 100 steps: the last 100 steps already show it undiluted.
@@ -859,12 +865,12 @@ def test_ranks_page_table_uses_a_recent_window(seeded: redis.Redis, anomaly: boo
     if anomaly:
         assert table.loc[0, "rank"] == 2 and bool(table.loc[0, "straggler"])
         assert (rank2["ratio"], rank2["steps"]) == (2.0, 29)
-        assert caption.endswith("Ratio = the rank's median busy time / the median rank's, since the active "
+        assert caption.endswith("flags below 0.7), since the active "
                                 "straggler's onset (steps 400–428, 29 steps).")
     else:
         # 29 slow steps of the last 100: the median is still the healthy one, but the window is stated.
         assert (rank2["ratio"], rank2["steps"]) == (1.0, 100)
-        assert caption.endswith("Ratio = the rank's median busy time / the median rank's, over the last 100 "
+        assert caption.endswith("flags below 0.7), over the last 100 "
                                 "steps (steps 329–428).")
 
 

@@ -28,6 +28,7 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from dashboard import cards, charts, data
+from dashboard.common import rates_table
 from detectors.advisor import Checkpoint, Recommendation, RollbackAdvisor
 from detectors.anomaly import Anomaly
 from trainhealth.keys import RUNS, run_keys, service_heartbeat
@@ -632,3 +633,14 @@ def test_goodput_page_and_recommendation_card_in_chromium(r: redis.Redis, redis_
             expect(shown).to_have_count(1)
         finally:
             browser.close()
+
+
+def test_rates_table_says_when_a_window_is_longer_than_the_run() -> None:
+    snap = {"wall_s": 300.0, "throughput_tok_s": 1000.0, "goodput_tok_s": 900.0,
+            "rates": {"60s": {"throughput_tok_s": 1100.0, "goodput_tok_s": 1000.0},
+                      "600s": {"throughput_tok_s": 1000.0, "goodput_tok_s": 900.0},
+                      "3600s": {"throughput_tok_s": 1000.0, "goodput_tok_s": 900.0}}}
+    table = rates_table(snap)
+    assert list(table.columns) == ["whole run", "last 1 min", "last 10 min (run younger: whole run)",
+                                   "last 1 h (run younger: whole run)"]
+    assert table.loc["goodput"].tolist() == ["900", "1,000", "900", "900"]

@@ -28,6 +28,7 @@ from dashboard.common import (
     fmt_usd,
     get_client,
     plural,
+    rates_table,
     redis_trouble,
     to_datetime,
     viewer_tz,
@@ -42,8 +43,6 @@ DEFAULT_WINDOW = "1 h"
 #: Snapshots drawn at most; a longer history is thinned evenly (snapshots are cumulative).
 MAX_POINTS = 600
 #: Rows of the rates table: label → snapshot key.
-RATE_ROWS = {"throughput": "throughput_tok_s", "goodput": "goodput_tok_s"}
-RATE_HEADERS = {"60s": "last 1 min", "600s": "last 10 min", "3600s": "last 1 h"}
 #: Bars shown only for causes that display as at least 0.1 s.
 MIN_BAR_S = 0.05
 CLOSED_COLUMNS = ["status", "action", "kind", "onset_step", "checkpoint_step", "summary", "by", "decided"]
@@ -101,18 +100,6 @@ def kpis(snap: dict, meta: dict) -> None:
     bad, total = badput_gpu_hours(snap)
     cols[4].metric("Badput GPU-h", fmt_gpu_hours(bad), delta=f"of {fmt_gpu_hours(total)} GPU-h", **unit,
                    help="GPU-hours of non-productive wall time: seconds × GPUs / 3600.")
-
-
-def rates_table(snap: dict) -> pd.DataFrame:
-    """Throughput and goodput (tokens/s, formatted) for the whole run and the ledger's rolling windows."""
-    rates = snap.get("rates") or {}
-    rows = {}
-    for label, key in RATE_ROWS.items():
-        row = {"whole run": fmt_rate(snap.get(key))}
-        for w, header in RATE_HEADERS.items():
-            row[header] = fmt_rate((rates.get(w) or {}).get(key))
-        rows[label] = row
-    return pd.DataFrame.from_dict(rows, orient="index")
 
 
 def summary_line(snap: dict, meta: dict, now: float) -> str:

@@ -15,6 +15,9 @@ from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS
 HOSTS_TTL_S = 30
 WINDOWS = (100, 500, DASHBOARD_STEPS)
 MODES = ("busy seconds", "ratio to step median")
+#: Anomaly kinds about particular ranks or nodes, shown on this page, with their headings.
+RANK_KINDS = {"straggler": "Straggler", "slow_node": "Slow node", "rank_outlier": "Rank outlier",
+              "dead_rank": "Dead rank"}
 NO_TIMINGS = ("No per-rank section timings in this run (a replayed log / untimed steps), so ranks cannot be "
               "compared. Time each step with `with mon.step(step):` and its work with `mon.section(...)` to see "
               "every rank's busy time here.")
@@ -51,14 +54,14 @@ def live(run: str, window: int, relative: bool) -> None:
         redis_trouble(exc)
         return
 
-    active = anomalies[(anomalies["status"] == "active") & (anomalies["kind"] == "straggler")] \
+    active = anomalies[(anomalies["status"] == "active") & anomalies["kind"].isin(RANK_KINDS)] \
         if not anomalies.empty else anomalies
     straggler_ranks = sorted({int(r) for ranks in active["ranks"] for r in ranks}) if not active.empty else []
     for a in active.itertuples(index=False):
         where = ", ".join(f"rank {r}" for r in a.ranks) or "ranks ?"
         on = f" on {', '.join(a.hosts)}" if a.hosts else ""
         since = f" since step {a.step}" if pd.notna(a.step) else ""
-        st.warning(f"**Straggler**: {where}{on}{since} — {a.message}", icon=":material/slow_motion_video:")
+        st.warning(f"**{RANK_KINDS[a.kind]}**: {where}{on}{since} — {a.message}", icon=":material/slow_motion_video:")
 
     if matrix.shape[1] == 0:
         st.info("No aggregated steps yet for this run.", icon=":material/hourglass_empty:")
@@ -74,8 +77,9 @@ def live(run: str, window: int, relative: bool) -> None:
     summary["straggler"] = summary["rank"].isin(straggler_ranks)
     st.markdown("##### Ranks, slowest first")
     st.caption("Busy = seconds a rank spends in its own timed sections before the collective; a slow rank "
-               "makes all others wait. Ratio = the rank's median busy time / the median rank's, "
-               + window_text(recent, onset) + ".")
+               "makes all others wait. Ratio = the rank's median busy time / the median rank's; score = the "
+               "fastest rank's median / this rank's (NVIDIA's relative score, which the straggler detector "
+               "flags below 0.7), " + window_text(recent, onset) + ".")
     st.dataframe(
         summary.style.apply(_highlight, axis=1), hide_index=True, key="rank_table",
         column_config={
@@ -83,8 +87,11 @@ def live(run: str, window: int, relative: bool) -> None:
             "host": st.column_config.TextColumn("host"),
             "median_busy_s": st.column_config.NumberColumn("median busy (s)", format="%.3f"),
             "ratio": st.column_config.NumberColumn("ratio vs median rank", format="%.2f×"),
+            "score": st.column_config.NumberColumn("score", format="%.2f",
+                                                   help="Fastest rank's median busy time / this rank's."),
             "steps": st.column_config.NumberColumn("steps reported", format="%d"),
-            "straggler": st.column_config.CheckboxColumn("active straggler"),
+            "straggler": st.column_config.CheckboxColumn("flagged", help="In an active straggler, slow-node, "
+                                                         "rank-outlier or dead-rank anomaly."),
         },
     )
 
