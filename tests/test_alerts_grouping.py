@@ -296,3 +296,14 @@ def test_the_timeline_in_the_docs() -> None:
         (1, 30.0, "new", 1, 0), (2, 330.0, "update", 2, 0), (3, 14_730.0, "repeat", 2, 0),
         (4, 15_030.0, "resolved", 0, 2)]
     assert g.groups == {}
+
+
+def test_dead_rank_inhibits_the_hang_it_causes_and_hang_inhibits_slow_node() -> None:
+    g = Grouper(root(), DEFAULT_RULES)
+    g.observe(alert(kind="dead_rank", ranks=(7,), severity="critical", step=700, t=100.0), 100.0)
+    g.observe(alert(kind="hang", ranks=(), severity="critical", step=700, t=101.0), 101.0)
+    g.observe(alert(kind="slow_node", ranks=(8, 9), step=650, t=102.0), 102.0)
+    g.observe(alert(kind="hang", run="r2", ranks=(), severity="critical", step=10, t=102.0), 102.0)
+    g.observe(alert(kind="slow_node", run="r2", ranks=(8, 9), step=5, t=102.0), 102.0)
+    assert sorted(n.group_key for n in g.advance(200.0)) == ['root:{run="r1",kind="dead_rank"}',
+                                                             'root:{run="r2",kind="hang"}']

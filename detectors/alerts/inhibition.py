@@ -7,10 +7,14 @@ are muted. An alert never inhibits itself. As in Alertmanager, a silenced source
 
 :data:`DEFAULT_RULES` (used when the config has no ``inhibit_rules`` key):
 
-- a hang of a run inhibits that run's straggler and throughput alerts (a hung job makes every rank look
-  slow; ``throughput`` is reserved for a throughput-drop detector);
-- a critical ``nan_inf`` (the loss itself is NaN/Inf) inhibits that run's ``loss_spike`` and
-  ``divergence`` alerts. A warning ``nan_inf`` (grad norm only: an fp16 overflow skip) does not.
+- a ``dead_rank`` of a run inhibits that run's ``hang`` (the other ranks wait in a collective for the
+  dead one: the dead rank is the cause to act on) and its slowness alerts;
+- a ``hang`` inhibits that run's slowness alerts (``straggler``, ``slow_node``, ``rank_outlier``,
+  ``throughput_drop``, ``slow_step``): a hung job makes every rank look slow;
+- a critical ``nan_inf`` (the loss itself is NaN/Inf) inhibits that run's ``loss_spike``,
+  ``grad_norm_spike``, ``divergence`` and ``grad_norm_explosion`` alerts. A warning ``nan_inf`` (grad
+  norm only: an fp16 overflow skip) does not;
+- a ``restart_storm`` inhibits that run's single ``restart`` alerts (the storm says it all).
 """
 
 from __future__ import annotations
@@ -35,10 +39,16 @@ class InhibitRule:
                 and all(source.get(lb, "") == target.get(lb, "") for lb in self.equal))
 
 
+#: Kinds a stalled or dead rank makes fire as a side effect, and the loss kinds a NaN loss explains.
+SLOWNESS_KINDS = "straggler|slow_node|rank_outlier|throughput_drop|slow_step"
+LOSS_KINDS = "loss_spike|grad_norm_spike|divergence|grad_norm_explosion"
+
 DEFAULT_RULES = (
-    InhibitRule(parse_all(['kind="hang"']), parse_all(['kind=~"straggler|throughput"']), ("run",)),
+    InhibitRule(parse_all(['kind="dead_rank"']), parse_all([f'kind=~"hang|{SLOWNESS_KINDS}"']), ("run",)),
+    InhibitRule(parse_all(['kind="hang"']), parse_all([f'kind=~"{SLOWNESS_KINDS}"']), ("run",)),
     InhibitRule(parse_all(['kind="nan_inf"', 'severity="critical"']),
-                parse_all(['kind=~"loss_spike|divergence"']), ("run",)),
+                parse_all([f'kind=~"{LOSS_KINDS}"']), ("run",)),
+    InhibitRule(parse_all(['kind="restart_storm"']), parse_all(['kind="restart"']), ("run",)),
 )
 
 
