@@ -203,9 +203,8 @@ def read_csv(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[str, str]]
     return header, rows()
 
 
-def read_jsonl(path: Path, bad: BadLines) -> list[tuple[int, dict[str, Any]]]:
-    """All JSON-object lines; a torn or non-object line is counted in ``bad`` (skipped, one warning later)."""
-    out: list[tuple[int, dict[str, Any]]] = []
+def iter_jsonl(path: Path, bad: BadLines | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """JSON-object lines as (line, dict), lazily; a torn or non-object line is counted in ``bad`` (skipped)."""
     for line, text in read_lines(path):
         s = text.strip()
         if not s:
@@ -213,22 +212,31 @@ def read_jsonl(path: Path, bad: BadLines) -> list[tuple[int, dict[str, Any]]]:
         try:
             obj = json.loads(s)
         except json.JSONDecodeError as exc:
-            bad.add(line, f"not valid JSON (column {exc.colno}): {exc.msg}")
+            if bad is not None:
+                bad.add(line, f"not valid JSON (column {exc.colno}): {exc.msg}")
             continue
         if not isinstance(obj, dict):
-            bad.add(line, f"not a JSON object: {s[:60]!r}")
+            if bad is not None:
+                bad.add(line, f"not a JSON object: {s[:60]!r}")
             continue
-        out.append((line, obj))
-    return out
+        yield line, obj
 
 
-def columns_of(rows: Iterable[tuple[int, Mapping[str, Any]]]) -> list[str]:
-    """The keys of JSON-lines rows in order of first appearance."""
+def jsonl_rows(path: Path, bad: BadLines) -> tuple[list[str], Iterator[tuple[int, dict[str, Any]]]]:
+    """The keys of every JSON-object line (in order of first appearance), and the rows again, lazily.
+
+    Two passes over the file, so memory does not grow with its length: JSON lines are sparse
+    (a key may first appear on line 10,000), so the columns are known only after one full read.
+    ``bad`` counts malformed lines (first pass) and ``bad.finish`` is called before returning.
+    """
     seen: dict[str, None] = {}
-    for _, row in rows:
+    good = 0
+    for _, row in iter_jsonl(path, bad):
+        good += 1
         for k in row:
             seen.setdefault(k, None)
-    return list(seen)
+    bad.finish(good)
+    return list(seen), iter_jsonl(path)
 
 
 def csv_points(path: Path, fmt: str, candidates: Mapping[str, Sequence[str]],
@@ -245,9 +253,7 @@ def jsonl_points(path: Path, fmt: str, candidates: Mapping[str, Sequence[str]],
                  mapping: Mapping[str, str | None] | None) -> Iterator[LogPoint]:
     """The same for JSON lines (torn lines skipped with one warning)."""
     mapping = check_mapping(mapping, fmt)
-    bad = BadLines(path, "JSON")
-    rows = read_jsonl(path, bad)
-    bad.finish(len(rows))
-    cols = resolve(path, columns_of(rows), candidates, mapping, what="field")
+    columns, rows = jsonl_rows(path, BadLines(path, "JSON"))
+    cols = resolve(path, columns, candidates, mapping, what="field")
     require(path, cols, candidates, what="field", where="")
     yield from points(path, rows, cols)

@@ -51,9 +51,7 @@ def read(path: str | Path, mapping: Mapping[str, str | None] | None = None) -> I
     """
     path = Path(path)
     mapping = _table.check_mapping(mapping, "llamafactory")
-    bad = BadLines(path, "JSON")
-    rows = _table.read_jsonl(path, bad)
-    bad.finish(len(rows))
-    cols = _table.resolve(path, _table.columns_of(rows), CANDIDATES, mapping, what="field")
+    columns, rows = _table.jsonl_rows(path, BadLines(path, "JSON"))
+    cols = _table.resolve(path, columns, CANDIDATES, mapping, what="field")
     _table.require(path, cols, CANDIDATES, what="field", where="")
     yield from _table.points(path, rows, cols, missing=_not_recorded)
