@@ -1,0 +1,242 @@
+"""``trainhealth analyze``: the offline post-mortem on real logs from ../shared/real_logs, its JSON schema,
+its exit status, the HTML report and the bounded chart series."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from plotly.offline import get_plotlyjs
+
+from collectors import importers
+from detectors.offline import OfflineRun, timeline
+from trainhealth.analyze import SCHEMA, SCHEMA_VERSION, ChartSeries, analyze_file
+
+ROOT = Path(__file__).resolve().parent.parent
+TROCR = "hf_trocr_large_gradnorm.trainer_state.json"
+TINYLLAMA = "hf_tinyllama_sft_healthy.trainer_state.json"
+WORD_LM = "pytorch_word_lm_all_nan.log"
+
+#: Per real log, what is stable while the detectors are being tuned: (training steps, first step, last step,
+#: timeline, anomalies as (kind, severity, onset step, end step, status)). Add a row per log once its
+#: expected findings are settled (docs/anomalies.md, MANIFEST.md of the real logs).
+EXPECTED = {
+    # The loss spike at 682 and, with it, the grad norm's 13x jump (alone it would be within this run's noise).
+    TROCR: (700, 2, 1400, "assumed", [("loss_spike", "warning", 682, 682, "resolved"),
+                                      ("grad_norm_spike", "warning", 682, 682, "resolved")]),
+    TINYLLAMA: (186, 15, 2790, "assumed", []),
+    WORD_LM: (70, 200, 14732, "logged", [("nan_inf", "critical", 200, None, "active")]),
+}
+
+FILE_KEYS = ["path", "format", "run", "error", "summary", "anomalies", "recommendations", "goodput"]
+SUMMARY_KEYS = ["steps", "evaluations", "first_step", "last_step", "restarts", "metrics", "non_finite", "timings",
+                "timeline", "warnings", "anomalies", "critical"]
+ANOMALY_KEYS = sorted(["kind", "severity", "step", "message", "evidence", "ranks", "hosts", "end_step", "status",
+                       "gen", "id"])
+RECOMMENDATION_KEYS = ["id", "run", "anomaly_id", "kind", "action", "onset_step", "current_step", "checkpoint_step",
+                       "skip_steps", "skip_samples", "skip_batches", "recheck_step", "recompute_steps", "cost",
+                       "continue_cost", "options", "reasoning", "summary"]
+GOODPUT_KEYS = ["timeline", "timed_steps", "assumed_step_seconds", "note", "ledger"]
+
+
+def values(v: list | dict) -> list:
+    """A trace's array as a list (Plotly >= 6 writes numeric arrays as ``{"dtype", "bdata"}`` base64)."""
+    if isinstance(v, dict):
+        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=v["dtype"]).tolist()
+    return v
+
+
+def cli(*args: str | Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRAINHEALTH_REDIS_URL"}  # analyze needs no Redis
+    return subprocess.run([sys.executable, "-m", "trainhealth.cli", "analyze", *map(str, args)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
+
+
+def live_anomalies(path: Path) -> list[dict]:
+    """What the live pipeline writes for the log (``Anomaly.to_dict()``), in onset order."""
+    run = OfflineRun().feed_all(importers.read(path))
+    return [a.to_dict() for a in sorted(run.anomalies.values(), key=lambda a: (a.gen, a.step))]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_real_log_findings(real_logs: Path, name: str) -> None:
+    steps, first, last, tl, expected = EXPECTED[name]
+    rep = analyze_file(real_logs / name)
+    assert (rep.steps, rep.first_step, rep.last_step, rep.timeline, rep.error) == (steps, first, last, tl, None)
+    assert [(a.kind, a.severity, a.step, a.end_step, a.status) for a in rep.anomalies] == expected
+
+
+def test_trocr_json_has_the_spike_at_682_as_the_live_detectors_write_it(real_logs: Path) -> None:
+    out = cli(real_logs / TROCR, "--json")
+    doc = json.loads(out.stdout)
+    (f,) = doc["files"]
+    a, gn = f["anomalies"]
+    assert (gn["kind"], gn["step"], gn["end_step"], gn["evidence"]["grad_norm"]) == (
+        "grad_norm_spike", 682, 682, 1894075.125)
+    assert (a["kind"], a["step"], a["end_step"], a["status"]) == ("loss_spike", 682, 682, "resolved")
+    assert (a["evidence"]["loss"], a["evidence"]["peak"], a["evidence"]["peak_step"]) == (0.4896, 0.4896, 682)
+    assert f["anomalies"] == live_anomalies(real_logs / TROCR)  # kind, severity, evidence, message: exactly
+    assert out.returncode == (1 if a["severity"] == "critical" else 0), out.stderr
+    assert doc["summary"]["exit_status"] == out.returncode
+    rec = f["recommendations"][0]
+    assert (rec["anomaly_id"], rec["run"], rec["onset_step"]) == ("loss_spike:*:682:0", "hf_trocr_large_gradnorm", 682)
+    summary = f["summary"]
+    assert (summary["steps"], summary["evaluations"], summary["timings"]) == (
+        700, 7, {"step_seconds": 0, "eval_seconds": 7})
+    assert summary["metrics"] == {"loss": 700, "grad_norm": 700, "lr": 700, "tokens": 0, "consumed_samples": 0,
+                                  "skipped": 0}
+    # No step times: the goodput is not estimated, and says why.
+    assert f["goodput"]["timeline"] == "assumed" and f["goodput"]["ledger"] is None
+    assert f["goodput"]["note"] == "not estimated: the log has no step times (the timeline is assumed at 1 s per step)"
+
+
+def test_healthy_tinyllama_exits_0_with_no_anomalies(real_logs: Path) -> None:
+    out = cli(real_logs / TINYLLAMA)
+    assert out.returncode == 0, out.stderr
+    assert "  anomalies  0\n" in out.stdout
+    assert "timeline ASSUMED at 1 s per step" in out.stdout
+    assert out.stdout.endswith("1 file(s) analysed: 0 anomalies, 0 critical → exit 0\n")
+
+
+def test_all_nan_word_lm_is_critical_and_exits_1(real_logs: Path) -> None:
+    out = cli(real_logs / WORD_LM, "--json")
+    assert out.returncode == 1, out.stderr
+    (f,) = json.loads(out.stdout)["files"]
+    (a,) = f["anomalies"]
+    assert (a["kind"], a["severity"], a["step"], a["evidence"]["steps"]) == ("nan_inf", "critical", 200, 70)
+    assert f["summary"]["non_finite"] == {"loss": 70, "grad_norm": 0}
+    # ms/batch is logged: the ledger runs on the log's own timeline, ending where the last step ends.
+    g = f["goodput"]
+    end = [tp.offset for tp in timeline(importers.read(real_logs / WORD_LM))][-1]
+    assert (g["timeline"], g["timed_steps"]) == ("logged", 70)
+    assert g["ledger"]["wall_s"] == pytest.approx(end, abs=1e-6)
+    assert math.fsum(g["ledger"]["seconds"].values()) == pytest.approx(end, abs=1e-4)
+    rec = f["recommendations"][0]
+    assert rec["anomaly_id"] == a["id"] == "nan_inf:*:200:0"
+
+
+def test_bad_file_exits_2_with_one_line_naming_file_entry_and_field(tmp_path: Path, real_logs: Path) -> None:
+    bad = tmp_path / "trainer_state.json"
+    bad.write_text('{"log_history": [{"loss": 1.0, "step": 1}, {"loss": "x", "step": 2}]}')
+    out = cli(bad)
+    assert out.returncode == 2
+    assert out.stderr == f"trainhealth: error: {bad}: log_history[1] field 'loss' is not a number: 'x'\n"
+    jsonl = tmp_path / "run.jsonl"
+    jsonl.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": "x"}\n')
+    out = cli(jsonl, real_logs / TINYLLAMA, tmp_path / "missing.log", "--json")
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        f"trainhealth: error: {jsonl}: line 2 field 'loss' is not a number: 'x'",
+        f"trainhealth: error: {tmp_path / 'missing.log'}: cannot read: No such file or directory",
+    ]
+    doc = json.loads(out.stdout)  # the good file is still analysed and reported
+    assert [f["error"] is None for f in doc["files"]] == [False, True, False]
+    assert (doc["summary"]["failed"], doc["summary"]["exit_status"]) == (2, 2)
+    # Usage errors: a malformed --map, an unknown format.
+    out = cli(real_logs / TINYLLAMA, "--map", "loss")
+    assert (out.returncode, out.stderr) == (2, "trainhealth: error: --map 'loss' is not FIELD=COLUMN (e.g. "
+                                               "loss=train/loss)\n")
+    assert cli(real_logs / TINYLLAMA, "--format", "nope").returncode == 2
+
+
+def test_json_schema_fields_exactly(real_logs: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "report.json"
+    out = cli(real_logs / TROCR, real_logs / WORD_LM, "--json-file", dest)
+    assert out.returncode == 1
+    assert out.stdout.startswith(f"{real_logs / TROCR}\n")  # the text report still goes to stdout
+    doc = json.loads(dest.read_text())
+    assert list(doc) == ["schema", "schema_version", "trainhealth_version", "summary", "files"]
+    assert (doc["schema"], doc["schema_version"]) == (SCHEMA, SCHEMA_VERSION) == ("trainhealth.analyze", 1)
+    assert doc["summary"] == {"files": 2, "failed": 0, "anomalies": 3, "critical": 1, "exit_status": 1}
+    for f in doc["files"]:
+        assert list(f) == FILE_KEYS
+        assert list(f["summary"]) == SUMMARY_KEYS
+        assert list(f["summary"]["metrics"]) == ["loss", "grad_norm", "lr", "tokens", "consumed_samples", "skipped"]
+        assert list(f["summary"]["timings"]) == ["step_seconds", "eval_seconds"]
+        assert list(f["goodput"]) == GOODPUT_KEYS
+        for a in f["anomalies"]:
+            assert sorted(a) == ANOMALY_KEYS
+        for r in f["recommendations"]:
+            assert list(r) == RECOMMENDATION_KEYS
+    assert [f["format"] for f in doc["files"]] == ["hf_trainer_state", "word_lm"]
+    ledger = doc["files"][1]["goodput"]["ledger"]
+    assert {"wall_s", "seconds", "goodput_pct", "tokens_total", "throughput_tok_s", "goodput_tok_s"} <= set(ledger)
+
+
+def test_several_paths_report_each_file_in_order(real_logs: Path) -> None:
+    out = cli(real_logs / TROCR, real_logs / TINYLLAMA, real_logs / WORD_LM)
+    assert out.returncode == 1
+    heads = [line for line in out.stdout.splitlines() if line.startswith(str(real_logs))]
+    assert heads == [str(real_logs / n) for n in (TROCR, TINYLLAMA, WORD_LM)]
+    assert "    WARNING  loss_spike       steps 682–682 (resolved)\n" in out.stdout
+    assert "    CRITICAL nan_inf          steps 200–… (active)\n" in out.stdout
+    assert out.stdout.endswith("3 file(s) analysed: 3 anomalies, 1 critical → exit 1\n")
+
+
+def test_html_report_is_standalone_with_the_figures(real_logs: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "report.html"
+    out = cli(real_logs / TROCR, real_logs / WORD_LM, "--html", dest)
+    assert out.returncode == 1, out.stderr
+    page = dest.read_text()
+    assert re.findall(r"<script[^>]*\bsrc\s*=", page) == [] and "<link" not in page  # nothing loaded from outside
+    assert page.count(get_plotlyjs()) == 1  # plotly.js embedded once
+    figures = re.findall(r'Plotly\.newPlot\(\s*"([^"]+)"', page)
+    assert figures == ["curves-0", "curves-1", "steptime-1", "goodput-1"]  # TrOCR has no step times
+    data = json.loads(re.search(r'Plotly\.newPlot\(\s*"curves-0",\s*(\[.*?\]),\s*\{', page, re.S).group(1))
+    loss = next(t for t in data if t.get("name") == "loss")
+    x, y = values(loss["x"]), values(loss["y"])
+    assert len(x) == 700 and x[340] == 682 and y[340] == 0.4896  # every step: 700 is below the chart's cap
+    marker = next(t for t in data if t.get("name") == "warning anomaly")
+    assert values(marker["x"]) == [682.0, 682.0] and "loss 0.4896 at step 682" in marker["hovertext"][0]
+    assert "not estimated: the log has no step times" in page
+
+
+def test_progress_bar_only_when_asked_or_on_a_terminal(real_logs: Path) -> None:
+    log = real_logs / "modded_nanogpt_soap.log"
+    shown = cli(log, "--progress", "always", "--json")
+    assert "modded_nanogpt_soap.log" in shown.stderr and "line" in shown.stderr
+    assert cli(log, "--json").stderr == ""  # stderr is a pipe here: no bar
+
+
+def test_an_error_late_in_a_file_keeps_what_was_found_before(tmp_path: Path) -> None:
+    rows = [{"step": s, "loss": 3.0 - s / 1000 + (0.01 if s % 2 else -0.01)} for s in range(1, 301)]
+    rows[199]["loss"] = 9.0  # a one-step loss spike at step 200
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 301, "loss": "oops"}\n')
+    out = cli(path, "--json")
+    assert out.returncode == 2
+    assert out.stderr == f"trainhealth: error: {path}: line 301 field 'loss' is not a number: 'oops'\n"
+    (f,) = json.loads(out.stdout)["files"]
+    assert f["error"] == f"{path}: line 301 field 'loss' is not a number: 'oops'"
+    assert f["summary"]["steps"] == 300
+    assert [(a["kind"], a["step"]) for a in f["anomalies"]] == [("loss_spike", 200)]
+
+
+def test_chart_series_is_bounded_and_keeps_spikes_gaps_and_pinned_steps() -> None:
+    s = ChartSeries(buckets=50)
+    for i in range(1, 100_001):
+        loss = 9.0 if i == 61_234 else math.nan if i == 80_000 else 2.0 + (i % 7) / 100
+        s.add(i, loss, 1.0 + (i % 5) / 10, 0.3)
+        if i == 61_240:
+            s.pin([61_233])  # an anomaly's onset, reported a few steps later
+    rows = s.rows()
+    assert s.points == 100_000
+    assert len(rows) <= 11 * 50
+    steps = [r[1] for r in rows]
+    assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 100_000
+    assert max((r for r in rows if math.isfinite(r[2])), key=lambda r: r[2])[1:3] == (61_234, 9.0)
+    assert [r[1] for r in rows if math.isnan(r[2])] == [80_000]
+    assert (0, 61_233, 2.0 + 61_233 % 7 / 100, 1.0 + 61_233 % 5 / 10, 0.3) in rows
+    # A step going back (a resumed run in the same file) starts generation 1.
+    s.add(50_000, 2.5, 1.0, 0.3)
+    assert s.rows()[-1] == (1, 50_000, 2.5, 1.0, 0.3)
+    with pytest.raises(ValueError, match="buckets=1 must be >= 2"):
+        ChartSeries(buckets=1)
