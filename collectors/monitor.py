@@ -368,6 +368,7 @@ class Monitor:
         batch_index: int | None = None,
         skipped: bool | None = None,
         timestamp: float | None = None,
+        step_s: float | None = None,
         **unknown: Any,
     ) -> None:
         """Record a step's metrics: loss, global grad norm, learning rate, tokens and samples on this rank.
@@ -378,6 +379,10 @@ class Monitor:
         marks an optimizer step skipped by the loss scaler (fp16 overflow).
 
         ``timestamp`` (unix s) overrides when the step ended, for replaying logs; default now.
+        ``step_s`` is the step's duration in seconds as the job itself measured it (a framework's
+        iteration timer, a log's time per iteration), for steps not timed with :meth:`step`: the
+        timing detectors (``throughput_drop``, ``slow_step``) use it when there is no ``step()``
+        time; untimed steps are never judged on the gaps between them.
         Values are recorded as given (NaN/Inf included). An unknown keyword is ignored with one
         warning; a value that is not a number is not recorded, with one warning per field.
         Never raises.
@@ -389,7 +394,8 @@ class Monitor:
                 self._warn_once(f"unknown:{sorted(unknown)}",
                                 "log_step() got unknown keyword(s) %s; ignored", sorted(unknown))
             metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "samples": samples,
-                       "consumed_samples": consumed_samples, "batch_index": batch_index, "skipped": skipped}
+                       "consumed_samples": consumed_samples, "batch_index": batch_index, "skipped": skipped,
+                       "step_s": step_s}
             cur = self._cur
             if cur is not None and cur.step == step:
                 cur.metrics = metrics

@@ -9,6 +9,7 @@ aggregate from the first attempt, as the goodput ledger needs.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 from trainhealth import defaults
@@ -41,6 +42,9 @@ class StepAggregate:
         Data position after the step: the highest any rank reported.
     skipped : bool
         Whether any rank reported the optimizer step as skipped (fp16 overflow).
+    step_s : float | None
+        Seconds per step as the job measured it (``StepRecord.step_s``), max over ranks; None when
+        no rank gave one.
     n_ranks : int
         Ranks that reported.
     busy : tuple[float | None, ...]
@@ -68,6 +72,7 @@ class StepAggregate:
     consumed_samples: int | None = None
     batch_index: int | None = None
     skipped: bool = False
+    step_s: float | None = None
 
     @property
     def dur(self) -> float | None:
@@ -79,9 +84,28 @@ def _merge(a: StepRecord, b: StepRecord) -> StepRecord:
     # Same rank, same step, two records (timing, then metrics): keep what each has.
     kw = {f: getattr(b, f) if getattr(b, f) is not None else getattr(a, f)
           for f in ("dur", "loss", "grad_norm", "lr", "tokens", "samples", "consumed_samples", "batch_index",
-                    "skipped")}
+                    "skipped", "step_s")}
     return StepRecord(rank=a.rank, step=a.step, inc=a.inc, t=max(a.t, b.t),
                       sections={**a.sections, **b.sections}, gpu={**a.gpu, **b.gpu}, **kw)
+
+
+_ROW_FIELDS = operator.attrgetter("loss", "grad_norm", "t", "dur", "tokens", "samples", "inc", "lr",
+                                  "consumed_samples", "batch_index", "skipped", "step_s")
+
+
+def _row(r: StepRecord, data_sections: tuple[str, ...]) -> tuple:
+    """The values of one rank's record a step aggregate is built from, in ``_build``'s column order;
+    the last two are ``r.busy_s`` and the record's seconds in data-loading sections."""
+    sec = r.sections
+    # busy_s is sum(gpu) + sum(CPU-only sections): with no GPU times that is the sum of the sections.
+    busy = sum(sec.values()) if sec and not r.gpu else r.busy_s
+    data, found = 0, 0  # sum(v for k, v in sec.items() if k in data_sections): 0 + v for one such section
+    for k in data_sections:
+        if k in sec:
+            data, found = 0 + sec[k], found + 1
+    if found > 1:  # the sum in the sections' order, as the definition adds them
+        data = sum([v for k, v in sec.items() if k in data_sections])
+    return (*_ROW_FIELDS(r), busy, data)
 
 
 class StepAggregator:
@@ -121,6 +145,9 @@ class StepAggregator:
         self._rank_last: dict[int, int] = {}
         self._gen = 0
         self._pending: dict[tuple[int, int], dict[int, StepRecord]] = {}
+        # The values _build needs from each pending record, taken while the record is fresh in the
+        # CPU cache: a step's 1,024 records arrive over many batches, scattered in memory.
+        self._rows: dict[tuple[int, int], dict[int, tuple]] = {}
         self._first_seen: dict[tuple[int, int], float] = {}
         self._done: dict[int, int] = {}  # gen -> highest step emitted
         #: Records that arrived for a step already closed (late ranks), counted.
@@ -134,35 +161,41 @@ class StepAggregator:
     def add(self, rec: StepRecord) -> list[StepAggregate]:
         """Add one rank's record; return the steps it completes, in step order."""
         out: list[StepAggregate] = []
-        prev = self._rank_inc.get(rec.rank)
+        rank, step = rec.rank, rec.step  # (called once per record: ~100,000 times a second)
+        prev = self._rank_inc.get(rank)
         if prev is None:
-            self._rank_inc[rec.rank] = rec.inc
-            self._rank_gen[rec.rank] = self._gen
+            self._rank_inc[rank] = rec.inc
+            self._rank_gen[rank] = self._gen
         elif rec.inc < prev:
             self.late += 1  # a record from before this rank restarted: that attempt is closed
             return out
-        elif rec.inc > prev or rec.step < self._rank_last[rec.rank]:
+        elif rec.inc > prev or step < self._rank_last[rank]:
             # The rank restarted (new process) or rewound in-process (rollback to a checkpoint):
             # a new generation, shared by the other ranks that restart with it.
-            self._rank_inc[rec.rank] = rec.inc
-            gen = self._rank_gen[rec.rank] + 1
-            self._rank_gen[rec.rank] = gen
+            self._rank_inc[rank] = rec.inc
+            gen = self._rank_gen[rank] + 1
+            self._rank_gen[rank] = gen
             if gen > self._gen:
                 self._gen = gen
                 out += self._close(lambda key: key[0] < gen)
-        self._rank_last[rec.rank] = rec.step
-        gen = self._rank_gen[rec.rank]
-        key = (gen, rec.step)
-        if key not in self._pending and rec.step <= self._done.get(gen, -1):
-            self.late += 1  # this step was already closed without this rank
-            return out
-        recs = self._pending.setdefault(key, {})
-        if not recs:
+        self._rank_last[rank] = step
+        gen = self._rank_gen[rank]
+        key = (gen, step)
+        recs = self._pending.get(key)
+        if recs is None:
+            if step <= self._done.get(gen, -1):
+                self.late += 1  # this step was already closed without this rank
+                return out
+            recs = self._pending[key] = {}
+            self._rows[key] = {}
             self._first_seen[key] = rec.t
-        recs[rec.rank] = _merge(recs[rec.rank], rec) if rec.rank in recs else rec
+        if rank in recs:
+            rec = _merge(recs[rank], rec)
+        recs[rank] = rec
+        self._rows[key][rank] = _row(rec, self.data_sections)
         if len(recs) >= self.world_size:
             # Complete: close it and any earlier step of this generation still waiting for ranks.
-            out += self._close(lambda k: k[0] == gen and k[1] <= rec.step)
+            out += self._close(lambda k: k[0] == gen and k[1] <= step)
         return out
 
     def flush_stale(self, now: float) -> list[StepAggregate]:
@@ -178,40 +211,61 @@ class StepAggregator:
         out = []
         for key in keys:
             recs = self._pending.pop(key)
+            rows = self._rows.pop(key)
             self._first_seen.pop(key, None)
             self._done[key[0]] = max(self._done.get(key[0], -1), key[1])
-            out.append(self._build(key, recs))
+            out.append(self._build(key, recs, rows))
         return out
 
-    def _build(self, key: tuple[int, int], recs: dict[int, StepRecord]) -> StepAggregate:
+    def _build(self, key: tuple[int, int], recs: dict[int, StepRecord],
+               rows: dict[int, tuple] | None = None) -> StepAggregate:
         gen, step = key
-        rs = [recs[r] for r in sorted(recs)]
-        losses = [r.loss for r in rs if r.loss is not None]
-        norms = [r.grad_norm for r in rs if r.grad_norm is not None]
-        bad = tuple(r.rank for r in rs if any(v is not None and not math.isfinite(v)
-                                              for v in (r.loss, r.grad_norm)))
-        loss = next((x for x in losses if not math.isfinite(x)), None) if bad else None
-        if loss is None and losses:
-            loss = sum(losses) / len(losses)
-        gn = next((x for x in norms if not math.isfinite(x)), None)
-        if gn is None and norms:
-            gn = max(norms)
-        starts = [r.t - r.dur for r in rs if r.dur is not None]
-        tokens = [r.tokens for r in rs if r.tokens is not None]
-        samples = [r.samples for r in rs if r.samples is not None]
+        order = sorted(recs)
+        rs = [recs[r] for r in order]
+        if rows is None:
+            rows = {r: _row(recs[r], self.data_sections) for r in order}
+        # Columns of the ranks' values in rank order (see _row); each field computed as the
+        # comment beside it says, from the records rs.
+        (loss_c, gn_c, t_c, dur_c, tokens_c, samples_c, inc_c, lr_c, consumed_c, batch_c, skipped_c, step_s_c,
+         busy_c, data_c) = zip(*[rows[r] for r in order], strict=True)
+        losses = [x for x in loss_c if x is not None]  # r.loss
+        norms = [x for x in gn_c if x is not None]  # r.grad_norm
+        try:
+            # A NaN/Inf loss or grad norm makes its sum non-finite: then find the bad ranks.
+            finite = math.isfinite(sum(losses)) and math.isfinite(sum(norms))
+        except OverflowError:
+            finite = False
+        if finite:
+            bad: tuple[int, ...] = ()
+            loss = sum(losses) / len(losses) if losses else None
+            gn = max(norms) if norms else None
+        else:
+            bad = tuple(r.rank for r in rs if any(v is not None and not math.isfinite(v)
+                                                  for v in (r.loss, r.grad_norm)))
+            loss = next((x for x in losses if not math.isfinite(x)), None) if bad else None
+            if loss is None and losses:
+                loss = sum(losses) / len(losses)
+            gn = next((x for x in norms if not math.isfinite(x)), None)
+            if gn is None and norms:
+                gn = max(norms)
+        starts = [t - d for t, d in zip(t_c, dur_c, strict=True) if d is not None]  # r.t - r.dur
+        tokens = [x for x in tokens_c if x is not None]
+        samples = [x for x in samples_c if x is not None]
         width = max(self.world_size, rs[-1].rank + 1)
-        busy: list[float | None] = [None] * width
-        data = 0.0
-        for r in rs:
-            busy[r.rank] = r.busy_s
-            data = max(data, sum(v for k, v in r.sections.items() if k in self.data_sections))
+        if rs[0].rank == 0 and len(rs) == width:  # ranks 0..width-1, all present
+            busy: list[float | None] | tuple[float | None, ...] = busy_c  # busy[r.rank] = r.busy_s
+        else:
+            busy = [None] * width
+            for r, b in zip(rs, busy_c, strict=True):
+                busy[r.rank] = b
         return StepAggregate(
-            step=step, gen=gen, inc=min(r.inc for r in rs),
-            t_start=min(starts) if starts else None, t_end=max(r.t for r in rs),
-            loss=loss, grad_norm=gn, lr=next((r.lr for r in rs if r.lr is not None), None),
+            step=step, gen=gen, inc=min(inc_c),
+            t_start=min(starts) if starts else None, t_end=max(t_c),
+            loss=loss, grad_norm=gn, lr=next((x for x in lr_c if x is not None), None),
             tokens=sum(tokens) if tokens else None, samples=sum(samples) if samples else None,
-            n_ranks=len(rs), busy=tuple(busy), data_s=data, bad_ranks=bad,
-            consumed_samples=max((r.consumed_samples for r in rs if r.consumed_samples is not None), default=None),
-            batch_index=max((r.batch_index for r in rs if r.batch_index is not None), default=None),
-            skipped=any(r.skipped for r in rs),
+            n_ranks=len(rs), busy=tuple(busy), data_s=max((0.0, *data_c)), bad_ranks=bad,
+            consumed_samples=max([x for x in consumed_c if x is not None], default=None),
+            batch_index=max([x for x in batch_c if x is not None], default=None),
+            skipped=any(skipped_c),
+            step_s=max([x for x in step_s_c if x is not None], default=None),
         )

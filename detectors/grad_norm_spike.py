@@ -13,14 +13,18 @@ class GradNormSpikeDetector(LossSpikeDetector):
     grad norm lives at 1e5-4e6 (fp16 scaling, some vision models) is judged against its own
     level, never against an absolute threshold; a grad-norm spike often comes a few steps
     before a loss spike (BLOOM, PaLM), and it is reported even when the loss does not react.
-    It never escalates to divergence (a raised grad-norm level is not a diverged loss).
+    A spike still open after ``divergence_steps`` settles as ``not_recovered`` and the baseline
+    restarts at the new level; a lasting rise is :class:`~detectors.grad_norm_explosion.GradNormExplosionDetector`'s
+    to report. Skipped steps do not decide anything here (the grad norm is not recomputed on them).
 
     Parameters are those of :class:`~detectors.loss_spike.LossSpikeDetector`, with ``z_open``
     from ``defaults.GRAD_NORM_SPIKE_Z_OPEN`` and ``min_rel_rise`` from
-    ``defaults.GRAD_NORM_SPIKE_MIN_REL_RISE`` (a grad norm is noisier than a loss).
+    ``defaults.GRAD_NORM_SPIKE_MIN_REL_RISE`` (a grad norm is noisier than a loss); the partner is the
+    loss, and a loss spike at the same step (``partner_spike_z`` = the loss detector's ``z_open``) lets a
+    grad-norm jump of at least 2x count at ``corroborate_z`` SDs.
 
-    Evidence: ``grad_norm``, ``baseline`` (predicted), ``z``, ``peak``, ``peak_step``,
-    ``recovery_steps``.
+    Evidence: ``grad_norm``, ``baseline`` (predicted), ``z``, ``rise``, ``threshold``, ``peak``, ``peak_step``,
+    ``recovery_class``, ``recovery_steps``.
 
     Examples
     --------
@@ -32,19 +36,21 @@ class GradNormSpikeDetector(LossSpikeDetector):
     ...     gn = 2e5 * math.exp(rng.gauss(0, 0.1)) * (12.0 if step == 250 else 1.0)
     ...     a = StepAggregate(step, 0, 0.0, None, float(step), 1.0, gn, None, None, None, 1, (None,), 0.0)
     ...     for an in det.update(a):
-    ...         print(an.kind, an.status, an.step, an.end_step)
-    grad_norm_spike active 250 None
-    grad_norm_spike resolved 250 250
+    ...         print(an.kind, an.status, an.step, an.end_step, an.evidence.get("recovery_class"))
+    grad_norm_spike active 250 None None
+    grad_norm_spike resolved 250 250 fast
 
     References
     ----------
-    BigScience BLOOM-176B chronicles (grad-norm spikes before loss spikes); the Hampel filter
-    references of :class:`~detectors.loss_spike.LossSpikeDetector`.
+    BigScience BLOOM-176B chronicles (grad-norm spikes before loss spikes); OLMo 2 (Team OLMo,
+    arXiv:2501.00656, 2024: grad-norm spikes precede loss spikes); the Hampel filter references of
+    :class:`~detectors.loss_spike.LossSpikeDetector`.
     """
 
     KIND = "grad_norm_spike"
     FIELD = "grad_norm"
     LABEL = "grad norm"
+    PARTNER = "loss"
 
     def __init__(
         self,
@@ -53,6 +59,8 @@ class GradNormSpikeDetector(LossSpikeDetector):
         z_open: float = defaults.GRAD_NORM_SPIKE_Z_OPEN,
         z_close: float = defaults.LOSS_SPIKE_Z_CLOSE,
         min_rel_rise: float = defaults.GRAD_NORM_SPIKE_MIN_REL_RISE,
+        partner_spike_z: float = defaults.LOSS_SPIKE_Z_OPEN,
+        divergence_steps: int = defaults.DIVERGENCE_STEPS,
     ) -> None:
         super().__init__(window=window, warmup=warmup, z_open=z_open, z_close=z_close, min_rel_rise=min_rel_rise,
-                         divergence_steps=2**62)
+                         partner_spike_z=partner_spike_z, divergence_steps=divergence_steps, skipped_steps=0)

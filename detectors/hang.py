@@ -1,33 +1,125 @@
-"""Hangs and silent ranks, from the collectors' heartbeats."""
+"""Hangs: no rank of the job completes a step, from the collectors' heartbeats."""
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from detectors.anomaly import RESOLVED, Anomaly
 from trainhealth import defaults
 
 
+@dataclass(frozen=True)
+class Beat:
+    """One rank's latest heartbeat, judged at a time ``now``.
+
+    Attributes
+    ----------
+    rank : int
+        Global rank.
+    step : int | None
+        Last step it completed (None before its first step).
+    idle_s : float
+        Seconds since it completed that step; since its heartbeat when it has no step yet (a
+        rank still starting up is not stalled).
+    silent_s : float
+        Seconds since its last heartbeat.
+    phase : str
+        ``train``, ``checkpoint_save``, ``checkpoint_load`` or ``badput`` (the phases
+        ``collectors.Monitor`` sends: ``checkpoint_save()`` / ``checkpoint_load()`` and ``timed_badput()``,
+        which the Lightning integration uses for validation).
+    host : str | None
+        Host name, as the collector reported it.
+    """
+
+    rank: int
+    step: int | None
+    idle_s: float
+    silent_s: float
+    phase: str
+    host: str | None
+
+    @property
+    def checkpointing(self) -> bool:
+        """Saving or loading a checkpoint."""
+        return self.phase.startswith("checkpoint")
+
+    @property
+    def declared(self) -> bool:
+        """In a declared non-training phase: a checkpoint save or load, or badput (evaluation, profiling...).
+
+        Any phase but ``train`` counts, so an integration naming its phase (``evaluation``) is covered too.
+        """
+        return self.phase != "train"
+
+
+def read_beats(now: float, heartbeats: Mapping[int, Mapping[str, Any]]) -> list[Beat]:
+    """Judge decoded ``th:{run}:hb`` heartbeats at unix time ``now`` (s); replayed logs are left out.
+
+    >>> [(b.rank, b.idle_s, b.silent_s) for b in read_beats(100.0, {0: {"t": 95.0, "step": 3, "step_t": 60.0},
+    ...                                                            1: {"t": 99.0, "phase": "replay"}})]
+    [(0, 40.0, 5.0)]
+    """
+    out = []
+    for rank, hb in heartbeats.items():
+        if hb.get("phase") == "replay":
+            continue  # a log being replayed has its own (past) timeline
+        t = float(hb.get("t") or 0.0)
+        step_t = hb.get("step_t")
+        since = float(step_t) if step_t is not None else t
+        out.append(Beat(rank, hb.get("step"), now - since, now - t, str(hb.get("phase") or "train"), hb.get("host")))
+    return out
+
+
+def progress_limit(beats: Iterable[Beat], timeout_s: float, checkpoint_s: float, silence_s: float) -> float:
+    """Seconds without a completed step that count as stalled: ``checkpoint_s`` while any rank still
+    heard from is in a declared phase (:attr:`Beat.declared`: a checkpoint save or load, an evaluation
+    or other ``timed_badput``; the others wait for it in the next collective, and a rank-0-only save or
+    evaluation blocks every rank), else ``timeout_s``."""
+    declared = any(b.declared and b.silent_s <= silence_limit(b, timeout_s, silence_s) for b in beats)
+    return checkpoint_s if declared else timeout_s
+
+
+def silence_limit(b: Beat, timeout_s: float, silence_s: float) -> float:
+    """Seconds without a heartbeat after which rank ``b`` is gone: ``silence_s``, or the progress
+    timeout while it saves a checkpoint (pickling a large state can hold the GIL the collector's
+    heartbeat thread needs). Not extended for badput phases: an evaluation does not starve the
+    heartbeat thread, and a process dying during one should be named within ``silence_s``."""
+    return max(silence_s, timeout_s) if b.checkpointing else silence_s
+
+
 class HangDetector:
-    """Flags ranks that completed no step for too long, or whose heartbeat stopped.
+    """Flags the job when no rank completed a step for too long.
 
     Heartbeats are sent by the collector's background thread every ``heartbeat_interval``
-    seconds and carry the rank's last completed step and when it completed. So:
+    seconds and carry the rank's last completed step and when it completed, so a training
+    thread stuck in a collective, the data loader or I/O shows as a fresh heartbeat with a stale
+    step time. The job hangs when **every** rank's last step is older than the progress timeout
+    ``max(floor_s, step_multiple x median step time)`` (median over the last 200 completed
+    steps, so a job with 60 s steps is not flagged after 2 minutes); ranks still starting up (no
+    step yet in their incarnation) neither count as progress nor prevent a hang, and before any
+    rank completed a step nothing is judged.
 
-    * fresh heartbeat, stale step time → the training thread is stuck (hang, deadlock in a
-      collective, data-loader stall): no progress for ``now - step_t`` seconds;
-    * stale heartbeat → the process (or node) is gone.
+    Declared phases: while any rank's heartbeat says it is in a declared non-training phase —
+    ``phase=checkpoint_save`` / ``checkpoint_load``, or ``badput`` (``Monitor.timed_badput``:
+    evaluation, profiling; the Lightning integration's validation) — the timeout is ``checkpoint_s``
+    for every rank: the others wait for it in the next collective. Evaluations get the same long
+    allowance as checkpoints: a validation pass over a large set takes as long as a save (minutes),
+    and it is time the job declared, which the goodput ledger counts as badput, not a stall. The
+    progress clock also restarts at the last heartbeat seen in a declared phase: the stall is
+    measured from the later of the last completed step and the end of the phase, so a first step
+    that is slow after an evaluation (data-loader workers re-spawned) gets the normal timeout from
+    the evaluation's end rather than from the step before it.
 
-    The progress timeout is ``max(floor_s, step_multiple x median step time)`` with the
-    median over the last 200 completed steps, so a job with 60 s steps is not flagged after
-    2 minutes; a rank whose heartbeat says ``phase=checkpoint_save`` (or load) gets
-    ``checkpoint_s`` instead. All hung ranks of one stall form one anomaly (critical), whose
-    onset step is the earliest last-completed step among them; it resolves when they all
-    progress again.
+    One anomaly (critical) per stall, onset at the earliest last-completed step; it resolves when a
+    rank completes a step again (or enters a declared phase).
+
+    A rank gone (stale heartbeat) or stuck while the others progress is
+    :class:`~detectors.dead_rank.DeadRankDetector`'s ``dead_rank``; when the others then block
+    on it, the job hangs as well and both are open.
 
     Parameters
     ----------
@@ -36,14 +128,16 @@ class HangDetector:
     step_multiple : float
         Timeout as a multiple of the median step time.
     checkpoint_s : float
-        Timeout while a rank is saving or loading a checkpoint (s).
+        Timeout while a rank is in a declared phase: saving or loading a checkpoint, or badput such as
+        an evaluation (s).
     heartbeat_interval : float
         The collectors' heartbeat interval (s).
     missed_intervals : int
-        Heartbeats missed before a rank counts as gone.
+        Heartbeats missed before a rank counts as gone (reported in ``silent_ranks``).
 
-    Evidence: ``timeout_s``, ``stalled_s`` (longest no-progress time), ``silent_ranks``
-    (ranks with a stale heartbeat), ``median_step_s``.
+    Evidence: ``timeout_s`` (the timeout applied), ``stalled_s`` (seconds judged: since any rank last
+    completed a step or was last heard in a declared phase), ``idle_s`` (since any rank last completed
+    a step), ``silent_ranks`` (ranks with a stale heartbeat), ``median_step_s``.
 
     Examples
     --------
@@ -52,13 +146,32 @@ class HangDetector:
     ...       1: {"t": 1025.0, "step": 41, "step_t": 1000.0, "phase": "train"}}
     >>> det.check(1030.0, hb)
     []
+    >>> hb[0] = {"t": 1095.0, "step": 42, "step_t": 1045.0, "phase": "train"}
     >>> hb[1] = {"t": 1095.0, "step": 41, "step_t": 1000.0, "phase": "train"}
-    >>> hb[0] = {"t": 1095.0, "step": 42, "step_t": 1090.0, "phase": "train"}
-    >>> [(a.kind, a.ranks, a.step, a.evidence["stalled_s"]) for a in det.check(1100.0, hb)]
-    [('hang', (1,), 41, 100.0)]
+    >>> det.check(1100.0, hb)  # rank 0 progressed 55 s ago: no hang
+    []
+    >>> [(a.kind, a.ranks, a.step, a.evidence["stalled_s"]) for a in det.check(1106.0, hb)]
+    [('hang', (0, 1), 41, 61.0)]
     >>> hb[1] = {"t": 1110.0, "step": 42, "step_t": 1110.0, "phase": "train"}
     >>> [(a.status, a.end_step) for a in det.check(1111.0, hb)]
     [('resolved', 42)]
+
+    A 10-minute evaluation (``timed_badput``) is no hang, and the clock restarts when it ends:
+
+    >>> hb = {r: {"t": 1700.0, "step": 42, "step_t": 1110.0, "phase": "badput"} for r in (0, 1)}
+    >>> det.check(1705.0, hb)
+    []
+    >>> hb = {r: {"t": 1750.0, "step": 42, "step_t": 1110.0, "phase": "train"} for r in (0, 1)}
+    >>> det.check(1755.0, hb)  # no step for 645 s, 55 s since the evaluation's last heartbeat
+    []
+    >>> [(a.kind, a.step, a.evidence["stalled_s"], a.evidence["idle_s"]) for a in det.check(1761.0, hb)]
+    [('hang', 42, 61.0, 651.0)]
+
+    References
+    ----------
+    NVIDIA Resiliency Extension fault tolerance (heartbeat and section timeouts, longer ones
+    for checkpointing, timeouts computed from observed step times); PyTorch ``init_process_group``
+    ``timeout`` (a stuck collective is only noticed by the job after 10-30 min).
     """
 
     def __init__(
@@ -77,6 +190,7 @@ class HangDetector:
         self._step_s: deque[float] = deque(maxlen=200)
         self._open: Anomaly | None = None
         self._gen = 0
+        self._phase_t: float | None = None  # newest heartbeat time (unix s) seen in a declared phase
 
     def observe_step(self, seconds: float | None, gen: int = 0) -> None:
         """Record a completed step's wall time (s), for the learned timeout."""
@@ -86,50 +200,54 @@ class HangDetector:
 
     @property
     def timeout_s(self) -> float:
-        """Current progress timeout (s)."""
+        """Current progress timeout (s), outside checkpoints."""
         med = statistics.median(self._step_s) if self._step_s else 0.0
         return max(self.floor_s, self.step_multiple * med)
+
+    @property
+    def median_step_s(self) -> float | None:
+        """Median of the last 200 step times (s), None before any."""
+        return statistics.median(self._step_s) if self._step_s else None
 
     def check(self, now: float, heartbeats: Mapping[int, Mapping[str, Any]]) -> list[Anomaly]:
         """Judge the heartbeats at time ``now`` (unix s); return anomaly states that changed.
 
         ``heartbeats`` maps rank to the decoded JSON of ``th:{run}:hb``.
         """
-        timeout = self.timeout_s
-        hung: dict[int, tuple[float, int | None]] = {}
-        silent: list[int] = []
-        for rank, hb in heartbeats.items():
-            if hb.get("phase") == "replay":
-                continue  # a log being replayed has its own (past) timeline
-            t = float(hb.get("t") or 0.0)
-            step_t = hb.get("step_t")
-            since = float(step_t) if step_t is not None else t
-            limit = self.checkpoint_s if str(hb.get("phase", "train")).startswith("checkpoint") else timeout
-            gone = now - t > self.missed_intervals * self.heartbeat_interval
-            if gone:
-                silent.append(rank)
-            if gone or now - since > limit:
-                hung[rank] = (now - since, hb.get("step"))
+        beats = read_beats(now, heartbeats)
+        silence = self.missed_intervals * self.heartbeat_interval
+        limit = progress_limit(beats, self.timeout_s, self.checkpoint_s, silence)
+        for b in beats:
+            if b.declared and (self._phase_t is None or now - b.silent_s > self._phase_t):
+                self._phase_t = now - b.silent_s
+        since_phase = now - self._phase_t if self._phase_t is not None else float("inf")
         cur = self._open
-        if not hung:
+        stepped = [b for b in beats if b.step is not None]  # ranks still starting up cannot tell
+        if not stepped or any(min(b.idle_s, since_phase) <= limit for b in stepped):
             if cur is None:
                 return []
             self._open = None
-            steps = [hb.get("step") for hb in heartbeats.values() if hb.get("step") is not None]
-            return [replace(cur, status=RESOLVED, end_step=min(steps) if steps else cur.step)]
-        stalled = max(s for s, _ in hung.values())
-        last_steps = [st for _, st in hung.values() if st is not None]
-        onset = min(last_steps) if last_steps else -1
-        ranks = tuple(sorted(hung))
-        everyone = len(ranks) == len(heartbeats)
-        who = "all ranks" if everyone and len(ranks) > 1 else f"rank{'s' if len(ranks) > 1 else ''} " + ", ".join(
-            map(str, ranks[:16])) + (" …" if len(ranks) > 16 else "")
-        msg = (f"{who}: no step completed for {stalled:.0f} s (timeout {timeout:.0f} s) after step {onset}"
-               + (f"; heartbeat lost from rank(s) {', '.join(map(str, sorted(silent)[:16]))}: process or node down"
+            # The first step completed after the stall (a rank whose heartbeat predates it still shows the old one).
+            steps = [b.step for b in beats if b.step is not None]
+            later = [s for s in steps if s > cur.step]
+            end = min(later) if later else max(steps, default=cur.step)
+            return [replace(cur, status=RESOLVED, end_step=end)]
+        idle = min(b.idle_s for b in stepped)
+        stalled = min(idle, since_phase)
+        onset = min(b.step for b in stepped)
+        ranks = tuple(sorted(b.rank for b in beats))
+        silent = sorted(b.rank for b in beats if b.silent_s > silence_limit(b, self.timeout_s, silence))
+        who = "all ranks" if len(ranks) > 1 else f"rank {ranks[0]}"
+        after = f" ({stalled:.0f} s since the last checkpoint/badput phase)" if stalled < idle else ""
+        msg = (f"{who}: no step completed for {idle:.0f} s{after} (timeout {limit:.0f} s) after step {onset}"
+               + (f"; heartbeat lost from rank(s) {', '.join(map(str, silent[:16]))}: process or node down, the "
+                  "others wait for it (see dead_rank)"
                   if silent else "; processes alive: stuck in a collective, the data loader or I/O "
                   "(py-spy dump the ranks)"))
-        ev = {"timeout_s": round(timeout, 3), "stalled_s": round(stalled, 3), "silent_ranks": sorted(silent),
-              "median_step_s": round(statistics.median(self._step_s), 6) if self._step_s else None}
+        med = self.median_step_s
+        ev = {"timeout_s": round(limit, 3), "stalled_s": round(stalled, 3), "idle_s": round(idle, 3),
+              "silent_ranks": silent,
+              "median_step_s": round(med, 6) if med is not None else None}
         if cur is None:
             self._open = Anomaly(kind="hang", severity="critical", step=onset, ranks=ranks, gen=self._gen,
                                  message=msg, evidence=ev, scope="*")

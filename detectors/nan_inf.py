@@ -14,7 +14,9 @@ class NanInfDetector:
     A non-finite **loss** is ``critical`` (the weights are likely corrupted from here on).
     A non-finite **grad norm** with a finite loss is ``warning``: with fp16 dynamic loss
     scaling it is the usual overflow, and the optimizer skips that step (Micikevicius et
-    al., 2018); many in a row are not usual and keep the anomaly open.
+    al., 2018); many in a row are not usual and keep the anomaly open. When the step is
+    marked ``skipped`` the overflow was handled and it is not reported here: runs of skipped
+    steps are :class:`~detectors.skipped_steps.SkippedStepsDetector`'s.
 
     Evidence: ``loss``, ``grad_norm`` (as strings ``nan``/``inf`` when non-finite),
     ``steps`` (non-finite steps so far in this run of them).
@@ -47,7 +49,9 @@ class NanInfDetector:
     def update(self, agg: StepAggregate) -> list[Anomaly]:
         """Feed one step; return the anomaly states that changed (opened, grown or resolved)."""
         loss_bad = agg.loss is not None and not math.isfinite(agg.loss)
-        gn_bad = agg.grad_norm is not None and not math.isfinite(agg.grad_norm)
+        # A non-finite grad norm on a step the optimizer skipped is the fp16 overflow doing its job: runs of
+        # those are SkippedStepsDetector's. One on an applied step (or when the log cannot tell) is reported.
+        gn_bad = agg.grad_norm is not None and not math.isfinite(agg.grad_norm) and not agg.skipped
         cur = self._open
         if not (loss_bad or gn_bad):
             if cur is None:

@@ -32,12 +32,17 @@ class TimedPoint:
         (fp16 overflow); None when the log cannot tell.
     timed : bool
         Whether the log gave this point's step time (else the assumed pace placed it).
+    step_s : float | None
+        The log's own seconds per step for a train point, for the timing detectors: None when the
+        pace was assumed, or when an evaluation was logged since the previous train point (a time
+        taken from wall-clock stamps would then include the evaluation, which is not a step).
     """
 
     point: LogPoint
     offset: float
     skipped: bool | None
     timed: bool
+    step_s: float | None = None
 
 
 def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[TimedPoint]:
@@ -45,7 +50,15 @@ def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[
 
     Step ``s`` ends after the previous logged step by ``(s - previous) x`` the seconds per step
     the log gives for it (:attr:`LogPoint.step_seconds`), else ``step_seconds`` (assumed);
-    an evaluation takes its logged ``eval_seconds``.
+    an evaluation takes its logged ``eval_seconds``. The first logged step takes one step's time:
+    the steps before it are not on this timeline (a log starting at step 12,695 is an excerpt or a
+    resumed run; and the first step of a launch counts in the goodput ledger from its end anyway,
+    as its start-up, so nothing productive is lost).
+
+    >>> [round(tp.offset) for tp in timeline([LogPoint(12695), LogPoint(12696), LogPoint(12700)])]
+    [1, 2, 6]
+    >>> [round(tp.offset) for tp in timeline([LogPoint(15), LogPoint(30)])]
+    [1, 16]
 
     Raises
     ------
@@ -54,31 +67,35 @@ def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[
     """
     if not step_seconds > 0:
         raise ValueError(f"step_seconds={step_seconds!r} must be > 0")
-    cursor, prev_step = 0.0, 0
+    cursor, prev_step, after_eval = 0.0, None, False
     for p in points:
-        skip, timed = None, False
+        skip, timed, own = None, False, None
         if p.is_eval:
             cursor += max(p.eval_seconds or 0.0, 0.0)
-            timed = True
+            timed = after_eval = True
         else:
             per = p.step_seconds
             timed = per is not None and math.isfinite(per) and per > 0
             if not timed:
                 per = step_seconds
-            steps = max(p.step - prev_step, 1)
+            first, steps = prev_step is None, 1 if prev_step is None else max(p.step - prev_step, 1)
             cursor += steps * per
             prev_step = p.step
             if p.skipped is not None:
-                skip = p.skipped >= steps
-        yield TimedPoint(p, cursor, skip, timed)
+                # The first point's count covers an interval of unknown length: only "none" is certain.
+                skip = (False if p.skipped == 0 else None) if first else p.skipped >= steps
+            own = per if timed and not after_eval else None
+            after_eval = False
+        yield TimedPoint(p, cursor, skip, timed, own)
 
 
 class OfflineRun:
     """Feed a log's points through a :class:`RunPipeline` as rank 0 of a one-rank run.
 
     Each train point becomes the :class:`StepRecord` the collector's ``log_step`` would send
-    (``t`` = start + offset, untimed), each evaluation a ``badput`` event named
-    ``evaluation`` — what ``trainhealth replay`` pushes through Redis.
+    (``t`` = start + offset, untimed; ``step_s`` = the log's seconds per step where it gave one),
+    each evaluation a ``badput`` event named ``evaluation`` — what ``trainhealth replay`` pushes
+    through Redis.
 
     Parameters
     ----------
@@ -125,7 +142,8 @@ class OfflineRun:
         self.timed_steps += tp.timed
         rec = StepRecord(rank=0, step=p.step, inc=self.start, t=t, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr,
                          tokens=p.tokens, consumed_samples=p.consumed_samples,
-                         skipped=None if tp.skipped is None else int(tp.skipped))
+                         skipped=None if tp.skipped is None else int(tp.skipped),
+                         step_s=tp.step_s)  # the log's own step time, never an assumed one
         return self._keep(self.pipeline.feed_step(rec))
 
     def feed_all(self, points: Iterable[LogPoint]) -> OfflineRun:

@@ -10,20 +10,29 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from detectors.advisor import Checkpoint, Recommendation, RollbackAdvisor
 from detectors.aggregate import StepAggregate, StepAggregator
 from detectors.anomaly import Anomaly
+from detectors.dead_rank import DeadRankDetector
+from detectors.divergence import DivergenceDetector
+from detectors.grad_norm_explosion import GradNormExplosionDetector
 from detectors.grad_norm_spike import GradNormSpikeDetector
 from detectors.hang import HangDetector
 from detectors.ledger import GoodputLedger
 from detectors.loss_spike import LossSpikeDetector
 from detectors.nan_inf import NanInfDetector
+from detectors.rank_outlier import RankOutlierDetector
 from detectors.restart import RestartDetector
+from detectors.restart_storm import RestartStormDetector
+from detectors.skipped_steps import SkippedStepsDetector
+from detectors.slow_node import SlowNodeDetector
+from detectors.slow_step import SlowStepDetector
 from detectors.straggler import StragglerDetector
+from detectors.throughput import ThroughputDropDetector
 from trainhealth.events import Event, StepRecord
 
 
@@ -60,10 +69,20 @@ class RunPipeline:
         self.aggregator = StepAggregator(world_size)
         self.ledger = GoodputLedger(world_size, gpu_hour_usd)
         self.hang = hang or HangDetector()
-        self.step_detectors = [NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(),
-                               StragglerDetector()]
         #: rank -> host, from run_start events.
         self.hosts: dict[int, str] = {}
+        # Rank family: a slow node is one slow_node anomaly, not a straggler per rank (the straggler
+        # detector skips its ranks); a rank outlier is a rank neither explains (docs/anomalies.md).
+        self.slow_node = SlowNodeDetector(self.hosts)
+        self.straggler = StragglerDetector(exclude=self.slow_node.covered_ranks)
+        self.rank_outlier = RankOutlierDetector(
+            exclude=lambda: self.slow_node.covered_ranks() | self.straggler.open_ranks)
+        self.dead_rank = DeadRankDetector(self.hang.checkpoint_s, self.hang.heartbeat_interval,
+                                          self.hang.missed_intervals)
+        self.step_detectors = [NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(),
+                               DivergenceDetector(), GradNormExplosionDetector(), SkippedStepsDetector(),
+                               self.slow_node, self.straggler, self.rank_outlier, RestartStormDetector(),
+                               ThroughputDropDetector(), SlowStepDetector()]
         self.ended_ranks: set[int] = set()
         self.run = run
         self.advisor = RollbackAdvisor()
@@ -88,9 +107,32 @@ class RunPipeline:
 
     def feed_step(self, rec: StepRecord) -> Output:
         """Feed one rank's step record."""
-        if rec.rank >= self.world_size:
+        return self._steps(self._add(rec))
+
+    def _add(self, rec: StepRecord) -> list[StepAggregate]:
+        # Per-record work goes here: :meth:`feed` (the service) calls this, not feed_step.
+        if rec.rank >= self.aggregator.world_size:
             self.set_world_size(rec.rank + 1)
-        return self._steps(self.aggregator.add(rec))
+        self.rank_outlier.observe(rec)
+        return self.aggregator.add(rec)
+
+    def feed(self, items: Iterable[StepRecord | Event]) -> Iterator[Output]:
+        """Feed records and events in order; yield the non-empty outputs, each before the next item is fed.
+
+        The same as :meth:`feed_step` / :meth:`feed_event` on each item, without building an empty
+        :class:`Output` for each of the ``world_size - 1`` records of a step that complete nothing
+        (the service's hot path).
+        """
+        add = self._add
+        for item in items:
+            if isinstance(item, StepRecord):
+                aggs = add(item)
+                if aggs:
+                    yield self._steps(aggs)
+            else:
+                out = self.feed_event(item)
+                if out.aggs or out.anomalies or out.recommendations:
+                    yield out
 
     def feed_event(self, ev: Event) -> Output:
         """Feed one event (run start/end, checkpoints, custom badput)."""
@@ -116,9 +158,11 @@ class RunPipeline:
         return self._steps(self.aggregator.flush())
 
     def check_heartbeats(self, now: float, heartbeats: Mapping[int, Mapping[str, Any]]) -> list[Anomaly]:
-        """Hang check at unix time ``now``; ranks that ended cleanly are left out."""
+        """Hang and dead-rank checks at unix time ``now``; ranks that ended cleanly are left out."""
         live = {r: hb for r, hb in heartbeats.items() if r not in self.ended_ranks}
-        return [self._with_hosts(a) for a in self.hang.check(now, live)]
+        found = self.hang.check(now, live) + self.dead_rank.check(now, live, self.hang.timeout_s,
+                                                                  self.aggregator.generation)
+        return [self._with_hosts(a) for a in found]
 
     def _steps(self, aggs: list[StepAggregate]) -> Output:
         out = Output(aggs=aggs)

@@ -8,6 +8,8 @@ import random
 import pytest
 
 from detectors.aggregate import StepAggregate, StepAggregator
+from detectors.dead_rank import DeadRankDetector
+from detectors.divergence import DivergenceDetector
 from detectors.hang import HangDetector
 from detectors.ledger import CATEGORIES, GoodputLedger
 from detectors.loss_spike import LossSpikeDetector
@@ -101,18 +103,20 @@ def test_loss_spike_opens_once_and_resolves_with_exact_steps() -> None:
 
 
 def test_loss_that_never_recovers_becomes_divergence() -> None:
+    # The spike detector classifies the spike not_recovered; the divergence detector reports the divergence.
     losses = healthy_curve(500)
     losses[300:] = [x + 1.5 for x in losses[300:]]
-    det = LossSpikeDetector(divergence_steps=100)
+    det, div = LossSpikeDetector(divergence_steps=100), DivergenceDetector(steps=100)
     got = []
     for s, x in enumerate(losses):
-        got += det.update(agg(s, x))
+        got += det.update(agg(s, x)) + div.update(agg(s, x))
     assert [(a.kind, a.status, a.step, a.end_step, a.severity) for a in got] == [
         ("loss_spike", "active", 300, None, "warning"),
-        ("divergence", "active", 300, None, "critical"),
         ("loss_spike", "resolved", 300, 400, "critical"),
+        ("divergence", "active", 300, None, "critical"),
     ]
-    assert got[2].evidence["recovered"] is False
+    assert got[1].evidence["recovered"] is False and got[1].evidence["recovery_class"] == "not_recovered"
+    assert got[2].evidence["reason"] == "spike_not_recovered"
 
 
 # -- straggler -------------------------------------------------------------------------------------------------
@@ -152,15 +156,26 @@ def test_hang_timeout_learns_from_step_time_and_spares_checkpoints() -> None:
     hb = {0: {"t": 1000.0, "step": 9, "step_t": 850.0, "phase": "train"},
           1: {"t": 1000.0, "step": 9, "step_t": 850.0, "phase": "checkpoint_save"}}
     assert det.check(1001.0, hb) == []  # 151 s < 200 s
-    [a] = det.check(1051.0 + 0.5, {**hb, 0: {**hb[0], "t": 1050.0}, 1: {**hb[1], "t": 1050.0}})
-    assert (a.kind, a.ranks, a.step, a.evidence["timeout_s"]) == ("hang", (0,), 9, 200.0)
+    # 201.5 s > 200 s, but rank 1 is saving a checkpoint: rank 0 waits for it at the next collective.
+    assert det.check(1051.0 + 0.5, {**hb, 0: {**hb[0], "t": 1050.0}, 1: {**hb[1], "t": 1050.0}}) == []
+    # The save is over (back to train): the clock restarts at the save's last heartbeat (t = 1050), so with
+    # still no step completed the job hangs 200 s after it.
+    after = {0: {**hb[0], "t": 1245.0}, 1: {**hb[1], "t": 1245.0, "phase": "train"}}
+    assert det.check(1061.0, after) == [] and det.check(1249.0, after) == []
+    [a] = det.check(1251.0, after)
+    assert (a.kind, a.ranks, a.step, a.evidence["timeout_s"], a.evidence["stalled_s"], a.evidence["idle_s"]) == (
+        "hang", (0, 1), 9, 200.0, 201.0, 401.0)
+    assert a.message.startswith("all ranks: no step completed for 401 s (201 s since the last checkpoint/badput "
+                                "phase) (timeout 200 s) after step 9")
 
 
 def test_dead_rank_is_reported_as_silent() -> None:
-    det = HangDetector(floor_s=60, heartbeat_interval=5, missed_intervals=4)
+    # Since issue 4 a silent rank is a dead_rank (detectors/dead_rank.py); hang means no rank progresses.
     hb = {0: {"t": 1000.0, "step": 3, "step_t": 999.0}, 1: {"t": 979.0, "step": 3, "step_t": 978.0}}
-    [a] = det.check(1000.0, hb)
-    assert a.ranks == (1,) and a.evidence["silent_ranks"] == [1] and "process or node down" in a.message
+    assert HangDetector(floor_s=60, heartbeat_interval=5, missed_intervals=4).check(1000.0, hb) == []
+    [a] = DeadRankDetector(heartbeat_interval=5, missed_intervals=4).check(1000.0, hb, timeout_s=60.0)
+    assert (a.kind, a.ranks, a.step, a.evidence["silent_ranks"]) == ("dead_rank", (1,), 3, [1])
+    assert "process or node down" in a.message
 
 
 # -- ledger ---------------------------------------------------------------------------------------------------------

@@ -204,7 +204,8 @@ def test_replay_of_megatron_104b_uses_logged_times_and_skips(r: redis.Redis, rea
     res = replay(path, r, run="m104b", points=pts)
     assert res.points == 19
     # The timeline is the log's own elapsed time per iteration, not the assumed 1 s per step.
-    prev, span = 0, 0.0
+    # The first logged step takes one step's time (the excerpt's earlier steps are not on the timeline).
+    prev, span = pts[0].step - 1, 0.0
     for p in pts:
         span += (p.step - prev) * p.step_seconds
         prev = p.step

@@ -97,7 +97,8 @@ def test_step_stream_is_trimmed_to_the_retention(r: redis.Redis, redis_url: str)
     from collectors import Monitor
 
     # one record per entry here (batch_records=1), so entries = steps
-    mon = Monitor("trim", redis_url=redis_url, rank=0, world_size=1, retention=1000, batch_records=1)
+    mon = Monitor("trim", redis_url=redis_url, rank=0, world_size=1, retention=1000, batch_records=1,
+                  close_timeout=60.0)  # 20,000 one-record XADDs: generous on a loaded CI machine
     for s in range(20_000):
         mon.log_step(s, loss=1.0)
     assert mon.close() is True

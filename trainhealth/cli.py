@@ -1,4 +1,4 @@
-"""The ``trainhealth`` command: demo, serve, dashboard, replay, doctor, redis."""
+"""The ``trainhealth`` command: demo, serve, dashboard, replay, analyze, doctor, redis."""
 
 from __future__ import annotations
 
@@ -89,14 +89,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if not args.step_seconds > 0:
         raise ConfigError(f"--step-seconds={args.step_seconds!r} must be > 0")
     # Parse every file before touching Redis: a typo must not start a server or half-write a run.
-    mapping = None
-    if args.map:
-        mapping = {}
-        for item in args.map:
-            field, sep, column = item.partition("=")
-            if not sep or not field:
-                raise ConfigError(f"--map {item!r} is not FIELD=COLUMN (e.g. loss=train/loss)")
-            mapping[field] = column or None
+    mapping = parse_map(args.map)
     parsed = [(path, read_points(path, args.format, mapping)) for path in args.paths]
     url, _ = _resolve(args)
     client = connect(url)
@@ -108,6 +101,39 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if not _live_services(client):
         print("No detector service is running: start `trainhealth serve` to analyse the replayed run(s).")
     return 0
+
+
+def parse_map(items: list[str] | None) -> dict[str, str | None] | None:
+    """``--map FIELD=COLUMN`` options (replay, analyze) as an importer mapping; ``FIELD=`` ignores a field."""
+    if not items:
+        return None
+    mapping: dict[str, str | None] = {}
+    for item in items:
+        field, sep, column = item.partition("=")
+        if not sep or not field:
+            raise ConfigError(f"--map {item!r} is not FIELD=COLUMN (e.g. loss=train/loss)")
+        mapping[field] = column or None
+    return mapping
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from trainhealth.analyze import analyze_paths, exit_status, format_text, to_json, write_text
+
+    progress = {"always": True, "never": False}.get(args.progress)  # auto: when stderr is a terminal
+    reports = analyze_paths(args.paths, args.format, parse_map(args.map), step_seconds=args.step_seconds,
+                            progress=progress, on_error=lambda msg: print(f"trainhealth: error: {msg}",
+                                                                          file=sys.stderr, flush=True))
+    if args.json_file:
+        write_text(to_json(reports), args.json_file, sys.stdout)
+    if args.html:
+        from trainhealth.report_html import render
+
+        write_text(render(reports), args.html, sys.stdout)
+    if args.json:
+        sys.stdout.write(to_json(reports))
+    else:
+        sys.stdout.write(format_text(reports))
+    return exit_status(reports)
 
 
 def _live_services(client) -> list[dict]:
@@ -362,19 +388,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"port on 127.0.0.1 (default {defaults.DASHBOARD_PORT})")
     b.set_defaults(func=cmd_dashboard)
 
+    def log_options(sp: argparse.ArgumentParser) -> None:
+        # PATH..., --format and --map: the same for replay and analyze.
+        sp.add_argument("paths", nargs="+", metavar="PATH", help="log file(s) (a TensorBoard run directory too)")
+        sp.add_argument("--format", choices=FORMATS, help="the log's format (default: detected from name and content)")
+        sp.add_argument("--map", action="append", metavar="FIELD=COLUMN",
+                        help="map one of our fields (step, loss, grad_norm, lr, tokens, step_seconds, ...) to a "
+                             "column or scalar tag of the log; repeatable")
+
     r = with_url(cmd("replay", "Push a training log through the collectors into Redis, so the detectors and the "
                                "dashboard act on it. Formats (detected, or --format): "
                                + ", ".join(FORMATS) + "."))
-    r.add_argument("paths", nargs="+", metavar="PATH", help="log file(s) (a TensorBoard run directory too)")
-    r.add_argument("--format", choices=FORMATS, help="the log's format (default: detected from name and content)")
-    r.add_argument("--map", action="append", metavar="FIELD=COLUMN",
-                   help="map one of our fields (step, loss, grad_norm, lr, tokens, step_seconds, ...) to a column "
-                        "or scalar tag of the log; repeatable")
+    log_options(r)
     r.add_argument("--run", help="run id (default replay-<file name>; only with one PATH)")
     r.add_argument("--speed", type=float, default=0.0, help="pace factor; 0 = as fast as possible (default)")
     r.add_argument("--step-seconds", type=float, default=1.0,
                    help="assumed seconds per step, as logs carry no times (default 1.0)")
     r.set_defaults(func=cmd_replay)
+
+    n = cmd("analyze", "Post-mortem of training logs, offline (no Redis): the live detectors, goodput ledger and "
+                       "rollback advisor run over each file. Exit 0 when nothing is critical, 1 when an anomaly is "
+                       "critical, 2 when a file cannot be read. Formats as for replay.")
+    log_options(n)
+    n.add_argument("--json", action="store_true", help="print the JSON report (docs/analyze.md) instead of the text")
+    n.add_argument("--json-file", metavar="FILE", help="also write the JSON report to FILE")
+    n.add_argument("--html", metavar="FILE", help="also write a standalone HTML report with charts to FILE")
+    n.add_argument("--step-seconds", type=float, default=1.0,
+                   help="assumed seconds per step where the log has no step times (default 1.0)")
+    n.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                   help="progress bars on stderr (default auto: when stderr is a terminal and a file takes > 0.5 s)")
+    n.set_defaults(func=cmd_analyze)
 
     o = with_url(cmd("doctor", "Check Redis and the detector service; exit 1 when something is down."),
                  starts=False)

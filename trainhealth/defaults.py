@@ -67,27 +67,37 @@ RUN_LEASE_S = 15
 AGG_STALE_S = 30.0
 
 # --- Detectors ------------------------------------------------------------------
-#: Loss spike: trailing window (steps), warm-up, robust z thresholds to open and close,
-#: and a minimum relative rise so a nearly flat curve's tiny MAD cannot trigger on noise.
+#: Loss spike: trailing window (logged points), warm-up (points; 3 lets a log excerpt with a handful of points
+#: before its spike be judged, the small-sample range scale guards it), robust z thresholds to open and close
+#: (OLMo-core's StabilityMonitorCallback flags > 6 SD over its trailing window), and a minimum rise to open: the
+#: loss at least 1.2x its expected value. 1.2x: a smaller one-point rise is the ordinary batch-to-batch spread of
+#: real runs (modded-nanogpt: a +15 % blip every ~100 steps late in training; Megatron Mixtral: +6-14 % blips)
+#: and not what the practitioner accounts call a spike (BLOOM-176B 2.2 -> 5.1, PaLM §5.1, the OPT logbook).
 LOSS_SPIKE_WINDOW_STEPS = 50
-LOSS_SPIKE_WARMUP_STEPS = 10
+LOSS_SPIKE_WARMUP_STEPS = 3
 LOSS_SPIKE_Z_OPEN = 6.5
 LOSS_SPIKE_Z_CLOSE = 3.0
-LOSS_SPIKE_MIN_REL_RISE = 0.05
+LOSS_SPIKE_MIN_REL_RISE = 0.2
 #: Grad-norm spikes: same method on log(grad norm), stricter (a grad norm is noisier than a loss).
 GRAD_NORM_SPIKE_Z_OPEN = 8.0
 GRAD_NORM_SPIKE_MIN_REL_RISE = 1.0
-#: A spike still open after this many steps is reported as divergence as well.
+#: Steps a spike may stay elevated before it is ``not_recovered`` (-> divergence), and a rise must last to be
+#: divergence. PaLM (§5.1) restarted ~100 steps before a spike that did not recover.
 DIVERGENCE_STEPS = 100
-#: Straggler: steps per window, relative score threshold (NVRx/NeMo default 0.7 for
-#: ``gpu_relative_perf_threshold``) and consecutive windows below it before flagging.
+#: Straggler: steps per window, relative score threshold and consecutive windows below it before flagging.
+#: The score is NVRx's (fastest rank's median / the rank's). Threshold 0.8 (a rank ~1.25x slower than the fastest),
+#: not NVRx/NeMo's default 0.7 (``gpu_relative_perf_threshold``, ~1.43x): in synchronous training every rank waits
+#: for the slowest, so a rank 30 % slower costs the whole job 30 % of its throughput, which on-call wants to know.
+#: Healthy spread stays above it (2 % per-GPU speed differences and 5 % step jitter: the healthy 64-rank test's worst
+#: score is 0.86; 0 false alarms in bench/detection_eval.py); STRAGGLER_MIN_WINDOWS and STRAGGLER_MIN_EXCESS_S guard.
 STRAGGLER_WINDOW_STEPS = 20
-STRAGGLER_THRESHOLD = 0.7
+STRAGGLER_THRESHOLD = 0.8
 STRAGGLER_MIN_WINDOWS = 2
 #: Ignore section-time differences below this many seconds (timer jitter on tiny steps).
 STRAGGLER_MIN_EXCESS_S = 0.002
 #: Hang: a rank with no completed step for max(HANG_FLOOR_S, HANG_STEP_MULTIPLE x median
-#: step time) is hung; checkpoint saves get HANG_CHECKPOINT_S before they count.
+#: step time) is hung; declared phases (checkpoint save/load, badput such as evaluations: heartbeat
+#: phase other than ``train``) get HANG_CHECKPOINT_S before they count.
 HANG_FLOOR_S = 120.0
 HANG_STEP_MULTIPLE = 20.0
 HANG_CHECKPOINT_S = 1800.0
@@ -95,10 +105,150 @@ HANG_CHECKPOINT_S = 1800.0
 HEARTBEAT_MISSED_INTERVALS = 4
 
 # --- Detectors: loss family (skipped steps, spike classes, divergence, grad-norm explosion) ---------
+#: Noise-aware spike threshold (extreme value theory, SPOT, Siffer et al. KDD 2017): a spike must also exceed the
+#: normalised residual the run's own noise exceeds with probability LOSS_SPIKE_TAIL_RISK per step (times the log's
+#: interval per logged point: a point standing for 5 steps takes 5 steps' share of the alarm budget), fitted
+#: (generalised Pareto, probability-weighted moments) on the peaks above the LOSS_SPIKE_TAIL_QUANTILE of the last
+#: LOSS_SPIKE_TAIL_POINTS accepted points, once LOSS_SPIKE_TAIL_MIN_POINTS are in. 1e-4: at most one false alarm per
+#: 10,000 healthy steps. On Gaussian noise it sits near 4 SDs (below LOSS_SPIKE_Z_OPEN: no effect); on the
+#: heavy right tail of real losses (hard batches) it rises. Waived when the partner signal (grad norm for the loss,
+#: loss for the grad norm) is itself LOSS_SPIKE_CORROBORATE_Z robust SDs up at the same step: two signals agreeing.
+#: 2,000 points above their 96th percentile give 80 peaks, about the fewest for a steady generalised Pareto fit
+#: (with 500-1,000 points a heavy tail is underestimated: then the other tests carry more of the weight).
+LOSS_SPIKE_TAIL_POINTS = 2000
+LOSS_SPIKE_TAIL_QUANTILE = 0.96
+LOSS_SPIKE_TAIL_RISK = 1e-4
+LOSS_SPIKE_TAIL_MIN_POINTS = 500
+LOSS_SPIKE_CORROBORATE_Z = 3.0
+#: A loss spike has recovered when the loss is back within this fraction of its expected value (or within
+#: LOSS_SPIKE_Z_CLOSE robust SDs on a noisy curve).
+LOSS_SPIKE_CLOSE_REL = 0.05
+#: Recovery classes (``evidence["recovery_class"]``): back within this many steps of the onset is ``fast``,
+#: later ``slow``; still elevated DIVERGENCE_STEPS after the onset is ``not_recovered`` (-> divergence). 50 steps:
+#: BLOOM-176B's spike at iteration 31219 was back by 31250 on its own (tr11-176B-ml chronicles), and it is the
+#: rollback advisor's re-check horizon (ROLLBACK_RECHECK_STEPS): a spike back by then needed no action.
+LOSS_SPIKE_FAST_STEPS = 50
+#: Divergence by a sustained rise: the loss stays at least DIVERGENCE_MIN_RISE (a fraction) above the best level
+#: the run reached, and at least DIVERGENCE_Z robust per-point SDs, for DIVERGENCE_STEPS steps and
+#: DIVERGENCE_MIN_POINTS logged points. 20 %: the loss-spike floor, sustained; in the healthy real logs the median
+#: of any 100 steps stays within 12 % of the best trailing median reached before (TrOCR 1.12x, LLaMA-Factory 1.10x,
+#: Lightning 1.07x, modded-nanogpt 1.07x), and 3 points is the fewest that make a level rather than a 2-point bump
+#: on a sparse log.
+DIVERGENCE_MIN_RISE = 0.2
+DIVERGENCE_Z = 3.0
+DIVERGENCE_MIN_POINTS = 3
+#: Grad-norm explosion: the grad norm's median since the onset is at least this many times the run's own floor
+#: (the lowest trailing median of LOSS_SPIKE_WINDOW_STEPS points, once GRAD_NORM_EXPLOSION_MIN_POINTS points
+#: establish it), for DIVERGENCE_STEPS steps and DIVERGENCE_MIN_POINTS points, or sooner while it keeps climbing
+#: (another factor over the episode: an exponential blow-up reaches NaN in less than 100 steps). An order of
+#: magnitude: exploding gradients grow by orders of magnitude (Pascanu, Mikolov and Bengio, ICML 2013), healthy
+#: runs drift by a few x (the real logs: at most 3.3x, TrOCR, whose grad norm lives at 1e5-4e6; near the end of
+#: training grad norms rise a few x, Defazio et al. 2025, "Why Gradients Rapidly Increase Near the End of Training").
+GRAD_NORM_EXPLOSION_FACTOR = 10.0
+GRAD_NORM_EXPLOSION_MIN_POINTS = 20
+#: Skipped steps: this many consecutive optimizer steps skipped (fp16 loss-scale overflow) make a ``skipped_steps``
+#: anomaly. DeepSpeed and Megatron-LM lower the loss scale only after ``hysteresis`` = 2 consecutive overflows
+#: (their default), so up to 2 skips in a row is the scaler doing its job; a third means halving the scale did not
+#: stop the overflow. An open loss spike during such a run is ``not_recovered`` (the weights are not updated).
+SKIPPED_STEPS_MIN = 3
+#: ...except while the loss scaler calibrates at the start (no step applied yet in this generation): halving
+#: once per overflow from Megatron-LM's default initial scale 2^32 takes up to 32 skips.
+SKIPPED_STEPS_INITIAL = 32
 
 # --- Detectors: timing family (throughput drop, slow steps) --------------------------------------
+#: Both judge a step's own duration: the live ``mon.step()`` time, else the job's own measurement
+#: (``log_step(step_s=)``, a log's time per iteration); never the gap between untimed records (it
+#: holds checkpoints and evaluations) nor a replay's assumed pace. They work on log(step time): a
+#: slowdown multiplies it. Floor of the robust SD of log step time: 0.005 (0.5 %), about the
+#: quantisation of a millisecond timer on a 0.25 s step (modded-nanogpt's log), so a MAD of 0 on
+#: a very regular run cannot turn a 1 ms difference into a many-sigma event.
+TIMING_MIN_SCALE = 0.005
+#: Throughput drop: Page's CUSUM (Page 1954) on standardised log step time against a robust trailing
+#: reference (median and 1.4826 x MAD of the last 100 normal timed steps, at least 10 of them after
+#: the first 3 of each generation — compilation and cache warm-up). It is designed for a shift of
+#: delta = 2 robust SDs: reference value k = delta / 2 = 1 and decision interval h = 4, an in-control
+#: average run length of ~15,000 steps by Siegmund's approximation (Montgomery, Introduction to
+#: Statistical Quality Control, 6th ed., sec. 9.1; ~37,000 simulated with the winsorising below), i.e.
+#: well under 1 false alarm per 10,000 healthy steps. Each standardised value is winsorised at +-2.5
+#: (robust CUSUM: Lucas & Crosier 1982): one step adds at most 1.5, so no fewer than 3 steps can raise
+#: an alarm, however slow a single step is.
+THROUGHPUT_WINDOW_STEPS = 100
+THROUGHPUT_WARMUP_STEPS = 3
+THROUGHPUT_MIN_REFERENCE_STEPS = 10
+THROUGHPUT_CUSUM_K = 1.0
+THROUGHPUT_CUSUM_H = 4.0
+THROUGHPUT_CLIP = 2.5
+#: A drop is reported (onset at the maximum-likelihood change point, Hinkley 1970) only when the median
+#: step time since the onset is above the reference by at least the design shift (2 robust SDs: a
+#: smaller move is the workload's own variation) and by at least 3 % (a floor: a smaller drop is not
+#: worth a page and is within the run-to-run variation of synchronous training; our choice, not a
+#: published figure), is higher than the reference itself ever was over as many steps (step times
+#: that wander with the data, LLaMA-Factory's fine-tuning log, are not drops), and has held over at
+#: least 10 steps by step number (shorter bursts are slow steps, below). Measured: 0 false alarms in
+#: 100,000 simulated healthy steps at 0.5-20 % noise; ~0.25 per 10,000 on the Mixtral golden
+#: values' own step times resampled. A 10 % drop is found when the step-to-step noise is <= ~5 %.
+THROUGHPUT_MIN_SHIFT_SD = 2.0
+THROUGHPUT_MIN_REL_CHANGE = 0.03
+THROUGHPUT_MIN_STEPS = 10
+#: Slow step: a step at least 2x the trailing median step time (it lost at least one whole step of
+#: time) and more than 6 robust SDs above it (the loss-spike detector's order of strictness; Hampel
+#: identifier), against the last 50 normal timed steps. Nothing is reported before that window has
+#: filled in a generation (warm-up; it is also how long the rhythm check has to see a period of up
+#: to 16 steps three times). Consecutive steps at >= 1.5x and > 3 SDs continue one slow step
+#: (hysteresis); a run longer than THROUGHPUT_MIN_STEPS - 1 steps is a level shift, left to the
+#: throughput-drop detector.
+SLOW_STEP_WINDOW_STEPS = 50
+SLOW_STEP_WARMUP_STEPS = SLOW_STEP_WINDOW_STEPS
+#: Reference steps needed before a step is judged at all (slow steps are noted from then on, for the
+#: rhythm, even inside the warm-up).
+SLOW_STEP_MIN_REFERENCE_STEPS = 5
+SLOW_STEP_RATIO = 2.0
+SLOW_STEP_Z = 6.0
+SLOW_STEP_CLOSE_RATIO = 1.5
+SLOW_STEP_Z_CLOSE = 3.0
+SLOW_STEP_MAX_RUN_STEPS = THROUGHPUT_MIN_STEPS - 1
 
 # --- Detectors: rank family (slow node, rank outlier, dead rank, restart storm) ------------------
+#: Slow node: a host is slow in a window when more than this fraction of its ranks score below
+#: STRAGGLER_THRESHOLD (the same NVRx relative score, same windows); it needs at least
+#: SLOW_NODE_MIN_RANKS ranks with data and a second host to compare with. Persistence as the
+#: straggler's (no more windows than it, so the node is named before its ranks become stragglers).
+SLOW_NODE_FRACTION = 0.5
+SLOW_NODE_MIN_RANKS = 2
+SLOW_NODE_MIN_WINDOWS = 2
+#: Rank outlier (Isolation Forest, Liu, Ting & Zhou 2008, scikit-learn ``IsolationForest``) over
+#: per-rank window features. Needs this many ranks (a median/MAD and a forest over fewer are noise).
+RANK_OUTLIER_WINDOW_STEPS = 20
+RANK_OUTLIER_MIN_RANKS = 8
+#: Materiality gate: a candidate rank is worse than the ranks' median by at least this robust z
+#: (deviation / max(1.4826 x MAD, floor); 3 = Leys et al. 2013's "very conservative" MAD cut-off)
+#: in at least this many features at once.
+RANK_OUTLIER_Z = 3.0
+RANK_OUTLIER_MIN_FEATURES = 2
+#: An open rank outlier stays open while still this far off in as many features (hysteresis).
+RANK_OUTLIER_Z_CLOSE = 2.0
+#: Floors of each feature's scale, so a job whose ranks are nearly identical (tiny MAD) does not
+#: turn timer noise into large z: relative section time 2 %, its IQR/median 0.02, data-loading share
+#: 2 points, missing steps 5 % (1 step in a 20-step window).
+RANK_OUTLIER_FLOORS = (0.02, 0.02, 0.02, 0.05)
+#: Isolation score s (the paper's 2^(-E[h]/c(n)), = -score_samples) a candidate must reach: above
+#: scikit-learn's contamination="auto" cut-off of 0.5, with a margin.
+RANK_OUTLIER_SCORE = 0.6
+#: Consecutive flagged windows before opening (one more than the straggler's: it is the fuzzier test).
+RANK_OUTLIER_MIN_WINDOWS = 3
+RANK_OUTLIER_TREES = 100
+RANK_OUTLIER_SEED = 0
+#: Dead rank "stuck alone": besides the progress timeout, the rank's own heartbeat must be written at least this
+#: many heartbeat intervals after another rank was first seen past its step and still show the old step. One
+#: interval: the heartbeats are written every HEARTBEAT_INTERVAL_S at each rank's own offset, so after a long pause
+#: a rank's latest one may predate the first step after it; a second: a rank finishing the same step a little
+#: after the others (pipeline stages). Our choice, from the heartbeat protocol (no published figure).
+DEAD_RANK_EVIDENCE_INTERVALS = 2.0
+#: Restart storm: this many restarts (new generations) within this many seconds of wall time. A job
+#: failing more often than every 20 min loses most of its time to restarts and recomputation; the
+#: same idea as Kubernetes CrashLoopBackOff and torchrun's ``--max-restarts`` budget.
+RESTART_STORM_COUNT = 3
+RESTART_STORM_WINDOW_S = 3600.0
 
 # --- Rollback advisor -------------------------------------------------------------------
 #: Restart from a checkpoint at least this many steps before the onset (PaLM: ~100 steps).

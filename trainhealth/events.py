@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
+from itertools import repeat
 from typing import Any
 
 #: Event kinds written by collectors into ``th:{run}:events``.
@@ -27,7 +28,7 @@ EVENT_KINDS = (
 SECTION_PREFIX = "sec."
 GPU_PREFIX = "gpu."
 
-_STEP_FLOATS = ("t", "dur", "loss", "grad_norm", "lr")
+_STEP_FLOATS = ("t", "dur", "loss", "grad_norm", "lr", "step_s")
 _STEP_INTS = ("tokens", "samples", "consumed_samples", "batch_index", "skipped")
 
 
@@ -62,6 +63,9 @@ class StepRecord:
         Seconds per named section (``data``, ``forward_backward``, ...) before the collective.
     gpu : dict[str, float]
         GPU seconds of sections timed with CUDA events (``section(name, cuda=True)``).
+    step_s : float | None
+        Seconds per step as the job itself measured it, when trainhealth did not time the step
+        (``log_step(step_s=...)``; a replayed log's time per iteration).
     """
 
     rank: int
@@ -79,6 +83,7 @@ class StepRecord:
     skipped: int | None = None
     sections: dict[str, float] = field(default_factory=dict)
     gpu: dict[str, float] = field(default_factory=dict)
+    step_s: float | None = None
 
     @property
     def busy_s(self) -> float | None:
@@ -90,8 +95,68 @@ class StepRecord:
         return sum(self.gpu.values()) + sum(v for k, v in self.sections.items() if k not in self.gpu)
 
 
+# The service decodes ~100,000 records a second: a record of plain numbers (as the collectors send)
+# gets its StepRecord built directly, without the frozen dataclass __init__ (one object.__setattr__
+# per field); anything else takes the checked path below. Both build equal records.
+_FAST_TYPES = {**dict.fromkeys(("rank", "step"), int), "inc": float, **dict.fromkeys(_STEP_FLOATS, float),
+               **dict.fromkeys(_STEP_INTS, int)}
+_REQUIRED = ("rank", "step", "inc", "t")
+_FIELDS = StepRecord.__dataclass_fields__
+_SCALARS = {n: f for n, f in _FIELDS.items() if n not in ("sections", "gpu")}
+_FAST = not hasattr(StepRecord, "__post_init__") and set(_FAST_TYPES) <= set(_SCALARS) and all(
+    f.default_factory is MISSING and (f.default is not MISSING or n in _REQUIRED) for n, f in _SCALARS.items())
+_new, _set = object.__new__, object.__setattr__
+
+
+def _template() -> dict[str, Any]:
+    # Every field, in __init__ order, at its default (None for the required ones): an instance's own
+    # attribute dict, so that its copies share the class's keys (a record takes 200 bytes, not 460).
+    proto = _new(StepRecord)
+    for n, f in _FIELDS.items():
+        _set(proto, n, None if f.default is MISSING else f.default)
+    return proto.__dict__
+
+
+_TEMPLATE = _template() if _FAST else {}
+
+
+def _plain_step_record(d: Mapping[str, Any]) -> StepRecord | None:
+    """The record when every field has the exact type the checked path would convert it to, else None."""
+    ns = _TEMPLATE.copy()
+    sections: dict[str, float] = {}
+    gpu: dict[str, float] = {}
+    kinds = _FAST_TYPES
+    for k, v in d.items():
+        kind = kinds.get(k)
+        if kind is None:
+            if type(k) is not str:
+                return None
+            if k.startswith(SECTION_PREFIX):
+                if type(v) is not float:
+                    return None
+                sections[k[len(SECTION_PREFIX):]] = v
+            elif k.startswith(GPU_PREFIX):
+                if type(v) is not float:
+                    return None
+                gpu[k[len(GPU_PREFIX):]] = v
+        elif v is not None:
+            if type(v) is not kind:
+                return None
+            ns[k] = v
+    if ns["rank"] is None or ns["step"] is None or ns["inc"] is None or ns["t"] is None:
+        return None
+    ns["sections"], ns["gpu"] = sections, gpu
+    rec = _new(StepRecord)
+    _set(rec, "__dict__", ns)
+    return rec
+
+
 def step_record(d: Mapping[str, Any]) -> StepRecord:
     """Build a :class:`StepRecord` from one decoded record; raises ``KeyError``/``ValueError`` naming the field."""
+    if _FAST:
+        rec = _plain_step_record(d)
+        if rec is not None:
+            return rec
     kw: dict[str, Any] = {}
     for name in _STEP_FLOATS:
         v = d.get(name)
@@ -123,16 +188,61 @@ def decode_steps(fields: Mapping[Any, Any]) -> list[StepRecord]:
     ...   b"recs": b'[{"rank":0,"step":5,"inc":1.0,"t":2.0,"loss":NaN},{"rank":0,"step":6,"inc":1.0,"t":3.0}]'})]
     [5, 6]
     """
-    d = {_s(k): v for k, v in fields.items()}
-    if "recs" not in d:
-        raise KeyError("entry has no 'recs' field")
+    body = fields.get(b"recs")  # as Redis returns it (bytes keys); other key types are normalised below
+    if body is None or "recs" in fields:
+        d = {_s(k): v for k, v in fields.items()}
+        if "recs" not in d:
+            raise KeyError("entry has no 'recs' field")
+        body = d["recs"]
     try:
-        recs = json.loads(d["recs"])
+        if isinstance(body, bytes) and body[:2] == b"[{":
+            recs = _fast_loads(body)
+            if recs is None:
+                # What json.loads does with these bytes (detect_encoding finds UTF-8), minus its checks.
+                recs = _DECODER.decode(body.decode("utf-8", "surrogatepass"))
+        else:
+            recs = json.loads(body)
     except ValueError:
         raise ValueError("field 'recs' is not a JSON list of records") from None
-    if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
+    if not isinstance(recs, list) or not all(map(isinstance, recs, repeat(dict))):
         raise ValueError("field 'recs' is not a JSON list of records")
     return [step_record(r) for r in recs]
+
+
+_DECODER = json.JSONDecoder()  # json.loads's own default decoder
+#: The JSON parser of step batches: the standard library's, or msgspec's when it is installed.
+JSON_DECODER = "json (standard library)"
+
+
+def _fast_loads(body: bytes) -> list | None:
+    """``body`` parsed by msgspec's JSON decoder (when installed), else None.
+
+    It parses these batches 3-5x faster than the standard library (the JSON float parsing is half
+    of the detector service's time) and to the same values: floats correctly rounded, ints of any
+    size, the last of duplicate keys. What it refuses (NaN/Infinity tokens, numbers beyond a double,
+    lone surrogates, invalid UTF-8) returns None, for the standard library to decide.
+    """
+    global _fast_loads, JSON_DECODER
+    try:
+        from msgspec import DecodeError
+        from msgspec.json import Decoder
+    except ImportError:
+        _fast_loads = _none  # the module keeps to the standard library
+        return None
+    decode = Decoder().decode
+
+    def loads(body: bytes) -> list | None:
+        try:
+            return decode(body)
+        except DecodeError:
+            return None
+
+    _fast_loads, JSON_DECODER = loads, "msgspec"
+    return loads(body)
+
+
+def _none(body: bytes) -> None:
+    return None
 
 
 @dataclass(frozen=True)

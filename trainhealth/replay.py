@@ -109,8 +109,9 @@ def replay(
             mon.badput("evaluation", p.eval_seconds or 0.0, step=p.step, timestamp=ts)
             evals += 1
         else:
+            # step_s: the log's own time per step, never the assumed pace (see TimedPoint.step_s).
             mon.log_step(p.step, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr, tokens=p.tokens,
-                         consumed_samples=p.consumed_samples, skipped=skip, timestamp=ts)
+                         consumed_samples=p.consumed_samples, skipped=skip, timestamp=ts, step_s=tp.step_s)
             n += 1
     ok = mon.close("finished")
     log.debug("replayed %d steps and %d evaluations of %s as run %s", n, evals, path, run)

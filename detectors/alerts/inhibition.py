@@ -14,7 +14,9 @@ are muted. An alert never inhibits itself. As in Alertmanager, a silenced source
 - a critical ``nan_inf`` (the loss itself is NaN/Inf) inhibits that run's ``loss_spike``,
   ``grad_norm_spike``, ``divergence`` and ``grad_norm_explosion`` alerts. A warning ``nan_inf`` (grad
   norm only: an fp16 overflow skip) does not;
-- a ``restart_storm`` inhibits that run's single ``restart`` alerts (the storm says it all).
+- a ``restart_storm`` inhibits that run's single ``restart`` alerts (the storm says it all);
+- a ``straggler`` or ``slow_node`` inhibits that run's ``throughput_drop`` and ``slow_step``: the slow rank
+  is the cause to act on, the job-wide slowdown its symptom.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ DEFAULT_RULES = (
     InhibitRule(parse_all(['kind="nan_inf"', 'severity="critical"']),
                 parse_all([f'kind=~"{LOSS_KINDS}"']), ("run",)),
     InhibitRule(parse_all(['kind="restart_storm"']), parse_all(['kind="restart"']), ("run",)),
+    InhibitRule(parse_all(['kind=~"straggler|slow_node"']), parse_all(['kind=~"throughput_drop|slow_step"']),
+                ("run",)),
 )
 
 

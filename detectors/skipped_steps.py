@@ -1,0 +1,120 @@
+"""Runs of skipped optimizer steps (fp16 loss-scale overflow)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from detectors.aggregate import StepAggregate
+from detectors.anomaly import RESOLVED, Anomaly
+from trainhealth import defaults
+
+
+class SkippedStepsDetector:
+    """One ``skipped_steps`` anomaly per run of consecutive skipped optimizer steps of ``min_steps`` or more.
+
+    With fp16 dynamic loss scaling an overflowing step is skipped and the loss scale lowered; DeepSpeed
+    and Megatron-LM lower it only after ``hysteresis`` (default 2) consecutive overflows, so one or two
+    skips in a row are the scaler working. ``min_steps`` in a row mean lowering the scale did not stop
+    the overflow: the gradients are growing. At the start of a generation, before any step has been
+    applied, the scaler calibrates its initial scale by halving once per overflow; up to ``initial``
+    skips are normal then (more: no scale works). Steps are counted as logged: consecutive aggregates
+    with ``skipped`` set (a sparse log's point counts once, whatever the steps since the previous one).
+
+    The anomaly opens (``warning``) when the run reaches the threshold, is updated when its length
+    doubles, and resolves at the first applied step (``end_step`` = the last skipped step); a restart
+    or rollback ends it too.
+
+    Parameters
+    ----------
+    min_steps : int
+        Consecutive skipped steps that make an anomaly once a step has been applied.
+    initial : int
+        Consecutive skipped steps tolerated before the first applied step of a generation.
+
+    Evidence: ``steps`` (skipped so far in the run), ``first_step``, ``last_step``, ``calibrating``
+    (no step applied yet in this generation).
+
+    Examples
+    --------
+    >>> from detectors.aggregate import StepAggregate
+    >>> def agg(step, skipped):
+    ...     return StepAggregate(step, 0, 0.0, None, float(step), 2.0, 1.0, None, None, None, 1, (None,), 0.0,
+    ...                          skipped=skipped)
+    >>> det = SkippedStepsDetector()
+    >>> skipped = {0, 1, 2, 3, 40, 41, 70, 71, 72, 73}  # calibration at the start, a pair, then a run of 4
+    >>> for step in range(80):
+    ...     for a in det.update(agg(step, step in skipped)):
+    ...         print(a.kind, a.status, a.step, a.end_step, a.evidence["steps"])
+    skipped_steps active 70 None 3
+    skipped_steps resolved 70 73 4
+
+    References
+    ----------
+    P. Micikevicius et al., "Mixed Precision Training", ICLR 2018 (dynamic loss scaling skips overflowing
+    steps); DeepSpeed fp16 config (``hysteresis``, default 2; ``initial_scale_power``); Megatron-LM
+    ``--hysteresis`` (default 2) and ``--initial-loss-scale`` (default 2**32).
+    """
+
+    KIND = "skipped_steps"
+
+    def __init__(self, min_steps: int = defaults.SKIPPED_STEPS_MIN,
+                 initial: int = defaults.SKIPPED_STEPS_INITIAL) -> None:
+        self.min_steps = min_steps
+        self.initial = initial
+        self._gen: int | None = None
+        self._applied = False
+        self._run: tuple[int, int, int] | None = None  # first step, last step, count
+        self._open: Anomaly | None = None
+        self._reported = 0
+        self._prev_step: int | None = None
+
+    def _close(self) -> list[Anomaly]:
+        cur, run = self._open, self._run
+        self._open, self._run = None, None
+        if cur is None:
+            return []
+        first, last, n = run
+        return [replace(cur, status=RESOLVED, end_step=last,
+                        evidence={**cur.evidence, "steps": n, "last_step": last},
+                        message=_message(first, last, n, cur.evidence["calibrating"], done=True))]
+
+    def update(self, agg: StepAggregate) -> list[Anomaly]:
+        """Feed one step; return the anomaly states that changed (opened, grown, resolved)."""
+        out: list[Anomaly] = []
+        if agg.gen != self._gen or (self._prev_step is not None and agg.step <= self._prev_step):
+            out += self._close()  # a restart or rollback ends the run; a new generation calibrates again
+            self._run = None
+            if agg.gen != self._gen:
+                self._gen, self._applied = agg.gen, False
+        self._prev_step = agg.step
+        if not agg.skipped:
+            out += self._close()
+            self._run, self._applied = None, True
+            return out
+        first, _, n = self._run if self._run is not None else (agg.step, agg.step, 0)
+        n += 1
+        self._run = (first, agg.step, n)
+        limit = self.min_steps if self._applied else self.initial + 1
+        if self._open is None and n >= limit:
+            self._reported = n
+            self._open = Anomaly(kind=self.KIND, severity="warning", step=first, gen=agg.gen,
+                                 message=_message(first, agg.step, n, not self._applied, done=False),
+                                 evidence={"steps": n, "first_step": first, "last_step": agg.step,
+                                           "calibrating": not self._applied})
+            out.append(self._open)
+        elif self._open is not None and n >= 2 * self._reported:
+            self._reported = n
+            self._open = replace(self._open, message=_message(first, agg.step, n, not self._applied, done=False),
+                                 evidence={**self._open.evidence, "steps": n, "last_step": agg.step})
+            out.append(self._open)
+        return out
+
+
+def _message(first: int, last: int, n: int, calibrating: bool, done: bool) -> str:
+    span = f"steps {first}-{last}" if last != first else f"step {first}"
+    if calibrating:
+        return (f"the optimizer skipped all {n} steps since the start ({span}, fp16 loss-scale overflow): no loss "
+                f"scale stops the overflow; check the initial loss scale, the data and the learning rate")
+    tail = "" if done else " so far"
+    return (f"the optimizer skipped {n} steps in a row{tail} ({span}, fp16 loss-scale overflow): the gradients kept "
+            f"overflowing after the loss scale was lowered; look for a loss or grad-norm spike")

@@ -1,0 +1,290 @@
+"""Timing detectors (throughput_drop, slow_step): the step time they see, real logs, seeded streams, Redis."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import redis
+
+from collectors import Monitor
+from collectors.importers.base import LogPoint
+from detectors.aggregate import StepAggregate, StepAggregator
+from detectors.anomaly import Anomaly
+from detectors.hang import HangDetector
+from detectors.offline import OfflineRun, timeline
+from detectors.pipeline import RunPipeline
+from detectors.service import DetectorService
+from detectors.slow_step import SlowStepDetector
+from detectors.throughput import ThroughputDropDetector, goodput_step_deviation, step_seconds
+from trainhealth import defaults
+from trainhealth.events import Event, StepRecord, decode_steps
+from trainhealth.replay import read_points, replay
+
+TIMING = ("throughput_drop", "slow_step")
+MIXTRAL = "megatron_mixtral8x7b_h100.golden_values.json"
+BLOOM = "megatron_deepspeed_bloom176b_excerpt.log"
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def agg(step: int, seconds: float | None, gen: int = 0, tokens: int | None = None) -> StepAggregate:
+    """A one-rank aggregate whose step time is the job's own ``step_s`` (as a replayed log gives it)."""
+    return StepAggregate(step, gen, 0.0, None, float(step), 1.0, 1.0, None, tokens, None, 1, (None,), 0.0,
+                         step_s=seconds)
+
+
+def detect(stream: Iterable[StepAggregate]) -> list[Anomaly]:
+    """Latest state of every timing anomaly, in onset order."""
+    dets = [ThroughputDropDetector(), SlowStepDetector()]
+    found: dict[str, Anomaly] = {}
+    for a in stream:
+        for d in dets:
+            for an in d.update(a):
+                found[an.id] = an
+    return sorted(found.values(), key=lambda an: (an.step, an.kind))
+
+
+def kinds_steps(anomalies: Iterable[Anomaly]) -> list[tuple[str, int, int | None, str]]:
+    return [(a.kind, a.step, a.end_step, a.status) for a in anomalies if a.kind in TIMING]
+
+
+def noisy(rng: random.Random, sd: float) -> float:
+    return math.exp(rng.gauss(0.0, sd))
+
+
+def offline(path: Path) -> OfflineRun:
+    return OfflineRun().feed_all(read_points(path))
+
+
+# -- the step time the detectors judge --------------------------------------------------------------
+def test_step_s_travels_in_the_record_json_and_aggregates_as_the_max_over_ranks() -> None:
+    [rec] = decode_steps({b"rank": b"1", b"n": b"1",
+                          b"recs": b'[{"rank":1,"step":4,"inc":1.0,"t":9.0,"step_s":2.5,"loss":1.0}]'})
+    assert (rec.step, rec.step_s, rec.dur) == (4, 2.5, None)
+    ag = StepAggregator(world_size=2)
+    assert ag.add(StepRecord(0, 4, 1.0, 9.0, loss=1.0)) == []
+    assert ag.add(StepRecord(0, 4, 1.0, 9.1, step_s=2.0)) == []  # the same rank and step again: merged
+    [a] = ag.add(StepRecord(1, 4, 1.0, 9.0, step_s=2.5))
+    assert (a.step_s, a.dur, a.loss, a.n_ranks) == (2.5, None, 1.0, 2)
+    assert step_seconds(a) == 2.5
+
+
+def test_a_timed_step_wins_and_gaps_between_untimed_records_are_never_a_step_time() -> None:
+    ag = StepAggregator(world_size=1)
+    [timed] = ag.add(StepRecord(0, 1, 0.0, 10.0, dur=0.5, step_s=3.0))
+    [untimed] = ag.add(StepRecord(0, 2, 0.0, 400.0))  # 390 s after the previous step: a checkpoint, say
+    assert step_seconds(timed) == 0.5
+    assert step_seconds(untimed) is None
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        assert step_seconds(agg(3, bad)) is None
+
+
+def test_timeline_passes_the_logs_own_step_time_only() -> None:
+    pts = [LogPoint(1, loss=2.0, step_seconds=1.5), LogPoint(2, loss=2.0),           # 2: no time in the log
+           LogPoint(2, eval_seconds=30.0), LogPoint(3, loss=2.0, step_seconds=31.0),  # measured across the eval
+           LogPoint(4, loss=2.0, step_seconds=1.4)]
+    assert [tp.step_s for tp in timeline(pts, step_seconds=7.0)] == [1.5, None, None, None, 1.4]
+
+
+def test_monitor_log_step_sends_step_s_and_never_raises(r: redis.Redis, redis_url: str) -> None:
+    mon = Monitor("run-t", redis_url=redis_url, rank=0, world_size=1)
+    mon.log_step(1, loss=2.0, step_s=1.25)
+    mon.log_step(2, loss=2.0, step_s="slow")  # not a number: dropped with a warning, no exception
+    with mon.step(3):
+        pass
+    mon.log_step(3, loss=2.0, step_s=9.0)  # a step() time and the job's own: both kept, dur preferred
+    assert mon.close() is True
+    recs = [rec for _, f in r.xrange("th:{run-t}:steps") for rec in decode_steps(f)]
+    assert [(x.step, x.step_s) for x in recs] == [(1, 1.25), (2, None), (3, 9.0)]
+    assert recs[2].dur is not None and recs[2].dur < 1.0
+
+
+# -- real logs (../shared/real_logs, MANIFEST.md) ---------------------------------------------------
+def test_mixtral_golden_values_slow_steps_and_nothing_else(real_logs: Path) -> None:
+    # MANIFEST: iteration-time median ~9 s; step 1 is 92 s (warm-up); ~87-88 s at 9870, 11285, 14145, 19855;
+    # 21 s at 20020 (15.3 s at 20025, the next logged step: one run), 27 s at 20455.
+    run = offline(real_logs / MIXTRAL)
+    found = [a for a in run.anomalies.values() if a.kind in TIMING]
+    assert kinds_steps(found) == [
+        ("slow_step", 9870, 9870, "resolved"), ("slow_step", 11285, 11285, "resolved"),
+        ("slow_step", 14145, 14145, "resolved"), ("slow_step", 19855, 19855, "resolved"),
+        ("slow_step", 20020, 20025, "resolved"), ("slow_step", 20455, 20455, "resolved")]
+    times = {p.step: p.step_seconds for p in read_points(real_logs / MIXTRAL) if not p.is_eval}
+    by_step = {a.step: a for a in found}
+    for step in (9870, 11285, 14145, 19855, 20455):
+        assert by_step[step].evidence["step_s"] == times[step]
+        assert by_step[step].severity == "info"
+    assert by_step[20020].evidence["steps"] == 2 and by_step[20020].evidence["peak_step"] == 20020
+    assert 9.0 < by_step[9870].evidence["ratio"] < 10.0  # 88.1 s against a ~8.9 s median
+
+
+def test_bloom_excerpt_throughput_drop_at_42783_from_its_sparse_points(real_logs: Path) -> None:
+    # 18 points in pasted blocks; the drop is 42783 (110.17 s), 42784 (111.14 s) and, 2,216 iterations later,
+    # 45000 (111.00 s): three points, the fewest the winsorised CUSUM can ever alarm on.
+    pts = [p for p in read_points(real_logs / BLOOM) if not p.is_eval]
+    run = OfflineRun().feed_all(pts)
+    [drop] = [a for a in run.anomalies.values() if a.kind in TIMING]
+    assert (drop.kind, drop.step, drop.status, drop.severity) == ("throughput_drop", 42783, "active", "warning")
+    ref = [p.step_seconds for p in pts[defaults.THROUGHPUT_WARMUP_STEPS:] if p.step < 42783]
+    after = [p.step_seconds for p in pts if p.step >= 42783]
+    ev = drop.evidence
+    assert (ev["before_s"], ev["after_s"], ev["points"], ev["span_steps"]) == (
+        statistics.median(ref), statistics.median(after), 3, 45000 - 42783 + 1)
+    assert ev["rel_change"] == round(statistics.median(after) / statistics.median(ref) - 1, 4) == 0.0445
+    assert ev["tokens_per_s_before"] == round(2048 * 2048 / statistics.median(ref), 3)  # 2048 samples x 2048 tokens
+    assert (ev["ideal_step_s"], ev["goodput_step_deviation_s"]) == (
+        round(goodput_step_deviation(ref, after)[0], 6), goodput_step_deviation(ref, after)[1])
+
+
+@pytest.mark.parametrize("name", [
+    "modded_nanogpt_soap.log",                              # every 10th step ~5x: the run's rhythm
+    "llamafactory_mistral7b_translator.trainer_log.jsonl",  # step time wanders 2.0-2.7 s with the data
+    "tensorboard_t5_summarization",                         # wall-clock step times, steady
+    "megatron_deepspeed_104b_overflow_excerpt.log",         # pasted blocks during batch-size ramp-up
+    "pytorch_word_lm_all_nan.log",
+])
+def test_timed_logs_without_a_timing_fault_flag_nothing(real_logs: Path, name: str) -> None:
+    run = offline(real_logs / name)
+    assert run.timed_steps > 0
+    assert kinds_steps(run.anomalies.values()) == []
+
+
+@pytest.mark.parametrize("name", [
+    "hf_tinyllama_sft_healthy.trainer_state.json", "hf_trocr_large_gradnorm.trainer_state.json",
+    "hf_whisper_small_lr_too_high.trainer_state.json", "lightning_slm_wikitext103.metrics.csv",
+])
+def test_logs_without_step_times_are_never_judged_on_the_assumed_pace(real_logs: Path, name: str) -> None:
+    run = offline(real_logs / name)
+    assert run.timed_steps == 0
+    assert kinds_steps(run.anomalies.values()) == []
+
+
+# -- seeded streams ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("factor", "seed"), [(1.1, 11), (1.3, 12), (2.0, 13)])
+def test_level_shift_is_one_drop_with_the_exact_onset_resolved_when_the_level_returns(factor: float,
+                                                                                      seed: int) -> None:
+    rng = random.Random(seed)
+    found = detect(agg(s, 0.8 * noisy(rng, 0.02) * (factor if 500 <= s < 800 else 1.0)) for s in range(1200))
+    assert kinds_steps(found) == [("throughput_drop", 500, 799, "resolved")]
+    ev = found[0].evidence
+    assert abs(ev["rel_change"] - (factor - 1)) < 0.02
+    assert ev["recovered_s"] == pytest.approx(0.8, rel=0.03)
+
+
+def test_noisy_healthy_run_flags_nothing_in_20000_steps() -> None:
+    rng = random.Random(21)
+    assert detect(agg(s, 2.0 * noisy(rng, 0.05)) for s in range(20_000)) == []
+
+
+def test_periodic_slow_steps_are_the_rhythm_and_a_one_off_is_still_flagged() -> None:
+    # modded-nanogpt's SOAP run: ~255 ms steps, every 10th (11, 21, ...) ~1325 ms.
+    rng = random.Random(31)
+
+    def t(s: int) -> float:
+        base = 0.255 * noisy(rng, 0.005)
+        return base * (5.2 if s % 10 == 1 else 1.0) * (8.0 if s == 1234 else 1.0)
+
+    found = detect(agg(s, t(s)) for s in range(1, 3001))
+    assert kinds_steps(found) == [("slow_step", 1234, 1234, "resolved")]
+    assert found[0].evidence["steps"] == 1 and found[0].severity == "info"
+
+
+def test_warm_up_of_each_generation_is_not_flagged() -> None:
+    rng = random.Random(41)
+    warm = [40.0, 3.0, 2.0, 1.5, 1.3, 1.2, 1.1]
+
+    def gen_steps(first: int, last: int, gen: int) -> list[StepAggregate]:
+        return [agg(s, 1.0 * noisy(rng, 0.02) * (warm[s - first] if s - first < len(warm) else 1.0), gen=gen)
+                for s in range(first, last)]
+
+    # A crash after step 899 and a relaunch from the step-700 checkpoint: warm-up again.
+    assert detect(gen_steps(0, 900, 0) + gen_steps(700, 1500, 1)) == []
+
+
+def test_drop_open_at_a_restart_is_resolved_by_it() -> None:
+    rng = random.Random(42)
+    stream = [agg(s, noisy(rng, 0.02) * (1.5 if s >= 300 else 1.0)) for s in range(400)]
+    stream += [agg(s, noisy(rng, 0.02), gen=1) for s in range(350, 500)]
+    [drop] = detect(stream)
+    assert (drop.kind, drop.step, drop.end_step, drop.status, drop.evidence["restarted"]) == (
+        "throughput_drop", 300, 399, "resolved", True)
+
+
+def test_checkpoint_pause_between_timed_steps_is_not_a_slow_step() -> None:
+    # Live records: mon.step() times each step; the save after step 500 blocks for 120 s between steps.
+    rng = random.Random(51)
+    pipe = RunPipeline(1)
+    t, found = 1000.0, []
+    for s in range(1000):
+        dur = 1.0 * noisy(rng, 0.02)
+        t += dur
+        found += pipe.feed_step(StepRecord(0, s, 0.0, t, dur=dur, loss=2.0)).anomalies
+        if s == 500:
+            pipe.feed_event(Event("checkpoint_save", 0, t + 120.0, 0.0, step=500, seconds=120.0))
+            t += 120.0
+    assert kinds_steps(found) == []
+    # The same pause inside a timed step is one.
+    rng = random.Random(51)
+    found = detect(StepAggregate(s, 0, 0.0, 0.0, 1.0 * noisy(rng, 0.02) + (120.0 if s == 500 else 0.0), 2.0, 1.0,
+                                 None, None, None, 1, (None,), 0.0) for s in range(1000))
+    assert kinds_steps(found) == [("slow_step", 500, 500, "resolved")]
+
+
+def test_untimed_live_records_with_pauses_are_not_judged() -> None:
+    pipe = RunPipeline(1)
+    found = []
+    for s in range(600):
+        t = 1000.0 + s + (300.0 if s > 250 else 0.0)  # a 300 s gap: an evaluation between steps 250 and 251
+        found += pipe.feed_step(StepRecord(0, s, 0.0, t, loss=2.0)).anomalies
+    assert kinds_steps(found) == []
+
+
+def test_a_bigger_batch_is_not_a_drop_but_fewer_tokens_per_second_is() -> None:
+    rng = random.Random(61)
+    # Batch-size ramp-up: tokens per step and step time double together; tokens/s unchanged.
+    ramp = [agg(s, noisy(rng, 0.02) * (2.0 if s >= 500 else 1.0), tokens=8192 * (2 if s >= 500 else 1))
+            for s in range(1000)]
+    assert detect(ramp) == []
+    slower = [agg(s, noisy(rng, 0.02) * (1.3 if s >= 500 else 1.0), tokens=8192) for s in range(1000)]
+    [drop] = detect(slower)
+    assert (drop.kind, drop.step, drop.status) == ("throughput_drop", 500, "active")
+    assert drop.evidence["tokens_per_s_before"] / drop.evidence["tokens_per_s_after"] == pytest.approx(1.3, rel=0.02)
+
+
+def test_shift_below_three_percent_is_not_reported_however_steady_the_run() -> None:
+    rng = random.Random(71)
+    assert detect(agg(s, noisy(rng, 0.001) * (1.02 if s >= 500 else 1.0)) for s in range(1500)) == []
+
+
+@pytest.mark.parametrize(("length", "expected"), [
+    (9, [("slow_step", 500, 508, "resolved")]),          # up to 9 steps: a burst of slow steps
+    (10, [("throughput_drop", 500, 509, "resolved")]),   # 10 steps and more: a level shift
+])
+def test_a_burst_is_a_slow_step_and_a_longer_one_a_drop_never_both(length: int, expected: list) -> None:
+    rng = random.Random(81)
+    found = detect(agg(s, noisy(rng, 0.03) * (3.0 if 500 <= s < 500 + length else 1.0)) for s in range(1000))
+    assert kinds_steps(found) == expected
+
+
+# -- end to end through Redis -----------------------------------------------------------------------
+def test_replayed_bloom_log_shows_the_drop_in_the_anomalies_hash(r: redis.Redis, real_logs: Path) -> None:
+    res = replay(real_logs / BLOOM, r, run="bloom")
+    assert res.points == 18
+    sent = [rec for _, f in r.xrange("th:{bloom}:steps") for rec in decode_steps(f)]
+    assert [(x.step, x.step_s) for x in sent][-3:] == [(42783, 110.17), (42784, 111.14), (45000, 111.0)]
+    svc = DetectorService(r, consumer="t", snapshot_interval=0.0, hang_factory=lambda: HangDetector(floor_s=60))
+    for _ in range(100):
+        if svc.run_once(block_ms=20) == 0:
+            break
+    found = {k.decode(): json.loads(v) for k, v in r.hgetall("th:{bloom}:anomalies").items()}
+    timing = {k: v for k, v in found.items() if v["kind"] in TIMING}
+    assert sorted(timing) == ["throughput_drop:*:42783:0"]
+    a = timing["throughput_drop:*:42783:0"]
+    assert (a["status"], a["severity"], a["evidence"]["after_s"]) == ("active", "warning", 111.0)
+    log = [json.loads(f[b"json"]) for _, f in r.xrange("th:{bloom}:anomaly_log") if f[b"kind"] == b"throughput_drop"]
+    assert [x["status"] for x in log] == ["active"]
