@@ -422,7 +422,7 @@ def rank_heatmap(matrix: pd.DataFrame, relative: bool = False, highlight: list[i
     finite = z[np.isfinite(z)]
     if relative and finite.size:
         # At least 0.5x-1.5x of the step median: a fitted range would paint 2 % timer jitter as
-        # saturated red and blue; a real straggler (NVRx flags below 0.7 score) still stands out.
+        # saturated red and blue; a real straggler (flagged below a 0.8 score) still stands out.
         lo, hi = np.percentile(finite, [0.5, 99.5]) if finite.size > 100 else (finite.min(), finite.max())
         scale = {"zmid": 1.0, "zmin": float(min(lo, 0.5)), "zmax": float(max(hi, 1.5))}
     elif finite.size:

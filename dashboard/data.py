@@ -264,7 +264,7 @@ def rank_summary(matrix: pd.DataFrame, hosts: pd.DataFrame | None = None) -> pd.
     :data:`RANK_SUMMARY_COLUMNS`: ``rank``, ``host`` (None if unknown), ``median_busy_s``
     (s), ``ratio`` (rank median / median of all rank medians; 1.0 = typical, 1.5 = 50 %
     slower), ``score`` (the straggler detector's NVRx relative score: fastest rank's median /
-    this rank's; 1.0 = as fast as the fastest, flagged below 0.7), ``steps`` (steps the rank
+    this rank's; 1.0 = as fast as the fastest, flagged below ``STRAGGLER_THRESHOLD``), ``steps`` (steps the rank
     reported). Ranks that never reported are dropped.
     """
     if matrix.empty:

@@ -517,7 +517,7 @@ def test_ranks_page_heatmap_table_and_straggler(seeded: redis.Redis) -> None:
     assert at.main.caption[0].value == (
         "Busy = seconds a rank spends in its own timed sections before the collective; a slow rank makes all "
         "others wait. Ratio = the rank's median busy time / the median rank's; score = the fastest rank's "
-        "median / this rank's (NVIDIA's relative score, which the straggler detector flags below 0.7), since "
+        "median / this rank's (NVIDIA's relative score, which the straggler detector flags below 0.8), since "
         "the active straggler's onset (steps 4–12, 9 steps).")
     assert [w.value for w in at.warning] == [
         "**Straggler**: rank 3 on node-b since step 4 — rank 3 is 2.6x slower than the median rank"]
@@ -865,12 +865,12 @@ def test_ranks_page_table_uses_a_recent_window(seeded: redis.Redis, anomaly: boo
     if anomaly:
         assert table.loc[0, "rank"] == 2 and bool(table.loc[0, "straggler"])
         assert (rank2["ratio"], rank2["steps"]) == (2.0, 29)
-        assert caption.endswith("flags below 0.7), since the active "
+        assert caption.endswith("flags below 0.8), since the active "
                                 "straggler's onset (steps 400–428, 29 steps).")
     else:
         # 29 slow steps of the last 100: the median is still the healthy one, but the window is stated.
         assert (rank2["ratio"], rank2["steps"]) == (1.0, 100)
-        assert caption.endswith("flags below 0.7), over the last 100 "
+        assert caption.endswith("flags below 0.8), over the last 100 "
                                 "steps (steps 329–428).")
 
 

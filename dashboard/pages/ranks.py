@@ -9,7 +9,7 @@ import streamlit as st
 from dashboard import charts, data
 from dashboard.common import URL_KEY, client, get_client, plural, redis_trouble
 from dashboard.frame import page_run
-from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS
+from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS, STRAGGLER_THRESHOLD
 
 #: Hosts change only when ranks restart: re-read at most this often (s).
 HOSTS_TTL_S = 30
@@ -79,7 +79,7 @@ def live(run: str, window: int, relative: bool) -> None:
     st.caption("Busy = seconds a rank spends in its own timed sections before the collective; a slow rank "
                "makes all others wait. Ratio = the rank's median busy time / the median rank's; score = the "
                "fastest rank's median / this rank's (NVIDIA's relative score, which the straggler detector "
-               "flags below 0.7), " + window_text(recent, onset) + ".")
+               f"flags below {STRAGGLER_THRESHOLD:g}), " + window_text(recent, onset) + ".")
     st.dataframe(
         summary.style.apply(_highlight, axis=1), hide_index=True, key="rank_table",
         column_config={

@@ -200,7 +200,7 @@ def example_notifications() -> list[Notification]:
                  evidence={"score": 0.62, "rank_median_s": 0.2431, "best_median_s": 0.1507,
                            "typical_median_s": 0.1522, "windows": 3},
                  message="rank 5 is a straggler: its sections take 243.1 ms (median) vs 150.7 ms on the fastest "
-                         "rank (score 0.62 < 0.7) since step 3900; every rank waits for it at the all-reduce",
+                         "rank (score 0.62 < 0.8) since step 3900; every rank waits for it at the all-reduce",
                  first_seen=T0 - 600.0)
     firing = _alert("opened", status="active", end_step=None, last_seen=T0 - 600.0, **strag)
     over = _alert("resolved", **{**strag, "status": "resolved", "end_step": 4380, "last_seen": T0 + 840.0,
