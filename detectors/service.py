@@ -102,6 +102,8 @@ def _gc_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
 #: Entries decoded and fed at a time (more when they share a millisecond; see ``_process``).
 _CHUNK_ENTRIES = 64
 
@@ -340,8 +342,8 @@ class DetectorService:
                  collect: Output | None = None) -> None:
         # Records are fed in (entry ms, record time, entry seq) order, so records of different
         # milliseconds never interleave: the batch, ordered by ms, is decoded and fed in chunks cut
-        # between milliseconds, in the same order as all at once, with one chunk's records in
-        # memory instead of the batch's (up to count x 1,000).
+        # between milliseconds, in the same order as all at once (for any record times but NaN, which
+        # no order holds), with one chunk's records in memory instead of the batch's (up to count x 1,000).
         entries = sorted(batch, key=_entry_ms)
         with _gc_paused():
             i = 0
