@@ -40,7 +40,7 @@ LEDGER_HISTORY_ENTRIES = 1_800
 
 RUN_COLUMNS = ["run", "started_at", "name", "status", "world_size", "gpu_hour_usd", "updated_at",
                "ended_at", "source"]
-STEP_COLUMNS = ["step", "gen", "t_start", "t_end", "dur", "loss", "grad_norm", "lr", "tokens", "samples",
+STEP_COLUMNS = ["step", "gen", "t_start", "t_end", "dur", "step_s", "loss", "grad_norm", "lr", "tokens", "samples",
                 "n_ranks", "data_s"]
 _STEP_INTS = ("step", "gen", "tokens", "samples", "n_ranks")
 EVENT_COLUMNS = ["kind", "step", "t", "seconds", "n_ranks"]
@@ -207,7 +207,8 @@ def recent_steps(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_
 
     - ``step``, ``gen`` (restart generation), ``tokens``, ``samples`` (sums over ranks),
       ``n_ranks``: nullable ints;
-    - ``t_start``, ``t_end`` (unix s), ``dur``, ``data_s`` (s), ``loss``, ``grad_norm``, ``lr``:
+    - ``t_start``, ``t_end`` (unix s), ``dur``, ``step_s`` (the job's own step time), ``data_s`` (s),
+      ``loss``, ``grad_norm``, ``lr``:
       floats, NaN/±inf kept;
     - ``busy``: list of per-rank busy seconds (index = rank, NaN = rank missing); an empty
       list for every row when ``with_busy`` is False (skips decoding world-size floats per step).

@@ -224,6 +224,8 @@ def agg_fields(agg: StepAggregate) -> dict[str, Any]:
     if agg.t_start is not None:
         d["t_start"] = repr(agg.t_start)
         d["dur"] = repr(agg.t_end - agg.t_start)
+    if agg.step_s is not None:
+        d["step_s"] = repr(agg.step_s)
     for name in ("loss", "grad_norm", "lr"):
         v = getattr(agg, name)
         if v is not None:

@@ -288,3 +288,6 @@ def test_replayed_bloom_log_shows_the_drop_in_the_anomalies_hash(r: redis.Redis,
     assert (a["status"], a["severity"], a["evidence"]["after_s"]) == ("active", "warning", 111.0)
     log = [json.loads(f[b"json"]) for _, f in r.xrange("th:{bloom}:anomaly_log") if f[b"kind"] == b"throughput_drop"]
     assert [x["status"] for x in log] == ["active"]
+    # The job's own step time reaches the aggregate stream, for the dashboard and other readers.
+    agg = [(int(f[b"step"]), float(f[b"step_s"])) for _, f in r.xrange("th:{bloom}:agg")]
+    assert agg[-3:] == [(42783, 110.17), (42784, 111.14), (45000, 111.0)]
