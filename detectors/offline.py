@@ -1,15 +1,17 @@
 """Run the live detection pipeline over a parsed log, without Redis.
 
 ``trainhealth analyze`` and ``bench/detection_eval.py`` use this; ``trainhealth replay`` uses
-the same :func:`timeline`, so a log analysed offline and the same log replayed into the live
-service see the same steps at the same (synthetic) times and produce the same anomalies.
+the same :func:`timeline` (:func:`arrange` for a per-rank log), so a log analysed offline and the
+same log replayed into the live service see the same steps at the same (synthetic) times and
+produce the same anomalies.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from collectors.importers.base import LogPoint
 from detectors.anomaly import Anomaly
@@ -89,13 +91,81 @@ def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[
         yield TimedPoint(p, cursor, skip, timed, own)
 
 
+@dataclass
+class Arranged:
+    """A log's points placed on the timeline, in the order to feed them.
+
+    Attributes
+    ----------
+    points : Iterable[TimedPoint]
+        A lazy iterator for a single-stream log; a list for a per-rank log.
+    ranks : tuple[int, ...]
+        The ranks of a per-rank log, ascending; empty for a single-stream (one-rank) log.
+    hosts : dict[int, str]
+        Rank -> host, where the log names them.
+    """
+
+    points: Iterable[TimedPoint]
+    ranks: tuple[int, ...] = ()
+    hosts: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks per step: highest rank + 1 (rank ids index the per-rank columns), 1 for a single stream."""
+        return self.ranks[-1] + 1 if self.ranks else 1
+
+
+def arrange(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Arranged:
+    """Place a log's points: a single stream lazily with :func:`timeline`; a per-rank log rank by rank.
+
+    A log whose first point has no rank (every training-log importer) passes through
+    :func:`timeline` untouched and unread. A per-rank log (``LogPoint.rank`` set: a benchmark's
+    interleaved ranks, several ranks' profiler traces) is read whole (such logs are small), each
+    rank is placed on its own timeline from the run's start, and the points come out in the
+    order their steps ended on that synthetic clock (ties by step, then rank): what a live service would
+    have received, so each step's records are together.
+
+    >>> pts = [LogPoint(1, rank=1, step_seconds=2.0), LogPoint(1, rank=0, step_seconds=1.0),
+    ...        LogPoint(2, rank=0, step_seconds=1.0), LogPoint(2, rank=1, step_seconds=0.5)]
+    >>> arr = arrange(pts)
+    >>> arr.ranks, arr.world_size, [(tp.point.step, tp.point.rank, tp.offset) for tp in arr.points]
+    ((0, 1), 2, [(1, 0, 1.0), (1, 1, 2.0), (2, 0, 2.0), (2, 1, 2.5)])
+
+    Raises
+    ------
+    ValueError
+        For ``step_seconds <= 0``, or a log mixing per-rank points with rank-less ones.
+    """
+    if not step_seconds > 0:
+        raise ValueError(f"step_seconds={step_seconds!r} must be > 0")
+    it = iter(points)
+    first = next(it, None)
+    if first is None:
+        return Arranged(iter(()))
+    if first.rank is None:
+        return Arranged(timeline(itertools.chain((first,), it), step_seconds))
+    by_rank: dict[int, list[LogPoint]] = {}
+    hosts: dict[int, str] = {}
+    for p in itertools.chain((first,), it):
+        if p.rank is None:
+            raise ValueError(f"step {p.step} has no rank in a per-rank log (line/entry {p.source_line})")
+        by_rank.setdefault(p.rank, []).append(p)
+        if p.host:
+            hosts.setdefault(p.rank, p.host)
+    placed = [tp for pts in by_rank.values() for tp in timeline(pts, step_seconds)]
+    placed.sort(key=lambda tp: (tp.offset, tp.point.step, tp.point.rank))  # stable: a rank's order is kept
+    return Arranged(placed, tuple(sorted(by_rank)), hosts)
+
+
 class OfflineRun:
-    """Feed a log's points through a :class:`RunPipeline` as rank 0 of a one-rank run.
+    """Feed a log's points through a :class:`RunPipeline`: a one-rank run, or the ranks of a per-rank log.
 
     Each train point becomes the :class:`StepRecord` the collector's ``log_step`` would send
-    (``t`` = start + offset, untimed; ``step_s`` = the log's seconds per step where it gave one),
-    each evaluation a ``badput`` event named ``evaluation`` — what ``trainhealth replay`` pushes
-    through Redis.
+    (``t`` = start + offset, untimed; ``step_s`` = the log's seconds per step where it gave one;
+    ``rank`` = the point's rank, 0 for a single stream; ``sections`` = its
+    ``LogPoint.sections``), each evaluation a ``badput`` event named ``evaluation`` — what
+    ``trainhealth replay`` pushes through Redis. For a per-rank log call :meth:`expect_ranks`
+    first (:meth:`feed_all` does): the world size and the ranks' hosts.
 
     Parameters
     ----------
@@ -116,6 +186,8 @@ class OfflineRun:
         Train points and evaluations fed.
     timed_steps : int
         Train points whose step time the log gave.
+    ranks : tuple[int, ...]
+        The ranks of a per-rank log (empty for a single stream).
     """
 
     def __init__(self, run: str = "offline", step_seconds: float = 1.0, start: float = 0.0,
@@ -129,26 +201,38 @@ class OfflineRun:
         self.pipeline.ledger.note_start(start)
         self.anomalies: dict[str, Anomaly] = {}
         self.steps = self.evals = self.timed_steps = 0
+        self.ranks: tuple[int, ...] = ()
+
+    def expect_ranks(self, arranged: Arranged) -> None:
+        """Set the world size (highest rank + 1) and hosts of a per-rank log; nothing for a single stream."""
+        if arranged.ranks:
+            self.ranks = arranged.ranks
+            self.pipeline.set_world_size(arranged.world_size)
+            self.pipeline.hosts.update(arranged.hosts)  # the slow-node detector's rank -> host map
 
     def feed(self, tp: TimedPoint) -> Output:
         """Feed one placed point; returns what the pipeline produced."""
         p, t = tp.point, self.start + tp.offset
+        rank = p.rank or 0
         if p.is_eval:
             self.evals += 1
-            self.pipeline.feed_event(Event("badput", 0, t, self.start, step=p.step, seconds=p.eval_seconds or 0.0,
-                                           extra={"name": "evaluation"}))
+            self.pipeline.feed_event(Event("badput", rank, t, self.start, step=p.step,
+                                           seconds=p.eval_seconds or 0.0, extra={"name": "evaluation"}))
             return Output()
         self.steps += 1
         self.timed_steps += tp.timed
-        rec = StepRecord(rank=0, step=p.step, inc=self.start, t=t, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr,
+        rec = StepRecord(rank=rank, step=p.step, inc=self.start, t=t, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr,
                          tokens=p.tokens, consumed_samples=p.consumed_samples,
                          skipped=None if tp.skipped is None else int(tp.skipped),
+                         sections=dict(p.sections),  # the rank's busy time for the rank-comparison detectors
                          step_s=tp.step_s)  # the log's own step time, never an assumed one
         return self._keep(self.pipeline.feed_step(rec))
 
     def feed_all(self, points: Iterable[LogPoint]) -> OfflineRun:
-        """Place and feed every point, then close pending steps; returns self."""
-        for tp in timeline(points, self.step_seconds):
+        """Place (:func:`arrange`) and feed every point, then close pending steps; returns self."""
+        arranged = arrange(points, self.step_seconds)
+        self.expect_ranks(arranged)
+        for tp in arranged.points:
             self.feed(tp)
         self.finish()
         return self

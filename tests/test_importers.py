@@ -3,9 +3,8 @@
 Values are the files' own (see ../shared/real_logs/MANIFEST.md); a file added there without
 an entry in REAL below fails ``test_every_real_log_is_covered``.
 
-Out of scope (not training logs, refused with a clear error): the Kineto profiler traces (one
-rank's sampled kernels, no steps) and the all-reduce benchmark (per-rank collective timings,
-no loss): a LogPoint is one rank's training step.
+The Kineto profiler traces and the all-reduce benchmark are per-rank logs (``LogPoint.rank`` set):
+their values, and their analysis as multi-rank runs, are in tests/test_multirank_logs.py.
 """
 
 from __future__ import annotations
@@ -40,9 +39,9 @@ REAL: dict[str, tuple[str | None, int | str]] = {
     "megatron_deepspeed_bloom176b_excerpt.log": ("megatron", 18),
     "megatron_deepspeed_104b_overflow_excerpt.log": ("megatron", 19),
     "pytorch_word_lm_all_nan.log": ("word_lm", 70),
-    "allreduce_bench_16ranks.log": (None, "unknown log format (no line of a known training log"),
-    "kineto_trace_rank0_ws128.json.gz": (None, "a PyTorch profiler (Kineto) trace, not a training log"),
-    "kineto_trace_rank1_ws128.json.gz": (None, "a PyTorch profiler (Kineto) trace, not a training log"),
+    "allreduce_bench_16ranks.log": ("allreduce_bench", 80),          # 16 ranks x 5 iterations
+    "kineto_trace_rank0_ws128.json.gz": ("kineto_trace", 2),         # ProfilerStep#551, #552
+    "kineto_trace_rank1_ws128.json.gz": ("kineto_trace", 2),
 }
 
 
@@ -246,11 +245,11 @@ def test_cli_replays_a_megatron_log(r: redis.Redis, redis_url: str, real_logs: P
     assert r.xlen("th:{bloom}:steps") >= 1
 
 
-def test_cli_refuses_a_profiler_trace_before_touching_redis(real_logs: Path) -> None:
+def test_cli_refuses_a_broken_profiler_trace_before_touching_redis() -> None:
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": "redis://127.0.0.1:1/0"}  # never reached
-    path = real_logs / "kineto_trace_rank0_ws128.json.gz"
+    path = Path(__file__).parent / "data" / "importers" / "kineto_bad_dur.json"
     out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(path)], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert out.stderr.startswith(f"trainhealth: error: {path}: a PyTorch profiler (Kineto) trace, not a training log; "
-                                 "supported formats: hf_trainer_state (")
+    assert out.stderr == (f"trainhealth: error: {path}: traceEvents[1] (ProfilerStep#2): field 'dur' is not a "
+                          "non-negative number of microseconds: 'abc'\n")

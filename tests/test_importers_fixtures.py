@@ -43,6 +43,9 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     ("golden_values_dev_dgx_h100.json", "megatron_golden"), ("golden_values_bad.json", "megatron_golden"),
     ("nemo_expected.json", "megatron_golden"), ("metrics.jsonl", "jsonl"), ("bad_step.jsonl", "jsonl"),
     ("header_only.csv", "csv"),
+    ("allreduce_bench.log", "allreduce_bench"), ("allreduce_bench_partly_bad.log", "allreduce_bench"),
+    ("allreduce_bench_all_bad.log", "allreduce_bench"), ("kineto_rank3.pt.trace.json", "kineto_trace"),
+    ("kineto_nodist_rank5.json.gz", "kineto_trace"), ("kineto_bad_dur.json", "kineto_trace"),
 ])
 def test_detect(name: str, fmt: str) -> None:
     assert detect(DATA / name) == fmt

@@ -16,6 +16,7 @@ anomaly is critical, 2 when a file could not be read or parsed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -31,7 +32,7 @@ from collectors import importers
 from collectors.importers.base import LogPoint
 from detectors.advisor import Recommendation
 from detectors.anomaly import Anomaly
-from detectors.offline import OfflineRun, timeline
+from detectors.offline import OfflineRun, arrange
 from trainhealth import __version__
 from trainhealth.exceptions import ConfigError, InputFormatError, TrainHealthError
 
@@ -48,7 +49,7 @@ CHART_BUCKETS = 1000
 PIN_WINDOW = 1024
 #: Formats whose ``LogPoint.source_line`` is a line number: their progress bar counts lines.
 LINE_FORMATS = frozenset({"megatron", "nanogpt", "modded_nanogpt", "word_lm", "csv", "jsonl", "lightning_csv",
-                          "wandb_csv", "wandb_jsonl", "llamafactory"})
+                          "wandb_csv", "wandb_jsonl", "llamafactory", "allreduce_bench"})
 #: Fields of a train point counted in the run summary (``metrics``).
 METRICS = ("loss", "grad_norm", "lr", "tokens", "consumed_samples", "skipped")
 
@@ -244,6 +245,14 @@ class FileReport:
         ``GoodputLedger.snapshot()`` at the last step (seconds on the log's timeline).
     chart : ChartSeries | None
         The decimated series for the HTML report.
+    paths : list[str]
+        The files of a run given as several per-rank logs (``--one-run``); empty for one file.
+    ranks : list[int]
+        The ranks of a per-rank log (empty for a single-stream log). Then ``steps`` counts the steps
+        (each across its ranks, as the pipeline aggregates them), ``records`` the per-rank points,
+        and ``metrics``, ``non_finite`` and ``timed_steps`` count records.
+    records : int
+        Train points read (one per rank and step of a per-rank log; ``steps`` for a single stream).
     """
 
     path: str
@@ -265,11 +274,19 @@ class FileReport:
     recommendations: list[Recommendation] = field(default_factory=list)
     ledger: dict[str, Any] | None = None
     chart: ChartSeries | None = None
+    paths: list[str] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    records: int = 0
+
+    @property
+    def points(self) -> int:
+        """What ``timed_steps`` and ``metrics`` count: per-rank records of a per-rank log, else steps."""
+        return self.records if self.ranks else self.steps
 
     @property
     def timeline(self) -> str:
         """``logged`` (every step timed by the log), ``partial`` or ``assumed`` (no step time at all)."""
-        if self.steps and self.timed_steps >= self.steps:
+        if self.points and self.timed_steps >= self.points:
             return "logged"
         return "partial" if self.timed_steps else "assumed"
 
@@ -285,7 +302,8 @@ class FileReport:
             note = (f"not estimated: the log has no step times (the timeline is assumed at {self.step_seconds:g} s "
                     "per step)")
         elif tl == "partial":
-            note = (f"estimated from {self.timed_steps} of {self.steps} logged steps' times; the others are assumed "
+            what = "per-rank records" if self.ranks else "logged steps"
+            note = (f"estimated from {self.timed_steps} of {self.points} {what}' times; the others are assumed "
                     f"at {self.step_seconds:g} s per step")
         else:
             note = "estimated from the step times in the log"
@@ -293,21 +311,32 @@ class FileReport:
                 "note": note, "ledger": None if tl == "assumed" else self.ledger}
 
     def to_dict(self) -> dict[str, Any]:
-        """The file's entry in the JSON report (``docs/analyze.md``)."""
-        return {
-            "path": self.path, "format": self.format, "run": self.run, "error": self.error,
-            "summary": {
-                "steps": self.steps, "evaluations": self.evals, "first_step": self.first_step,
-                "last_step": self.last_step, "restarts": self.restarts, "metrics": dict(self.metrics),
-                "non_finite": dict(self.non_finite),
-                "timings": {"step_seconds": self.timed_steps, "eval_seconds": self.eval_timed},
-                "timeline": self.timeline, "warnings": list(self.warnings),
-                "anomalies": len(self.anomalies), "critical": self.critical,
-            },
+        """The file's entry in the JSON report (``docs/analyze.md``).
+
+        ``paths`` (after ``path``) only for a ``--one-run`` group, ``ranks`` and ``records`` (after
+        ``steps``) only for a per-rank log: a single-stream file's entry has the keys it always had.
+        """
+        summary: dict[str, Any] = {"steps": self.steps}
+        if self.ranks:
+            summary.update(ranks=list(self.ranks), records=self.records)
+        summary.update({
+            "evaluations": self.evals, "first_step": self.first_step,
+            "last_step": self.last_step, "restarts": self.restarts, "metrics": dict(self.metrics),
+            "non_finite": dict(self.non_finite),
+            "timings": {"step_seconds": self.timed_steps, "eval_seconds": self.eval_timed},
+            "timeline": self.timeline, "warnings": list(self.warnings),
+            "anomalies": len(self.anomalies), "critical": self.critical,
+        })
+        d: dict[str, Any] = {"path": self.path}
+        if self.paths:
+            d["paths"] = list(self.paths)
+        d.update({
+            "format": self.format, "run": self.run, "error": self.error, "summary": summary,
             "anomalies": [a.to_dict() for a in self.anomalies],
             "recommendations": [r.to_dict() for r in self.recommendations],
             "goodput": self.goodput(),
-        }
+        })
+        return d
 
 
 class _Collect(logging.Handler):
@@ -406,8 +435,31 @@ def _analyze(rep: FileReport, fmt: str | None, mapping: Mapping[str, str | None]
         raise InputFormatError(f"{path}: no training steps to analyse (read as {fmt})")
 
 
+def _analyze_run(rep: FileReport, fmt: str | None, mapping: Mapping[str, str | None] | None,
+                 progress: bool | None, chart_buckets: int) -> None:
+    """Fill ``rep`` for the per-rank logs ``rep.paths`` of one job, as one run (``--one-run``)."""
+    from trainhealth.replay import read_run
+
+    if not rep.step_seconds > 0:
+        raise ConfigError(f"step_seconds={rep.step_seconds!r} must be > 0")
+    formats = [fmt or importers.detect(p) for p in rep.paths]
+    rep.format = formats[0] if len(set(formats)) == 1 else "+".join(formats)
+    rep.chart = ChartSeries(chart_buckets)
+
+    def points() -> Iterator[LogPoint]:  # read inside _feed, so the importers' warnings reach the report
+        yield from read_run(rep.paths, fmt, mapping, formats)[0]
+
+    _feed(rep, points(), rep.step_seconds, _progress(Path(rep.paths[0]), rep.format, progress))
+    if not rep.steps:
+        raise InputFormatError(f"{rep.paths[0]}: no training steps to analyse (read as {rep.format})")
+
+
 def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar: Any) -> None:
-    """Feed every point through an :class:`OfflineRun`, filling ``rep`` as it goes."""
+    """Feed every point through an :class:`OfflineRun`, filling ``rep`` as it goes.
+
+    A per-rank log's points are placed rank by rank (:func:`detectors.offline.arrange`); its chart
+    rows are the pipeline's step aggregates (mean loss, max grad norm, the slowest rank's step time).
+    """
     run = OfflineRun(run=rep.run, step_seconds=step_seconds)
     chart = rep.chart
     assert chart is not None
@@ -417,18 +469,23 @@ def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar:
     log = logging.getLogger("collectors.importers")
     log.addHandler(catcher)
     lo = hi = prev = None
-    restarts = done = 0
+    restarts = done = aggs = 0
     by_line = rep.format in LINE_FORMATS
+    per_rank = False
     try:
         with bar:
-            for tp in timeline(points, step_seconds):
+            arranged = arrange(points, step_seconds)
+            run.expect_ranks(arranged)
+            per_rank = bool(arranged.ranks)
+            rep.ranks = list(arranged.ranks)
+            for tp in arranged.points:
                 p = tp.point
                 out = run.feed(tp)
                 if p.is_eval:
                     rep.eval_timed += p.eval_seconds is not None
                 else:
                     s = p.step
-                    if prev is not None and s <= prev:
+                    if prev is not None and s <= prev and not per_rank:
                         restarts += 1
                     prev = s
                     lo = s if lo is None or s < lo else lo
@@ -446,7 +503,11 @@ def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar:
                     metrics["tokens"] += p.tokens is not None
                     metrics["consumed_samples"] += p.consumed_samples is not None
                     metrics["skipped"] += p.skipped is not None
-                    chart.add(s, loss, gn, p.step_seconds if tp.timed else None)
+                    if not per_rank:
+                        chart.add(s, loss, gn, p.step_seconds if tp.timed else None)
+                for agg in out.aggs if per_rank else ():
+                    chart.add(agg.step, agg.loss, agg.grad_norm, agg.step_s)
+                aggs += len(out.aggs)
                 if out.anomalies:
                     chart.pin(x for a in out.anomalies for x in (a.step, a.end_step, a.evidence.get("peak_step")))
                 recs.update(out.recommendations)
@@ -454,11 +515,17 @@ def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar:
                 if done & 1023 == 0:
                     bar.update(max((p.source_line or done) - bar.n, 0) if by_line else 1024)
             out = run.finish()
+            for agg in out.aggs if per_rank else ():
+                chart.add(agg.step, agg.loss, agg.grad_norm, agg.step_s)
+            aggs += len(out.aggs)
             recs.update(out.recommendations)
     finally:
         log.removeHandler(catcher)
         rep.warnings = catcher.messages
         rep.steps, rep.evals, rep.timed_steps = run.steps, run.evals, run.timed_steps
+        rep.records = run.steps
+        if per_rank:  # a step is the aggregate of its ranks' records; a restart, a new generation of them
+            rep.steps, restarts = aggs, run.pipeline.aggregator.generation
         rep.first_step, rep.last_step, rep.restarts = lo, hi, restarts
         rep.anomalies = sorted(run.anomalies.values(), key=lambda a: (a.gen, a.step))
         order = {a.id: i for i, a in enumerate(rep.anomalies)}
@@ -470,15 +537,34 @@ def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar:
 
 def analyze_paths(paths: Iterable[str | Path], fmt: str | None = None,
                   mapping: Mapping[str, str | None] | None = None, *, step_seconds: float = 1.0,
-                  progress: bool | None = False, on_error: Any = None) -> list[FileReport]:
+                  progress: bool | None = False, on_error: Any = None, one_run: bool = False) -> list[FileReport]:
     """:func:`analyze_file` on each path; a file that fails keeps what was read before the error,
     with ``error`` set, and the next file is analysed.
 
+    ``one_run=True``: the paths are the per-rank logs of one job (e.g. one profiler trace per
+    rank) and are analysed together as one multi-rank run, one report (see
+    :func:`trainhealth.replay.read_run` for what is refused).
     ``on_error(message)`` is called with each one-line error as it happens (the CLI prints it).
     A bad ``step_seconds`` raises :class:`ConfigError` before any file is read.
     """
     if not step_seconds > 0:
         raise ConfigError(f"--step-seconds={step_seconds!r} must be > 0")
+    paths = list(paths)
+    if one_run and len(paths) > 1:
+        from trainhealth.replay import log_stem
+
+        rep = FileReport(path=str(paths[0]), run=log_stem([Path(p) for p in paths]), step_seconds=step_seconds,
+                         paths=[str(p) for p in paths])
+        try:
+            _analyze_run(rep, fmt, mapping, progress, CHART_BUCKETS)
+        except TrainHealthError as exc:
+            msg = str(exc)
+            if not any(msg.startswith(p) for p in rep.paths):
+                msg = f"{rep.paths[0]}: {msg}"
+            rep.error = msg
+            if on_error is not None:
+                on_error(msg)
+        return [rep]
     reports = []
     for path in paths:
         rep = FileReport(path=str(path), run=run_id(path), step_seconds=step_seconds)
@@ -535,25 +621,41 @@ def _secs(s: float) -> str:
     return f"{s:,.1f} s"
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    """Ranks as ranges: ``[0, 1, 2, 5]`` → ``0–2, 5``."""
+    parts: list[str] = []
+    for _, grp in itertools.groupby(enumerate(ranks), lambda ir: ir[1] - ir[0]):
+        run = [r for _, r in grp]
+        parts.append(f"{run[0]}–{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(parts)
+
+
 def format_file(rep: FileReport) -> list[str]:
-    """The human report of one file, as lines."""
-    desc = importers.FORMATS[rep.format][2] if rep.format in importers.FORMATS else "format unknown"
-    out = [f"{rep.path}", f"  format     {desc} ({rep.format})" if rep.format else "  format     —"]
+    """The human report of one file (or one ``--one-run`` group of files), as lines."""
+    fmts = (rep.format or "").split("+")
+    desc = (" + ".join(importers.FORMATS[f][2] for f in fmts) if all(f in importers.FORMATS for f in fmts)
+            else "format unknown")
+    out = [" + ".join(rep.paths) if rep.paths else f"{rep.path}",
+           f"  format     {desc} ({rep.format})" if rep.format else "  format     —"]
     if rep.error:
         out.append(f"  ERROR      {rep.error}")
         if not rep.steps:
             return out
     span = f"steps {_n(rep.first_step)}–{_n(rep.last_step)}" if rep.first_step is not None else "no steps"
-    out.append(f"  run        {_n(rep.steps)} logged training steps ({span}), {_n(rep.evals)} evaluations"
+    n_ranks = len(rep.ranks)
+    on = (f" on {n_ranks} rank{'s' if n_ranks > 1 else ''} ({_ranks_text(rep.ranks)}; {_n(rep.records)} per-rank "
+          "records)" if rep.ranks else "")
+    out.append(f"  run        {_n(rep.steps)} logged training steps ({span}){on}, {_n(rep.evals)} evaluations"
                + (f", {rep.restarts} step regression(s) (resumed runs)" if rep.restarts else ""))
+    what = "per-rank records" if rep.ranks else "steps"
     shown = [f"{k.replace('_', ' ')} {_n(v)}" for k, v in rep.metrics.items() if v]
-    out.append("  metrics    " + (", ".join(shown) if shown else "none") + f" (of {_n(rep.steps)} steps)"
+    out.append("  metrics    " + (", ".join(shown) if shown else "none") + f" (of {_n(rep.points)} {what})"
                + "".join(f"; {v} non-finite {k.replace('_', ' ')}" for k, v in rep.non_finite.items() if v))
     tl = rep.timeline
     if tl == "logged":
         timing = "step times for every logged step"
     elif tl == "partial":
-        timing = (f"step times for {_n(rep.timed_steps)} of {_n(rep.steps)} logged steps "
+        timing = (f"step times for {_n(rep.timed_steps)} of {_n(rep.points)} logged {what} "
                   f"(the others assumed at {rep.step_seconds:g} s per step)")
     else:
         timing = f"no step times in the log: timeline ASSUMED at {rep.step_seconds:g} s per step"
@@ -601,6 +703,9 @@ def format_text(reports: list[FileReport]) -> str:
     for rep in reports:
         lines += format_file(rep)
         lines.append("")
+    if sum(bool(r.ranks) and not r.paths for r in reports) >= 2:
+        lines += ["Several per-rank logs were analysed one by one; if they are ranks of one job, "
+                  "`trainhealth analyze --one-run PATH...` analyses them together.", ""]
     n_anom = sum(len(r.anomalies) for r in reports)
     crit = sum(r.critical for r in reports)
     failed = sum(r.error is not None for r in reports)

@@ -81,7 +81,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from trainhealth.replay import read_points, replay
+    from trainhealth.replay import read_points, read_run, replay
     from trainhealth.server import connect
 
     if not args.speed >= 0:
@@ -90,13 +90,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ConfigError(f"--step-seconds={args.step_seconds!r} must be > 0")
     # Parse every file before touching Redis: a typo must not start a server or half-write a run.
     mapping = parse_map(args.map)
-    parsed = [(path, read_points(path, args.format, mapping)) for path in args.paths]
+    if args.one_run and len(args.paths) > 1:  # the per-rank logs of one job: one run
+        parsed = [(args.paths, read_run(args.paths, args.format, mapping)[0])]
+    else:
+        parsed = [(path, read_points(path, args.format, mapping)) for path in args.paths]
     url, _ = _resolve(args)
     client = connect(url)
     for path, points in parsed:
-        res = replay(path, client, run=args.run if len(args.paths) == 1 else None, speed=args.speed,
+        res = replay(path, client, run=args.run if len(parsed) == 1 else None, speed=args.speed,
                      step_seconds=args.step_seconds, points=points)
-        print(f"replayed {res.points} steps and {res.evals} evaluations of {path} as run {res.run!r} "
+        what = (f"{res.points} per-rank records of {len(res.ranks)} ranks" if res.ranks else f"{res.points} steps")
+        name = " + ".join(path) if isinstance(path, list) else path
+        print(f"replayed {what} and {res.evals} evaluations of {name} as run {res.run!r} "
               f"(synthetic span {res.span_s:.0f} s)" + ("" if res.delivered else " — NOT all delivered"))
     if not _live_services(client):
         print("No detector service is running: start `trainhealth serve` to analyse the replayed run(s).")
@@ -122,7 +127,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     progress = {"always": True, "never": False}.get(args.progress)  # auto: when stderr is a terminal
     reports = analyze_paths(args.paths, args.format, parse_map(args.map), step_seconds=args.step_seconds,
                             progress=progress, on_error=lambda msg: print(f"trainhealth: error: {msg}",
-                                                                          file=sys.stderr, flush=True))
+                                                                          file=sys.stderr, flush=True),
+                            one_run=args.one_run)
     if args.json_file:
         write_text(to_json(reports), args.json_file, sys.stdout)
     if args.html:
@@ -395,12 +401,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--map", action="append", metavar="FIELD=COLUMN",
                         help="map one of our fields (step, loss, grad_norm, lr, tokens, step_seconds, ...) to a "
                              "column or scalar tag of the log; repeatable")
+        sp.add_argument("--one-run", action="store_true",
+                        help="the PATHs are per-rank logs of one job (e.g. one profiler trace per rank): one "
+                             "multi-rank run, not one run per file")
 
     r = with_url(cmd("replay", "Push a training log through the collectors into Redis, so the detectors and the "
                                "dashboard act on it. Formats (detected, or --format): "
                                + ", ".join(FORMATS) + "."))
     log_options(r)
-    r.add_argument("--run", help="run id (default replay-<file name>; only with one PATH)")
+    r.add_argument("--run", help="run id (default replay-<file name>; only with one PATH or --one-run)")
     r.add_argument("--speed", type=float, default=0.0, help="pace factor; 0 = as fast as possible (default)")
     r.add_argument("--step-seconds", type=float, default=1.0,
                    help="assumed seconds per step, as logs carry no times (default 1.0)")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import redis
 from collectors import importers
 from collectors.importers.base import LogPoint
 from collectors.monitor import Monitor
-from detectors.offline import timeline
+from detectors.offline import arrange
 from trainhealth.exceptions import ConfigError, InputFormatError
 
 log = logging.getLogger(__name__)
@@ -22,19 +23,38 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """What a replay pushed: run id, train points, eval intervals, and the synthetic span (s)."""
+    """What a replay pushed: run id, train points (per-rank records of a per-rank log), eval intervals,
+    the synthetic span (s), whether everything was delivered, and the ranks of a per-rank log (else empty)."""
 
     run: str
     points: int
     evals: int
     span_s: float
     delivered: bool
+    ranks: tuple[int, ...] = ()
 
 
-def default_run_id(path: Path) -> str:
-    """A run id from the file name: ``hf_x.trainer_state.json`` → ``replay-hf_x``."""
-    stem = path.name.split(".")[0]
-    return "replay-" + (re.sub(r"[^A-Za-z0-9._-]", "-", stem)[:100] or "log")
+def log_stem(paths: Path | Sequence[Path]) -> str:
+    """The run's name from its file name(s): ``hf_x.trainer_state.json`` → ``hf_x``; for several files
+    (the ranks of one run) the names' common start without a trailing ``rank``:
+    ``trace_rank0.json.gz`` + ``trace_rank1.json.gz`` → ``trace``.
+
+    >>> log_stem([Path("kineto_trace_rank0_ws128.json.gz"), Path("kineto_trace_rank1_ws128.json.gz")])
+    'kineto_trace'
+    """
+    names = [p.name.split(".")[0] for p in ([paths] if isinstance(paths, Path) else paths)]
+    stem = names[0]
+    if len(names) > 1:
+        same = itertools.takewhile(lambda c: len(set(c)) == 1, zip(*names, strict=False))  # up to the shortest
+        common = "".join(c[0] for c in same)
+        common = re.sub(r"(?i)[-_.]*(rank)?[-_.]*$", "", common)
+        stem = common or stem
+    return re.sub(r"[^A-Za-z0-9._-]", "-", stem)[:100] or "log"
+
+
+def default_run_id(path: Path | Sequence[Path]) -> str:
+    """A run id from the file name(s): ``hf_x.trainer_state.json`` → ``replay-hf_x`` (see :func:`log_stem`)."""
+    return "replay-" + log_stem(path)
 
 
 def read_points(path: str | Path, fmt: str | None = None,
@@ -52,8 +72,43 @@ def read_points(path: str | Path, fmt: str | None = None,
     return points
 
 
+def read_run(paths: Sequence[str | Path], fmt: str | None = None,
+             mapping: Mapping[str, str | None] | None = None,
+             formats: Sequence[str] | None = None) -> tuple[list[LogPoint], list[str]]:
+    """Parse per-rank logs of one job (one file per rank or group of ranks) into one run's points.
+
+    Returns the points of every file (file order) and each file's format (``formats``, when the
+    caller detected them already; else ``fmt`` or detected). ``--one-run`` of
+    ``trainhealth analyze`` and ``trainhealth replay``.
+
+    Raises
+    ------
+    InputFormatError
+        When a file cannot be parsed or holds no training step, is a single-stream log (its points
+        have no rank), or holds a rank another file also holds.
+    """
+    points: list[LogPoint] = []
+    found: list[str] = []
+    owner: dict[int, str | Path] = {}
+    for i, path in enumerate(paths):
+        f = formats[i] if formats is not None else fmt or importers.detect(path)
+        pts = read_points(path, f, mapping)
+        found.append(f)
+        if any(p.rank is None for p in pts):
+            why = (" without distributedInfo.rank or 'rank<N>' in its name" if f == "kineto_trace" else "")
+            raise InputFormatError(f"{path}: a {f} log{why} has no rank: --one-run joins per-rank logs of one job "
+                                   f"(formats {', '.join(sorted(importers.PER_RANK_FORMATS))})")
+        for r in sorted({p.rank for p in pts if p.rank is not None}):
+            if r in owner:
+                raise InputFormatError(f"{path}: rank {r} is also in {owner[r]}: --one-run joins different ranks of "
+                                       "one job")
+            owner[r] = path
+        points += pts
+    return points, found
+
+
 def replay(
-    path: str | Path,
+    path: str | Path | Sequence[str | Path],
     client: redis.Redis,
     *,
     run: str | None = None,
@@ -75,6 +130,12 @@ def replay(
     carry the file already parsed with :func:`read_points` (the CLI parses every file before
     it touches Redis).
 
+    A per-rank log (``LogPoint.rank`` set; or a list of paths, the per-rank logs of one job read
+    with :func:`read_run`) goes through one Monitor per rank (``rank=r``, ``world_size`` = highest
+    rank + 1, ``host`` where the log names it), each rank on its own timeline, pushed in the
+    order their steps end (:func:`detectors.offline.arrange`); a point's ``sections`` are that
+    rank's section times of the step (``sec.<name>``), so the service compares the ranks.
+
     Raises
     ------
     ConfigError
@@ -86,20 +147,28 @@ def replay(
         raise ConfigError(f"speed={speed!r} must be >= 0 (0 = as fast as possible)")
     if not step_seconds > 0:
         raise ConfigError(f"step_seconds={step_seconds!r} must be > 0")
-    path = Path(path)
+    paths = [Path(p) for p in path] if isinstance(path, (list, tuple)) else [Path(path)]  # type: ignore[arg-type]
     if points is None:
-        points = read_points(path)
-    run = run or default_run_id(path)
-    placed = list(timeline(points, step_seconds))
-    span = placed[-1].offset if placed else 0.0
+        points = read_points(paths[0]) if len(paths) == 1 else read_run(paths)[0]
+    run = run or default_run_id(paths)
+    arranged = arrange(points, step_seconds)
+    placed = list(arranged.points)
+    span = max((tp.offset for tp in placed), default=0.0)
     live = speed > 0
     start = clock() if live else clock() - span
-    mon = Monitor(run, client=client, rank=0, world_size=1, started_at=start)
-    mon._phase = "replay"  # the hang detector skips a replayed timeline
-    client.hset(mon.keys.meta, "source", f"replay:{path.name}")
+    if arranged.ranks:
+        mons = {r: Monitor(run, client=client, rank=r, world_size=arranged.world_size, host=arranged.hosts.get(r),
+                           started_at=start) for r in arranged.ranks}
+    else:
+        mons = {0: Monitor(run, client=client, rank=0, world_size=1, started_at=start)}
+    for m in mons.values():
+        m._phase = "replay"  # the hang detector skips a replayed timeline
+    mon = next(iter(mons.values()))
+    client.hset(mon.keys.meta, "source", "replay:" + "+".join(p.name for p in paths))
     evals = n = 0
     for tp in placed:
         p, off, skip = tp.point, tp.offset, tp.skipped
+        mon = mons[p.rank or 0]
         if live:
             wait = start + off / speed - clock()
             if wait > 0:
@@ -109,10 +178,12 @@ def replay(
             mon.badput("evaluation", p.eval_seconds or 0.0, step=p.step, timestamp=ts)
             evals += 1
         else:
+            if p.sections:
+                mon._sections = dict(p.sections)  # what section() would have timed: log_step attaches them
             # step_s: the log's own time per step, never the assumed pace (see TimedPoint.step_s).
             mon.log_step(p.step, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr, tokens=p.tokens,
                          consumed_samples=p.consumed_samples, skipped=skip, timestamp=ts, step_s=tp.step_s)
             n += 1
-    ok = mon.close("finished")
+    ok = all([m.close("finished") for m in mons.values()])  # a list: close every rank
     log.debug("replayed %d steps and %d evaluations of %s as run %s", n, evals, path, run)
-    return ReplayResult(run=run, points=n, evals=evals, span_s=span, delivered=ok)
+    return ReplayResult(run=run, points=n, evals=evals, span_s=span, delivered=ok, ranks=arranged.ranks)

@@ -29,7 +29,12 @@ Formats (name: what — how :func:`detect` recognises it; the file name first, t
 - ``csv``: any CSV with a header holding a step column (``step``, ``global_step``, ``iteration``, …).
 - ``jsonl``: any JSON lines with a step field.
 
-A Kineto (PyTorch profiler) trace is recognised and refused as not a training log.
+Per-rank logs (their points carry ``LogPoint.rank``; see :mod:`collectors.importers.base`):
+
+- ``kineto_trace``: PyTorch profiler (Kineto) Chrome trace, one rank per file — name
+  ``*.pt.trace.json[.gz]``, or a JSON object with ``traceEvents``.
+- ``allreduce_bench``: all-reduce benchmark stdout, every rank interleaved — lines
+  `` duration: S sec`` (each after a ``<rank>:`` line).
 
 For text logs the format whose line pattern matches the most lines of the first 8 MiB wins.
 Table-shaped formats (CSV, JSON lines, TensorBoard, golden values) take ``mapping={field: name}``
@@ -51,14 +56,17 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from collectors.importers import (
+    allreduce_bench,
     generic,
     hf_trainer_state,
+    kineto_trace,
     lightning_csv,
     llamafactory,
     megatron_golden,
@@ -73,7 +81,7 @@ from collectors.importers._common import GZIP_MAGIC
 from collectors.importers.base import LogPoint
 from trainhealth.exceptions import ConfigError, InputFormatError
 
-__all__ = ["FORMATS", "InputFormatError", "LogPoint", "detect", "read"]
+__all__ = ["FORMATS", "PER_RANK_FORMATS", "InputFormatError", "LogPoint", "detect", "read"]
 
 Reader = Callable[..., Iterator[LogPoint]]
 
@@ -93,16 +101,22 @@ FORMATS: dict[str, tuple[Reader, bool, str]] = {
     "word_lm": (lambda p, m=None: word_lm_log.read(p), False, "PyTorch word_language_model log"),
     "csv": (generic.read_csv, True, "generic CSV with a step column"),
     "jsonl": (generic.read_jsonl, True, "generic JSON lines with a step field"),
+    "kineto_trace": (lambda p, m=None: kineto_trace.read(p), False, "PyTorch profiler (Kineto) trace, one rank"),
+    "allreduce_bench": (lambda p, m=None: allreduce_bench.read(p), False, "all-reduce benchmark log, per rank"),
 }
+#: Formats whose points are per rank (``LogPoint.rank`` set): several files of one job form one run.
+PER_RANK_FORMATS = frozenset({"kineto_trace", "allreduce_bench"})
 
 TEXT_FORMATS: dict[str, Callable[[str], bool]] = {
     "megatron": megatron_log.sniff_line,
     "nanogpt": nanogpt_log.sniff_line,
     "modded_nanogpt": modded_nanogpt_log.sniff_line,
     "word_lm": word_lm_log.sniff_line,
+    "allreduce_bench": allreduce_bench.sniff_line,
 }
 SNIFF_BYTES = 8 << 20
-_KINETO_NOTE = "a PyTorch profiler (Kineto) trace, not a training log"
+#: A Chrome trace's key, looked for before parsing a large JSON document whole.
+_TRACE_KEY = re.compile(rb'"traceEvents"\s*:')
 
 
 def supported() -> str:
@@ -138,7 +152,7 @@ def _json_kind(path: Path, doc: Any) -> str | None:
         if "log_history" in doc:
             return "hf_trainer_state"
         if "traceEvents" in doc:
-            raise _unknown(path, _KINETO_NOTE)
+            return "kineto_trace"
         if megatron_golden.sniff(doc):
             return "megatron_golden"
     return None
@@ -193,6 +207,8 @@ def detect(path: str | Path) -> str:
         return "megatron_golden"
     if name == "wandb-history.jsonl":
         return "wandb_jsonl"
+    if name.endswith((".pt.trace.json", ".pt.trace.json.gz")):
+        return "kineto_trace"
     head = _head(path, SNIFF_BYTES)
     if tensorboard.sniff(head):
         return "tensorboard"
@@ -216,6 +232,8 @@ def detect(path: str | Path) -> str:
             if kind is not None:
                 return kind
             raise _unknown(path, "JSON lines without a step field (pass fmt='jsonl' and mapping={'step': FIELD})")
+        if stripped.startswith("{") and _TRACE_KEY.search(head, 0, 1 << 20):
+            return "kineto_trace"  # a profiler trace: hundreds of MB, not parsed whole just to detect it
         try:
             doc = json.loads(text) if len(head) < SNIFF_BYTES else _whole_json(path)
         except json.JSONDecodeError as exc:

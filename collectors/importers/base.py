@@ -22,7 +22,7 @@ class LogPoint:
     source_line : int | None
         Where the point is in the file, for error messages: the 1-based line of a text, CSV or
         JSON-lines log, the ``log_history`` index of a ``trainer_state.json``, the record number
-        of a TensorBoard event file.
+        of a TensorBoard event file, the ``traceEvents`` index of a profiler trace.
     step_seconds : float | None
         Seconds per optimizer step over the steps since the previous logged step, when the log
         carries times (Megatron's elapsed time per iteration, a per-step timer, wall-clock stamps);
@@ -32,6 +32,21 @@ class LogPoint:
         the log reports them; 0 when it reports none, None when it cannot tell.
     consumed_samples : int | None
         Global samples consumed so far (Megatron's data position), when logged.
+    rank : int | None
+        The global rank this point is from, for a per-rank log (a benchmark printing each rank's
+        timings, one profiler trace per rank); None for the single stream of a one-rank log (every
+        training log above: rank 0 logs for the job). Points of several ranks with the same
+        ``step`` are that step on each rank: the offline pipeline and replay feed them as the
+        ranks' records of one step (world size = highest rank + 1).
+    host : str | None
+        The node the rank ran on, when the log names it (for the slow-node detector).
+    sections : tuple[tuple[str, float], ...]
+        ``(name, seconds)`` the rank spent in named parts of the step, as the log times them; they
+        become the record's ``sec.<name>`` times, whose sum is the rank's busy time that the
+        straggler, slow-node and rank-outlier detectors compare across ranks. Empty when the log
+        has none. A time that includes waiting in a collective (an all-reduce's duration, a whole
+        profiler step) measures when the rank *arrived* as much as its work: the rank that waits
+        longest is the early one. ``step_seconds`` of a per-rank point is that rank's own step time.
     """
 
     step: int
@@ -44,6 +59,9 @@ class LogPoint:
     step_seconds: float | None = None
     skipped: int | None = None
     consumed_samples: int | None = None
+    rank: int | None = None
+    host: str | None = None
+    sections: tuple[tuple[str, float], ...] = ()
 
     @property
     def is_eval(self) -> bool:
