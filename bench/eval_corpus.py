@@ -52,7 +52,6 @@ counts are those of the full-length runs, 2000-3000 steps for one rank, 1200 for
 
 from __future__ import annotations
 
-import gzip
 import math
 import os
 import random
@@ -992,32 +991,22 @@ _HOST_LINE = re.compile(r"^([\w.-]+):\d+:\d+ \[\d+\] NCCL INFO comm \S+ rank (\d
 
 
 def parse_allreduce_bench(path: Path) -> tuple[dict[int, list[float]], dict[int, str]]:
-    """Per-rank iteration durations (s) and rank -> host of the BigScience all-reduce benchmark log.
-
-    Each iteration a rank prints ``"<rank>:"`` then ``" duration: <s> sec"``; ranks' output interleaves, and where
-    two rank lines precede two duration lines the durations are assigned in order (first rank line, first
-    duration). Hosts come from the NCCL ``Init COMPLETE`` lines (``host:pid:tid [dev] ... rank R nranks N``).
+    """Per-rank iteration durations (s) and rank -> host of the BigScience all-reduce benchmark log,
+    read with the product's own importer (:mod:`collectors.importers.allreduce_bench`).
 
     Raises
     ------
-    ValueError
-        When no iteration is found.
+    InputFormatError
+        When the file has no iteration.
     """
-    opener = gzip.open if str(path).endswith(".gz") else open
-    pending: list[int] = []
+    from collectors.importers import allreduce_bench
+
     per: dict[int, list[float]] = {}
     hosts: dict[int, str] = {}
-    with opener(path, "rt", errors="replace") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if m := _HOST_LINE.match(line):
-                hosts[int(m.group(2))] = m.group(1)
-            elif m := _RANK_LINE.match(line.strip()):
-                pending.append(int(m.group(1)))
-            elif (m := _DUR_LINE.match(line)) and pending:
-                per.setdefault(pending.pop(0), []).append(float(m.group(1)))
-    if not per:
-        raise ValueError(f"{path}: no '<rank>:' / 'duration:' lines")
+    for p in allreduce_bench.read(path):
+        per.setdefault(p.rank, []).append(p.step_seconds)
+        if p.host:
+            hosts[p.rank] = p.host
     return per, hosts
 
 
