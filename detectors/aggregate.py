@@ -9,11 +9,10 @@ aggregate from the first attempt, as the goodput ledger needs.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 
 from trainhealth import defaults
-from trainhealth.events import StepRecord
+from trainhealth.events import ROW_SOURCE, StepRecord, record_row, step_record
 
 
 @dataclass(frozen=True)
@@ -89,27 +88,16 @@ def _merge(a: StepRecord, b: StepRecord) -> StepRecord:
                       sections={**a.sections, **b.sections}, gpu={**a.gpu, **b.gpu}, **kw)
 
 
-_ROW_FIELDS = operator.attrgetter("loss", "grad_norm", "t", "dur", "tokens", "samples", "inc", "lr",
-                                  "consumed_samples", "batch_index", "skipped", "step_s")
-
-
-def _row(r: StepRecord, data_sections: tuple[str, ...]) -> tuple:
-    """The values of one rank's record a step aggregate is built from, in ``_build``'s column order;
-    the last two are ``r.busy_s`` and the record's seconds in data-loading sections."""
-    sec = r.sections
-    # busy_s is sum(gpu) + sum(CPU-only sections): with no GPU times that is the sum of the sections.
-    busy = sum(sec.values()) if sec and not r.gpu else r.busy_s
-    data, found = 0, 0  # sum(v for k, v in sec.items() if k in data_sections): 0 + v for one such section
-    for k in data_sections:
-        if k in sec:
-            data, found = 0 + sec[k], found + 1
-    if found > 1:  # the sum in the sections' order, as the definition adds them
-        data = sum([v for k, v in sec.items() if k in data_sections])
-    return (*_ROW_FIELDS(r), busy, data)
+def _source(row: tuple) -> StepRecord:
+    src = row[ROW_SOURCE]
+    return src if isinstance(src, StepRecord) else step_record(src)
 
 
 class StepAggregator:
     """Groups per-rank :class:`~trainhealth.events.StepRecord` into per-step aggregates.
+
+    Records are kept as rows (:func:`trainhealth.events.record_row`): :meth:`add` takes a record,
+    :meth:`add_row` a row (the detector service decodes its input straight into rows).
 
     Parameters
     ----------
@@ -144,10 +132,9 @@ class StepAggregator:
         self._rank_gen: dict[int, int] = {}
         self._rank_last: dict[int, int] = {}
         self._gen = 0
-        self._pending: dict[tuple[int, int], dict[int, StepRecord]] = {}
-        # The values _build needs from each pending record, taken while the record is fresh in the
-        # CPU cache: a step's 1,024 records arrive over many batches, scattered in memory.
-        self._rows: dict[tuple[int, int], dict[int, tuple]] = {}
+        # (gen, step) -> rank -> row: the values _build needs from each pending record, taken while the
+        # record is fresh in the CPU cache (a step's 1,024 records arrive over many batches).
+        self._pending: dict[tuple[int, int], dict[int, tuple]] = {}
         self._first_seen: dict[tuple[int, int], float] = {}
         self._done: dict[int, int] = {}  # gen -> highest step emitted
         #: Records that arrived for a step already closed (late ranks), counted.
@@ -160,19 +147,24 @@ class StepAggregator:
 
     def add(self, rec: StepRecord) -> list[StepAggregate]:
         """Add one rank's record; return the steps it completes, in step order."""
+        return self.add_row(record_row(rec, self.data_sections))
+
+    def add_row(self, row: tuple) -> list[StepAggregate]:
+        """Add one rank's record as a row (:func:`~trainhealth.events.record_row` with this aggregator's
+        ``data_sections``); return the steps it completes, in step order."""
         out: list[StepAggregate] = []
-        rank, step = rec.rank, rec.step  # (called once per record: ~100,000 times a second)
+        rank, step, inc = row[12], row[13], row[6]  # (called once per record: ~100,000 times a second)
         prev = self._rank_inc.get(rank)
         if prev is None:
-            self._rank_inc[rank] = rec.inc
+            self._rank_inc[rank] = inc
             self._rank_gen[rank] = self._gen
-        elif rec.inc < prev:
+        elif inc < prev:
             self.late += 1  # a record from before this rank restarted: that attempt is closed
             return out
-        elif rec.inc > prev or step < self._rank_last[rank]:
+        elif inc > prev or step < self._rank_last[rank]:
             # The rank restarted (new process) or rewound in-process (rollback to a checkpoint):
             # a new generation, shared by the other ranks that restart with it.
-            self._rank_inc[rank] = rec.inc
+            self._rank_inc[rank] = inc
             gen = self._rank_gen[rank] + 1
             self._rank_gen[rank] = gen
             if gen > self._gen:
@@ -187,12 +179,10 @@ class StepAggregator:
                 self.late += 1  # this step was already closed without this rank
                 return out
             recs = self._pending[key] = {}
-            self._rows[key] = {}
-            self._first_seen[key] = rec.t
+            self._first_seen[key] = row[2]  # t
         if rank in recs:
-            rec = _merge(recs[rank], rec)
-        recs[rank] = rec
-        self._rows[key][rank] = _row(rec, self.data_sections)
+            row = record_row(_merge(_source(recs[rank]), _source(row)), self.data_sections)
+        recs[rank] = row
         if len(recs) >= self.world_size:
             # Complete: close it and any earlier step of this generation still waiting for ranks.
             out += self._close(lambda k: k[0] == gen and k[1] <= step)
@@ -210,24 +200,22 @@ class StepAggregator:
         keys = sorted(k for k in self._pending if which(k))
         out = []
         for key in keys:
-            recs = self._pending.pop(key)
-            rows = self._rows.pop(key)
+            rows = self._pending.pop(key)
             self._first_seen.pop(key, None)
             self._done[key[0]] = max(self._done.get(key[0], -1), key[1])
-            out.append(self._build(key, recs, rows))
+            out.append(self._build(key, rows))
         return out
 
-    def _build(self, key: tuple[int, int], recs: dict[int, StepRecord],
-               rows: dict[int, tuple] | None = None) -> StepAggregate:
+    def _build(self, key: tuple[int, int], rows: dict[int, tuple] | dict[int, StepRecord]) -> StepAggregate:
         gen, step = key
-        order = sorted(recs)
-        rs = [recs[r] for r in order]
-        if rows is None:
-            rows = {r: _row(recs[r], self.data_sections) for r in order}
-        # Columns of the ranks' values in rank order (see _row); each field computed as the
-        # comment beside it says, from the records rs.
+        order = sorted(rows)
+        rs = [rows[r] for r in order]
+        if not isinstance(rs[0], tuple):  # records (tests)
+            rs = [record_row(r, self.data_sections) for r in rs]
+        # Columns of the ranks' values in rank order (see record_row); each field computed as the
+        # comment beside it says, from the ranks' records r.
         (loss_c, gn_c, t_c, dur_c, tokens_c, samples_c, inc_c, lr_c, consumed_c, batch_c, skipped_c, step_s_c,
-         busy_c, data_c) = zip(*[rows[r] for r in order], strict=True)
+         _rank_c, _step_c, busy_c, data_c, _src_c) = zip(*rs, strict=True)
         losses = [x for x in loss_c if x is not None]  # r.loss
         norms = [x for x in gn_c if x is not None]  # r.grad_norm
         try:
@@ -240,8 +228,8 @@ class StepAggregator:
             loss = sum(losses) / len(losses) if losses else None
             gn = max(norms) if norms else None
         else:
-            bad = tuple(r.rank for r in rs if any(v is not None and not math.isfinite(v)
-                                                  for v in (r.loss, r.grad_norm)))
+            bad = tuple(r for r, lo, g in zip(order, loss_c, gn_c, strict=True)  # r.rank, r.loss, r.grad_norm
+                        if any(v is not None and not math.isfinite(v) for v in (lo, g)))
             loss = next((x for x in losses if not math.isfinite(x)), None) if bad else None
             if loss is None and losses:
                 loss = sum(losses) / len(losses)
@@ -251,13 +239,13 @@ class StepAggregator:
         starts = [t - d for t, d in zip(t_c, dur_c, strict=True) if d is not None]  # r.t - r.dur
         tokens = [x for x in tokens_c if x is not None]
         samples = [x for x in samples_c if x is not None]
-        width = max(self.world_size, rs[-1].rank + 1)
-        if rs[0].rank == 0 and len(rs) == width:  # ranks 0..width-1, all present
+        width = max(self.world_size, order[-1] + 1)
+        if order[0] == 0 and len(rs) == width:  # ranks 0..width-1, all present
             busy: list[float | None] | tuple[float | None, ...] = busy_c  # busy[r.rank] = r.busy_s
         else:
             busy = [None] * width
-            for r, b in zip(rs, busy_c, strict=True):
-                busy[r.rank] = b
+            for r, b in zip(order, busy_c, strict=True):
+                busy[r] = b
         return StepAggregate(
             step=step, gen=gen, inc=min(inc_c),
             t_start=min(starts) if starts else None, t_end=max(t_c),

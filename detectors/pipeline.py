@@ -33,7 +33,7 @@ from detectors.slow_node import SlowNodeDetector
 from detectors.slow_step import SlowStepDetector
 from detectors.straggler import StragglerDetector
 from detectors.throughput import ThroughputDropDetector
-from trainhealth.events import Event, StepRecord
+from trainhealth.events import ROW_DATA, ROW_SOURCE, Event, StepRecord, step_record
 
 
 @dataclass
@@ -109,15 +109,28 @@ class RunPipeline:
         """Feed one rank's step record."""
         return self._steps(self._add(rec))
 
-    def _add(self, rec: StepRecord) -> list[StepAggregate]:
+    def _add(self, rec: StepRecord | tuple) -> list[StepAggregate]:
         # Per-record work goes here: :meth:`feed` (the service) calls this, not feed_step.
-        if rec.rank >= self.aggregator.world_size:
+        agg = self.aggregator
+        if type(rec) is tuple:  # a row (trainhealth.events.decode_step_rows), as the service feeds them
+            rank = rec[12]
+            if rank >= agg.world_size:
+                self.set_world_size(rank + 1)
+            src = rec[ROW_SOURCE]
+            if type(src) is dict and self.rank_outlier.data_sections is agg.data_sections:
+                # A plain record's row holds the data-loading sum observe() would compute.
+                self.rank_outlier.observe_data(rank, rec[ROW_DATA])
+            else:
+                self.rank_outlier.observe(src if isinstance(src, StepRecord) else step_record(src))
+            return agg.add_row(rec)
+        if rec.rank >= agg.world_size:
             self.set_world_size(rec.rank + 1)
         self.rank_outlier.observe(rec)
-        return self.aggregator.add(rec)
+        return agg.add(rec)
 
-    def feed(self, items: Iterable[StepRecord | Event]) -> Iterator[Output]:
-        """Feed records and events in order; yield the non-empty outputs, each before the next item is fed.
+    def feed(self, items: Iterable[StepRecord | tuple | Event]) -> Iterator[Output]:
+        """Feed records (or their rows, :func:`trainhealth.events.decode_step_rows`) and events in order;
+        yield the non-empty outputs, each before the next item is fed.
 
         The same as :meth:`feed_step` / :meth:`feed_event` on each item, without building an empty
         :class:`Output` for each of the ``world_size - 1`` records of a step that complete nothing
@@ -125,7 +138,7 @@ class RunPipeline:
         """
         add = self._add
         for item in items:
-            if isinstance(item, StepRecord):
+            if type(item) is tuple or isinstance(item, StepRecord):
                 aggs = add(item)
                 if aggs:
                     yield self._steps(aggs)

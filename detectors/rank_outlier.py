@@ -212,11 +212,16 @@ class RankOutlierDetector:
             v = sec.get(name)
             if v is not None:
                 d += v
-        if d:
-            r = rec.rank
-            if r >= len(self._data):
-                self._data += [0.0] * (r + 1 - len(self._data))
-            self._data[r] += d
+        self.observe_data(rec.rank, d)
+
+    def observe_data(self, rank: int, seconds: float) -> None:
+        """Add seconds ``rank`` spent in data-loading sections in one record, as :meth:`observe` sums them
+        (the detector service passes the sum the aggregator's row already holds: the same number when a
+        record has at most two such sections, as two floats add the same in either order)."""
+        if seconds:
+            if rank >= len(self._data):
+                self._data += [0.0] * (rank + 1 - len(self._data))
+            self._data[rank] += seconds
 
     def update(self, agg: StepAggregate) -> list[Anomaly]:
         """Feed one complete step; return anomaly states that changed (at window ends only)."""

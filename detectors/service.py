@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import redis
@@ -31,7 +32,7 @@ from detectors.anomaly import Anomaly
 from detectors.hang import HangDetector
 from detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth import defaults
-from trainhealth.events import Event, StepRecord, decode_event, decode_steps
+from trainhealth.events import Event, decode_event, decode_step_rows
 from trainhealth.keys import RUNS, RunKeys, run_keys, service_heartbeat
 
 log = logging.getLogger(__name__)
@@ -64,23 +65,31 @@ def _entry_ms(e: tuple[tuple[int, int], str, dict]) -> int:
 
 
 _first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
+_t = operator.itemgetter(2)  # a row's t (trainhealth.events.ROW_FIELDS)
 
 
 def _time_order(group: list[tuple[int, list[Any]]]) -> list[Any]:
-    """The records of the entries ``(seq, records)`` of one millisecond, ordered (stably) by record time,
-    then entry seq: entry ids of two streams are not comparable within one millisecond, there the
-    records' own times decide. One entry whose records' times do not decrease (a collector writes
-    them in time order) is already in that order."""
+    """The records (rows, or events) of the entries ``(seq, records)`` of one millisecond, ordered
+    (stably) by record time, then entry seq: entry ids of two streams are not comparable within one
+    millisecond, there the records' own times decide. One entry whose records' times do not decrease
+    (a collector writes them in time order) is already in that order."""
     if len(group) == 1:
         recs = group[0][1]
         if len(recs) < 2:
             return recs
-        ts = [r.t for r in recs]
+        ts = list(map(_t, recs))  # an entry of several records is a steps entry: rows
         if all(map(operator.le, ts, ts[1:])):
             return recs
-    keyed = [((r.t, seq), r) for seq, recs in group for r in recs]
-    keyed.sort(key=_first)
-    return [r for _, r in keyed]
+    # Sorted by (t, seq): a stable sort by t of the records in entry-seq order.
+    group = sorted(group, key=_first)
+    recs = list(chain.from_iterable(map(_second, group)))
+    recs.sort(key=_t if all(not rs or type(rs[0]) is tuple for _, rs in group) else _any_t)
+    return recs
+
+
+def _any_t(r: tuple | Event) -> float:
+    return r[2] if type(r) is tuple else r.t
 
 
 @contextlib.contextmanager
@@ -173,6 +182,8 @@ class DetectorService:
         self.clock = clock
         self.runs: dict[str, _Run] = {}
         self.processed = 0
+        #: Entries skipped because they could not be decoded (logged, acknowledged; in the heartbeat).
+        self.malformed = 0
         self._stop = threading.Event()
         self._last_tick = 0.0
 
@@ -358,15 +369,20 @@ class DetectorService:
     def _process_chunk(self, run: _Run, chunk: list[tuple[tuple[int, int], str, dict]], pipe: Any,
                        collect: Output | None) -> None:
         keys = run.keys
-        ordered: list[StepRecord | Event] = []
-        group: list[tuple[int, list[StepRecord] | list[Event]]] = []  # (seq, records) of one ms's entries
+        data_sections = run.pipeline.aggregator.data_sections
+        ordered: list[tuple | Event] = []  # rows (trainhealth.events.decode_step_rows) and events
+        group: list[tuple[int, list[tuple] | list[Event]]] = []  # (seq, records) of one ms's entries
         group_ms = -1
         for sid, stream, fields in chunk:
             try:
-                recs: list[StepRecord] | list[Event] = (
-                    decode_steps(fields) if stream == keys.steps else [decode_event(fields)])
-            except (KeyError, ValueError) as exc:
-                log.warning("run %s: skipping malformed entry %s-%s in %s: %s", keys.run, *sid, stream, exc)
+                recs: list[tuple] | list[Event] = (
+                    decode_step_rows(fields, data_sections) if stream == keys.steps else [decode_event(fields)])
+            except (KeyError, ValueError, TypeError) as exc:
+                # Bad input never stops the service: the entry is skipped (and acknowledged with its batch).
+                if collect is None:  # counted once, not again when a rebuild replays it
+                    self.malformed += 1
+                log.warning("run %s: skipping malformed entry %s-%s in %s: %s", keys.run, *sid, stream,
+                            exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
                 continue
             if group and sid[0] != group_ms:
                 ordered += _time_order(group)
@@ -470,7 +486,8 @@ class DetectorService:
     def _tick(self, now: float) -> None:
         self.client.set(service_heartbeat(self.consumer),
                         json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": now,
-                                    "runs": len(self.runs), "processed": self.processed}),
+                                    "runs": len(self.runs), "processed": self.processed,
+                                    "malformed": self.malformed}),
                         ex=defaults.SERVICE_HEARTBEAT_TTL_S)
         for run_id, run in list(self.runs.items()):
             if not self._renew(keys=[run.keys.owner], args=[self.consumer, self.lease_s]):

@@ -173,3 +173,105 @@ def test_service_survives_a_run_deleted_under_its_blocking_read(r: redis.Redis, 
     t.join(10)
     assert r.xlen("th:{again}:agg") == 20
     assert not t.is_alive()
+
+
+def varied_entries(world: int = 16, steps: int = 240) -> list[dict[bytes, bytes]]:
+    """Step entries (5 records per rank per entry, the collectors' JSON) exercising every decode path: plain
+    records, GPU-timed sections (rank 5), integer-valued floats (rank 6, the checked path), two records per
+    step (rank 7: timing, then metrics, merged), three data sections (rank 8), NaN losses (step 100, rank 3:
+    the standard library's parser), a rank outlier (13, from step 60), a loss spike (150), a restart of every
+    rank at step 200 (new incarnation, back to step 190) and a late record (rank 3's step 199 after it)."""
+    import random
+
+    rng = random.Random(11)
+    out = []
+    for start in range(0, steps, 5):
+        for r in range(world):
+            recs = []
+            for s in range(start, start + 5):
+                inc, step = (T0, s) if s < 200 else (T0 + 500, s - 10)
+                odd = s >= 60 and r == 13
+                fwd = 0.09 * (1.05 if odd else 1.0) * (1 + rng.gauss(0, 0.12 if odd else 0.03))
+                data = 0.01 * (2.0 if odd else 1.0) * (1 + rng.gauss(0, 0.1))
+                rec = {"rank": r, "step": step, "inc": inc, "t": T0 + 10 + s + rng.uniform(0, 0.01), "dur": 0.2,
+                       "sec.data": data, "sec.forward_backward": fwd,
+                       "loss": (9.0 if s == 150 else 3.0 + rng.gauss(0, 0.01)), "grad_norm": 1.0, "lr": 1e-4,
+                       "tokens": 1000, "samples": 2, "consumed_samples": (s + 1) * 2 * world, "batch_index": s,
+                       "skipped": None}
+                if s == 100 and r == 3:
+                    rec["loss"] = float("nan")
+                if r == 5:
+                    rec["gpu.forward_backward"] = fwd * 0.9
+                if r == 6:
+                    rec.update(t=int(rec["t"]), loss=3, dur=None)
+                if r == 8:
+                    rec.update({"sec.data_loading": data / 3, "sec.dataloader": data / 7})
+                if r == 7:
+                    timing = {k: rec.pop(k) for k in ("dur", "sec.data", "sec.forward_backward")}
+                    recs.append({"rank": r, "step": step, "inc": inc, "t": rec["t"] - 0.001, **timing})
+                recs.append(rec)
+                if r == 3 and s == 200:
+                    recs.append({**rec, "step": 199, "inc": T0})
+            out.append({b"rank": str(r).encode(), b"n": str(len(recs)).encode(), b"recs": json.dumps(recs).encode()})
+    return out
+
+
+def test_service_rows_match_the_step_record_pipeline(r: redis.Redis) -> None:
+    """The service decodes straight into aggregator rows (no StepRecord per record): its aggregates and
+    anomalies equal those of a pipeline fed the StepRecords of decode_steps (the reference)."""
+    from detectors.pipeline import RunPipeline, agg_fields
+    from trainhealth.events import decode_steps
+
+    entries = varied_entries()
+    ref = RunPipeline(16, hang=HangDetector(floor_s=1e9))
+    aggs, anomalies = [], {}
+    for fields in entries:
+        for rec in decode_steps(fields):
+            out = ref.feed_step(rec)
+            aggs += out.aggs
+            anomalies.update((a.id, a) for a in out.anomalies)
+    assert sorted(anomalies) == ["loss_spike:*:150:0", "nan_inf:*:100:0", "rank_outlier:13:60:0", "restart:*:190:1",
+                                 "straggler:13:160:0"]
+    assert ref.aggregator.late == 1
+    # The same entries through Redis and the service, one millisecond apart (the order above).
+    r.hset("th:{eq}:meta", mapping={"world_size": 16, "status": "running"})
+    r.zadd("th:runs", {"eq": T0})
+    for i, fields in enumerate(entries):
+        r.xadd("th:{eq}:steps", fields, id=f"{1_000 + i}-0")
+    svc = DetectorService(r, consumer="eq", clock=lambda: T0 + 300, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc)
+    want = [{k.encode(): str(v).encode() for k, v in agg_fields(a).items()} for a in aggs if a.step >= 0]
+    got = [f for _, f in r.xrange("th:{eq}:agg")]
+    assert len(got) == len(aggs) == 240 and got == want
+    stored = {k.decode(): json.loads(v) for k, v in r.hgetall("th:{eq}:anomalies").items()}
+    assert {i: {k: v for k, v in a.items() if k not in ("first_seen", "last_seen", "recommendation")}
+            for i, a in stored.items()} == {i: json.loads(a.to_json()) for i, a in anomalies.items()}
+
+
+def test_malformed_entries_are_logged_counted_and_skipped(r: redis.Redis, caplog) -> None:
+    """Bad input never stops the service: a malformed entry between good ones is logged (run, entry id,
+    record, field and value), counted in the service heartbeat, acknowledged and skipped."""
+    import logging
+
+    write_run(r, "bad", range(0, 10))
+    bad = [(r.xadd("th:{bad}:steps", {"rank": 0, "n": 1, "recs": json.dumps(recs)}).decode(), why) for recs, why in (
+        ([{"rank": 0, "step": 10, "inc": T0, "loss": 1.0}], "record 0: field 't' is missing"),
+        ([{"rank": 0, "step": 10, "inc": T0, "t": T0 + 20}, {"rank": "zero", "step": 11, "inc": T0, "t": T0 + 21}],
+         "record 1: field 'rank' has non-numeric value 'zero'"),
+        ([{"rank": 0, "step": 10, "inc": T0, "t": T0 + 20, "sec.data": [0.1]}],
+         "record 0: field 'sec.data' has non-numeric value [0.1]"),
+    )]
+    r.xadd("th:{bad}:steps", {"rank": 0, "n": 1, "recs": "not json"})
+    write_run(r, "bad", range(10, 20))
+    svc = DetectorService(r, consumer="m", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
+    with caplog.at_level(logging.WARNING, logger="detectors.service"):
+        drain(svc)
+    assert [int(f[b"step"]) for _, f in r.xrange("th:{bad}:agg")] == list(range(20))
+    assert r.xpending("th:{bad}:steps", "th-detectors")["pending"] == 0
+    warnings = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+    for entry_id, why in bad:
+        assert f"run bad: skipping malformed entry {entry_id} in th:{{bad}}:steps: {why}" in warnings
+    assert sum("field 'recs' is not a JSON list of records" in w for w in warnings) == 1
+    assert svc.malformed == 4
+    svc._tick(T0 + 201)
+    assert json.loads(r.get("th:service:m"))["malformed"] == 4

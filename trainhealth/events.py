@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
 from itertools import repeat
@@ -152,42 +153,59 @@ def _plain_step_record(d: Mapping[str, Any]) -> StepRecord | None:
 
 
 def step_record(d: Mapping[str, Any]) -> StepRecord:
-    """Build a :class:`StepRecord` from one decoded record; raises ``KeyError``/``ValueError`` naming the field."""
+    """Build a :class:`StepRecord` from one decoded record.
+
+    Raises ``KeyError`` for a missing ``rank``/``step``/``inc``/``t`` and ``ValueError`` for a value of
+    the wrong type, both naming the field (and the value); never ``TypeError``.
+    """
     if _FAST:
         rec = _plain_step_record(d)
         if rec is not None:
             return rec
+    for name in _REQUIRED:
+        if d.get(name) is None:
+            raise KeyError(f"field {name!r} is missing")
     kw: dict[str, Any] = {}
-    for name in _STEP_FLOATS:
+    for name in ("inc", *_STEP_FLOATS):
         v = d.get(name)
         if v is not None:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"field {name!r} has non-numeric value {v!r}")
-            kw[name] = float(v)
-    for name in _STEP_INTS:
+                raise ValueError(f"field {name!r} has non-numeric value {_show(v)}")
+            kw[name] = _float(name, v)
+    for name in ("rank", "step", *_STEP_INTS):
         v = d.get(name)
         if v is not None:
-            if not isinstance(v, (int, float)):
-                raise ValueError(f"field {name!r} has non-numeric value {v!r}")
+            if not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+                raise ValueError(f"field {name!r} has non-numeric value {_show(v)}")
             kw[name] = int(v)
-    sections = {k[len(SECTION_PREFIX):]: float(v) for k, v in d.items() if k.startswith(SECTION_PREFIX)}
-    gpu = {k[len(GPU_PREFIX):]: float(v) for k, v in d.items() if k.startswith(GPU_PREFIX)}
-    for name in ("rank", "step", "inc"):
-        if name not in d:
-            raise KeyError(f"record has no {name!r} field")
-    return StepRecord(rank=int(d["rank"]), step=int(d["step"]), inc=float(d["inc"]), sections=sections, gpu=gpu,
-                      **kw)
+    sections: dict[str, float] = {}
+    gpu: dict[str, float] = {}
+    for k, v in d.items():
+        if isinstance(k, str) and k.startswith((SECTION_PREFIX, GPU_PREFIX)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"field {k!r} has non-numeric value {_show(v)}")
+            if k.startswith(SECTION_PREFIX):
+                sections[k[len(SECTION_PREFIX):]] = _float(k, v)
+            else:
+                gpu[k[len(GPU_PREFIX):]] = _float(k, v)
+    return StepRecord(sections=sections, gpu=gpu, **kw)
 
 
-def decode_steps(fields: Mapping[Any, Any]) -> list[StepRecord]:
-    """Decode a ``th:{run}:steps`` entry (one rank's batch: ``rank``, ``n``, ``recs`` JSON list).
+def _show(v: Any) -> str:
+    """``repr(v)`` for a log line, at most 60 characters."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
-    Raises ``KeyError``/``ValueError`` naming the field for a malformed entry.
 
-    >>> [r.step for r in decode_steps({b"rank": b"0", b"n": b"2",
-    ...   b"recs": b'[{"rank":0,"step":5,"inc":1.0,"t":2.0,"loss":NaN},{"rank":0,"step":6,"inc":1.0,"t":3.0}]'})]
-    [5, 6]
-    """
+def _float(name: str, v: int | float) -> float:
+    try:
+        return float(v)
+    except OverflowError:  # an integer beyond a double
+        raise ValueError(f"field {name!r} has out-of-range value {_show(v)}") from None
+
+
+def _records(fields: Mapping[Any, Any]) -> list[dict[str, Any]]:
+    """The decoded ``recs`` list of a ``th:{run}:steps`` entry; raises ``KeyError``/``ValueError``."""
     body = fields.get(b"recs")  # as Redis returns it (bytes keys); other key types are normalised below
     if body is None or "recs" in fields:
         d = {_s(k): v for k, v in fields.items()}
@@ -202,11 +220,139 @@ def decode_steps(fields: Mapping[Any, Any]) -> list[StepRecord]:
                 recs = _DECODER.decode(body.decode("utf-8", "surrogatepass"))
         else:
             recs = json.loads(body)
-    except ValueError:
+    except (ValueError, TypeError):
         raise ValueError("field 'recs' is not a JSON list of records") from None
     if not isinstance(recs, list) or not all(map(isinstance, recs, repeat(dict))):
         raise ValueError("field 'recs' is not a JSON list of records")
-    return [step_record(r) for r in recs]
+    return recs
+
+
+def _checked(i: int, d: Mapping[str, Any]) -> StepRecord:
+    try:
+        return step_record(d)
+    except KeyError as exc:
+        raise KeyError(f"record {i}: {exc.args[0]}") from None
+    except ValueError as exc:
+        raise ValueError(f"record {i}: {exc.args[0]}") from None
+
+
+def decode_steps(fields: Mapping[Any, Any]) -> list[StepRecord]:
+    """Decode a ``th:{run}:steps`` entry (one rank's batch: ``rank``, ``n``, ``recs`` JSON list).
+
+    Raises ``KeyError``/``ValueError`` naming the record (its index in ``recs``) and the field for a
+    malformed entry.
+
+    >>> [r.step for r in decode_steps({b"rank": b"0", b"n": b"2",
+    ...   b"recs": b'[{"rank":0,"step":5,"inc":1.0,"t":2.0,"loss":NaN},{"rank":0,"step":6,"inc":1.0,"t":3.0}]'})]
+    [5, 6]
+    >>> decode_steps({b"recs": b'[{"rank":0,"step":5,"inc":1.0,"t":2.0},{"rank":0,"step":6,"inc":1.0}]'})
+    Traceback (most recent call last):
+    ...
+    KeyError: "record 1: field 't' is missing"
+    """
+    return [_checked(i, r) for i, r in enumerate(_records(fields))]
+
+
+# -- the detector service's decode: aggregator rows -----------------------------------------------
+#: The fields of a step record in the order a row (see :func:`record_row`) holds them.
+ROW_FIELDS = ("loss", "grad_norm", "t", "dur", "tokens", "samples", "inc", "lr", "consumed_samples",
+              "batch_index", "skipped", "step_s", "rank", "step")
+#: Indices of a row's columns that are not in :data:`ROW_FIELDS`: ``busy_s``, data-loading seconds,
+#: and the record the row was made from (a :class:`StepRecord`, or the decoded plain dict).
+ROW_BUSY, ROW_DATA, ROW_SOURCE = len(ROW_FIELDS), len(ROW_FIELDS) + 1, len(ROW_FIELDS) + 2
+_row_fields = operator.attrgetter(*ROW_FIELDS)
+
+
+def record_row(rec: StepRecord, data_sections: tuple[str, ...]) -> tuple:
+    """One rank's record as the step aggregator keeps it: a tuple of the :data:`ROW_FIELDS` values, then
+    ``rec.busy_s``, the seconds in the sections named ``data_sections`` (their sum in the record's
+    section order) and ``rec`` itself.
+
+    >>> record_row(StepRecord(rank=1, step=5, inc=0.0, t=9.0, loss=2.0, sections={"data": 0.5, "fwd": 1.0}),
+    ...            ("data",))[:2] + record_row(StepRecord(rank=1, step=5, inc=0.0, t=9.0), ())[12:16]
+    (2.0, None, 1, 5, None, 0)
+    """
+    sec = rec.sections
+    # busy_s is sum(gpu) + sum(CPU-only sections): with no GPU times that is the sum of the sections.
+    busy = sum(sec.values()) if sec and not rec.gpu else rec.busy_s
+    data, found = 0, 0  # sum(v for k, v in sec.items() if k in data_sections): 0 + v for one such section
+    for k in data_sections:
+        if k in sec:
+            data, found = 0 + sec[k], found + 1
+    if found > 1:  # the sum in the sections' order, as the definition adds them
+        data = sum([v for k, v in sec.items() if k in data_sections])
+    return (*_row_fields(rec), busy, data, rec)
+
+
+# Layouts of plain records by data sections, then (keys in order, value types): a collector sends the
+# same layout step after step, so a record is checked and its sections found by one dict look-up.
+_LAYOUTS: dict[tuple[str, ...], dict[tuple, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], bool] | None]] = {}
+_NONE = type(None)
+
+
+def _layout(keys: tuple, types: tuple, data_sections: tuple[str, ...]
+            ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], bool] | None:
+    """``(CPU-only section keys, GPU keys, data section keys, timed)`` of a plain record with these keys
+    and value types — every field of the type ``_plain_step_record`` takes, the required ones present,
+    at most two data sections (their sum is then the same in any order) — else None."""
+    if not _FAST or not all(type(k) is str for k in keys):
+        return None
+    kinds = dict(zip(keys, types, strict=True))
+    for name, kind in _FAST_TYPES.items():
+        t = kinds.get(name, _NONE)
+        if t is not kind and (t is not _NONE or name in _REQUIRED):
+            return None
+    sec = tuple(k for k in keys if k.startswith(SECTION_PREFIX))
+    gpu = tuple(k for k in keys if k.startswith(GPU_PREFIX))
+    if any(kinds[k] is not float for k in sec + gpu):
+        return None
+    on_gpu = {k[len(GPU_PREFIX):] for k in gpu}
+    cpu = tuple(k for k in sec if k[len(SECTION_PREFIX):] not in on_gpu)
+    data = tuple(k for k in sec if k[len(SECTION_PREFIX):] in data_sections)
+    if len(data) > 2:
+        return None
+    return cpu, gpu, data, bool(sec or gpu)
+
+
+def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...]) -> list[tuple]:
+    """Decode a ``th:{run}:steps`` entry into rows (:func:`record_row`), as the detector service feeds them.
+
+    The same rows as ``[record_row(r, data_sections) for r in decode_steps(fields)]`` but for the
+    last column, which holds the decoded dict of a plain record (collectors send only those) instead
+    of a :class:`StepRecord`: at ~100,000 records/s no object is built per record
+    (``bench/service_throughput.py``). Raises as :func:`decode_steps`.
+
+    >>> rows = decode_step_rows({b"recs": b'[{"rank":3,"step":5,"inc":1.0,"t":2.0,"sec.data":0.25,"sec.fwd":0.5}]'},
+    ...                         ("data",))
+    >>> [r[:ROW_SOURCE] == record_row(s, ("data",))[:ROW_SOURCE]
+    ...  for r, s in zip(rows, decode_steps({b"recs": b'[{"rank":3,"step":5,"inc":1.0,"t":2.0,"sec.data":0.25,'
+    ...                                                  b'"sec.fwd":0.5}]'}))]
+    [True]
+    """
+    recs = _records(fields)
+    layouts = _LAYOUTS.get(data_sections)
+    if layouts is None or len(layouts) > 10_000:  # bounded, whatever the senders do
+        layouts = _LAYOUTS[data_sections] = {}
+    rows = []
+    for i, d in enumerate(recs):
+        key = (*d, *map(type, d.values()))  # the keys in order, then the types of their values
+        layout = layouts.get(key, False)
+        if layout is False:
+            half = len(key) // 2
+            layout = layouts[key] = _layout(key[:half], key[half:], data_sections)
+        if layout is None:
+            rows.append(record_row(_checked(i, d), data_sections))
+            continue
+        cpu, gpu, data, timed = layout
+        get = d.__getitem__
+        if not timed:
+            busy = None
+        elif gpu:
+            busy = sum(map(get, gpu)) + sum(map(get, cpu))
+        else:
+            busy = sum(map(get, cpu))
+        rows.append((*map(d.get, ROW_FIELDS), busy, sum(map(get, data)), d))
+    return rows
 
 
 _DECODER = json.JSONDecoder()  # json.loads's own default decoder
