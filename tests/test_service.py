@@ -260,6 +260,10 @@ def test_malformed_entries_are_logged_counted_and_skipped(r: redis.Redis, caplog
          "record 1: field 'rank' has non-numeric value 'zero'"),
         ([{"rank": 0, "step": 10, "inc": T0, "t": T0 + 20, "sec.data": [0.1]}],
          "record 0: field 'sec.data' has non-numeric value [0.1]"),
+        ([{"rank": 10**9, "step": 10, "inc": T0, "t": T0 + 20, "loss": 1.0}],
+         "record 0: field 'rank' is 1000000000, not in 0..1048575"),
+        ([{"rank": -1, "step": 10, "inc": T0, "t": T0 + 20, "loss": 1.0, "sec.data": 1}],
+         "record 0: field 'rank' is -1, not in 0..1048575"),
     )]
     r.xadd("th:{bad}:steps", {"rank": 0, "n": 1, "recs": "not json"})
     write_run(r, "bad", range(10, 20))
@@ -272,6 +276,6 @@ def test_malformed_entries_are_logged_counted_and_skipped(r: redis.Redis, caplog
     for entry_id, why in bad:
         assert f"run bad: skipping malformed entry {entry_id} in th:{{bad}}:steps: {why}" in warnings
     assert sum("field 'recs' is not a JSON list of records" in w for w in warnings) == 1
-    assert svc.malformed == 4
+    assert svc.malformed == 6
     svc._tick(T0 + 201)
-    assert json.loads(r.get("th:service:m"))["malformed"] == 4
+    assert json.loads(r.get("th:service:m"))["malformed"] == 6

@@ -178,6 +178,8 @@ def step_record(d: Mapping[str, Any]) -> StepRecord:
             if not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
                 raise ValueError(f"field {name!r} has non-numeric value {_show(v)}")
             kw[name] = int(v)
+    if not 0 <= kw["rank"] < MAX_RANKS:
+        raise ValueError(f"field 'rank' is {_show(kw['rank'])}, not in 0..{MAX_RANKS - 1}")
     sections: dict[str, float] = {}
     gpu: dict[str, float] = {}
     for k, v in d.items():
@@ -260,6 +262,10 @@ ROW_FIELDS = ("loss", "grad_norm", "t", "dur", "tokens", "samples", "inc", "lr",
 #: Indices of a row's columns that are not in :data:`ROW_FIELDS`: ``busy_s``, data-loading seconds,
 #: and the record the row was made from (a :class:`StepRecord`, or the decoded plain dict).
 ROW_BUSY, ROW_DATA, ROW_SOURCE = len(ROW_FIELDS), len(ROW_FIELDS) + 1, len(ROW_FIELDS) + 2
+_ROW_RANK = ROW_FIELDS.index("rank")
+#: Ranks above this are refused as malformed (the largest jobs run ~100,000 GPUs; the aggregator
+#: and the rank detectors keep per-rank arrays of world-size length).
+MAX_RANKS = 1 << 20
 _row_fields = operator.attrgetter(*ROW_FIELDS)
 
 
@@ -352,6 +358,10 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...]) 
         else:
             busy = sum(map(get, cpu))
         rows.append((*map(d.get, ROW_FIELDS), busy, sum(map(get, data)), d))
+    for i, row in enumerate(rows):
+        # Ranks index per-rank arrays in the aggregator and detectors: a wild one must not size them.
+        if not 0 <= row[_ROW_RANK] < MAX_RANKS:
+            raise ValueError(f"record {i}: field 'rank' is {_show(row[_ROW_RANK])}, not in 0..{MAX_RANKS - 1}")
     return rows
 
 
