@@ -30,7 +30,7 @@ from typing import Any, TextIO
 
 from collectors import importers
 from collectors.importers.base import LogPoint
-from detectors.advisor import Recommendation
+from detectors.advisor import Recommendation, RollbackAdvisor
 from detectors.anomaly import Anomaly
 from detectors.offline import OfflineRun, arrange
 from trainhealth import __version__
@@ -277,6 +277,9 @@ class FileReport:
     paths: list[str] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
     records: int = 0
+    #: Stretches of steps the log does not cover (an excerpt's pasted blocks): (from step, to step),
+    #: the largest first, where the step jumps by more than 10x the log's usual interval.
+    gaps: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def points(self) -> int:
@@ -298,17 +301,28 @@ class FileReport:
     def goodput(self) -> dict[str, Any]:
         """The ``goodput`` object of the JSON report (``docs/analyze.md``)."""
         tl = self.timeline
-        if tl == "assumed" or self.ledger is None:
+        few = self.steps < MIN_GOODPUT_STEPS
+        if tl == "assumed" or self.ledger is None or few:
             note = (f"not estimated: the log has no step times (the timeline is assumed at {self.step_seconds:g} s "
-                    "per step)")
+                    "per step)") if not few or tl == "assumed" else (
+                    f"not estimated: {self.steps} steps are too few (the first step of a launch is its start-up; "
+                    f"at least {MIN_GOODPUT_STEPS} are needed)")
+            return {"timeline": tl, "timed_steps": self.timed_steps, "assumed_step_seconds": self.step_seconds,
+                    "note": note, "ledger": None}
         elif tl == "partial":
             what = "per-rank records" if self.ranks else "logged steps"
             note = (f"estimated from {self.timed_steps} of {self.points} {what}' times; the others are assumed "
                     f"at {self.step_seconds:g} s per step")
         else:
             note = "estimated from the step times in the log"
+        if self.gaps:
+            missing = sum(b - a - 1 for a, b in self.gaps)
+            a, b = self.gaps[0]
+            note += (f"; the log skips {len(self.gaps)} stretch{'es' if len(self.gaps) > 1 else ''} of steps "
+                     f"({missing:,} steps not logged, the largest {a:,} -> {b:,}), counted as if they ran at the "
+                     "logged step times")
         return {"timeline": tl, "timed_steps": self.timed_steps, "assumed_step_seconds": self.step_seconds,
-                "note": note, "ledger": None if tl == "assumed" else self.ledger}
+                "note": note, "ledger": self.ledger}
 
     def to_dict(self) -> dict[str, Any]:
         """The file's entry in the JSON report (``docs/analyze.md``).
@@ -454,6 +468,12 @@ def _analyze_run(rep: FileReport, fmt: str | None, mapping: Mapping[str, str | N
         raise InputFormatError(f"{rep.paths[0]}: no training steps to analyse (read as {rep.format})")
 
 
+#: Fewer steps than this get no goodput estimate (a launch's first step counts as its start-up).
+MIN_GOODPUT_STEPS = 10
+#: A step jump this many times the log's usual interval is a gap in the log, not its logging pace.
+GAP_FACTOR = 10
+
+
 def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar: Any) -> None:
     """Feed every point through an :class:`OfflineRun`, filling ``rep`` as it goes.
 
@@ -470,6 +490,8 @@ def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar:
     log.addHandler(catcher)
     lo = hi = prev = None
     restarts = done = aggs = 0
+    intervals: list[int] = []  # the first 1,000 step intervals: the log's usual pace
+    jumps: list[tuple[int, int, int]] = []
     by_line = rep.format in LINE_FORMATS
     per_rank = False
     try:
@@ -487,6 +509,12 @@ def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar:
                     s = p.step
                     if prev is not None and s <= prev and not per_rank:
                         restarts += 1
+                    elif prev is not None and s > prev and not per_rank:
+                        if len(intervals) < 1000:
+                            intervals.append(s - prev)
+                        jumps.append((s - prev, prev, s))  # bounded below: the 100 largest kept
+                        if len(jumps) > 200:
+                            jumps = sorted(jumps, reverse=True)[:100]
                     prev = s
                     lo = s if lo is None or s < lo else lo
                     hi = s if hi is None or s > hi else hi
@@ -527,9 +555,17 @@ def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar:
         if per_rank:  # a step is the aggregate of its ranks' records; a restart, a new generation of them
             rep.steps, restarts = aggs, run.pipeline.aggregator.generation
         rep.first_step, rep.last_step, rep.restarts = lo, hi, restarts
+        if intervals:
+            usual = sorted(intervals)[len(intervals) // 2]
+            rep.gaps = [(a, b) for d, a, b in sorted(jumps, reverse=True) if d > GAP_FACTOR * usual]
         rep.anomalies = sorted(run.anomalies.values(), key=lambda a: (a.gen, a.step))
         order = {a.id: i for i, a in enumerate(rep.anomalies)}
-        rep.recommendations = sorted(recs.values(), key=lambda r: order.get(r.anomaly_id, len(order)))
+        # As the live service dismisses advice whose anomaly needs no action any more (the spike
+        # recovered, the NaN run ended), keep only the advice that still stands at the end of the log.
+        final = {a.id: a for a in rep.anomalies}
+        rep.recommendations = sorted((r for r in recs.values() if r.anomaly_id in final
+                                      and RollbackAdvisor.concerns(final[r.anomaly_id])),
+                                     key=lambda r: order.get(r.anomaly_id, len(order)))
     ledger = run.pipeline.ledger
     if run.steps and ledger.last_activity is not None:
         rep.ledger = ledger.snapshot(ledger.last_activity)
@@ -583,11 +619,12 @@ def analyze_paths(paths: Iterable[str | Path], fmt: str | None = None,
 
 # -- outputs ------------------------------------------------------------------------------------
 def exit_status(reports: Iterable[FileReport]) -> int:
-    """2 if a file failed, else 1 if any anomaly is critical, else 0."""
+    """1 if any anomaly is critical (even when another file failed: the finding is what a gate must
+    not miss), else 2 if a file failed, else 0."""
     reports = list(reports)
-    if any(r.error for r in reports):
-        return 2
-    return 1 if any(r.critical for r in reports) else 0
+    if any(r.critical for r in reports):
+        return 1
+    return 2 if any(r.error for r in reports) else 0
 
 
 def to_dict(reports: list[FileReport]) -> dict[str, Any]:
@@ -670,13 +707,14 @@ def format_file(rep: FileReport) -> list[str]:
         end = a.end_step if a.end_step is not None else "…"
         out.append(f"    {a.severity.upper():8} {a.kind:16} steps {a.step}–{end} ({a.status})")
         out.append(f"             {a.message}")
-    snap = rep.ledger
-    if tl == "assumed" or snap is None:
-        out.append(f"  goodput    not estimated: the log has no step times (timeline assumed at {rep.step_seconds:g} s "
-                   "per step)")
+    g = rep.goodput()
+    snap = g["ledger"]
+    if snap is None:
+        out.append(f"  goodput    {g['note']}")
     else:
         wall = snap["wall_s"]
-        bad = sorted(((k, v) for k, v in snap["seconds"].items() if k != "productive" and v > 0),
+        # Causes that would print as 0.0 s / 0.0 % are left out.
+        bad = sorted(((k, v) for k, v in snap["seconds"].items() if k != "productive" and v >= 0.05),
                      key=lambda kv: -kv[1])
         line = f"  goodput    {snap['goodput_pct']:.1f}% of {_secs(wall)} wall time productive"
         if tl == "partial":
@@ -688,6 +726,8 @@ def format_file(rep: FileReport) -> list[str]:
         if snap.get("tokens_total"):
             out.append(f"             {snap['tokens_total']:,} tokens; throughput {snap['throughput_tok_s']:,.0f} "
                        f"tokens/s, goodput {snap['goodput_tok_s']:,.0f} tokens/s")
+        if rep.gaps:
+            out.append("             note: " + g["note"].split("; ", 1)[1])
     for r in rep.recommendations:
         out.append(f"  rollback   [{r.action}] {r.kind} at step {r.onset_step}: {r.summary}")
         for opt in r.options:
