@@ -198,21 +198,27 @@ def start_alert_receiver(print_fn: Callable[[str], None] = print):
 
 
 def alerts_config(url: str, dashboard_url: str) -> str:
-    """The demo's alerting config: every anomaly to the local receiver at once.
+    """The demo's alerting config: every warning and critical anomaly to the local receiver at once.
 
     ``group_wait = "0s"``: the demo's loss spike is over in half a second, which the usual 30 s
-    would (rightly, for flapping) never notify; here every anomaly should show.
+    would (rightly, for flapping) never notify; here every anomaly should show. ``info`` anomalies
+    (single slow steps) stay on the dashboard: nobody is woken for them.
     """
     return f'''# Written by `trainhealth demo`: alerts go to a local receiver that prints them.
 version = 1
 dashboard_url = "{dashboard_url}"
 
 [route]
-receivers = ["demo"]
+receivers = []
 group_by = ["run", "kind"]
 group_wait = "0s"
 group_interval = "30s"
 repeat_interval = "4h"
+
+[[route.routes]]
+name = "notify"
+matchers = ['severity=~"warning|critical"']
+receivers = ["demo"]
 
 [sinks.demo]
 type = "webhook"
