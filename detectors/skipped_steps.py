@@ -20,9 +20,11 @@ class SkippedStepsDetector:
     skips are normal then (more: no scale works). Steps are counted as logged: consecutive aggregates
     with ``skipped`` set (a sparse log's point counts once, whatever the steps since the previous one).
 
-    The anomaly opens (``warning``) when the run reaches the threshold, is updated when its length
-    doubles, and resolves at the first applied step (``end_step`` = the last skipped step); a restart
-    or rollback ends it too.
+    The anomaly opens (``warning``) when the run reaches the threshold and then covers the whole
+    episode: further skips extend it even after a few applied steps (a burst where a third to a half
+    of the steps overflow is one condition, not one anomaly per run of three), and it is updated when
+    its count of skipped steps doubles. It resolves after ``quiet_steps`` applied steps in a row
+    (``end_step`` = the last skipped step); a restart or rollback ends it too.
 
     Parameters
     ----------
@@ -30,6 +32,8 @@ class SkippedStepsDetector:
         Consecutive skipped steps that make an anomaly once a step has been applied.
     initial : int
         Consecutive skipped steps tolerated before the first applied step of a generation.
+    quiet_steps : int
+        Applied steps in a row that end an episode (a judgement: ten times the scalers' hysteresis of 2).
 
     Evidence: ``steps`` (skipped so far in the run), ``first_step``, ``last_step``, ``calibrating``
     (no step applied yet in this generation).
@@ -42,11 +46,22 @@ class SkippedStepsDetector:
     ...                          skipped=skipped)
     >>> det = SkippedStepsDetector()
     >>> skipped = {0, 1, 2, 3, 40, 41, 70, 71, 72, 73}  # calibration at the start, a pair, then a run of 4
-    >>> for step in range(80):
+    >>> for step in range(100):
     ...     for a in det.update(agg(step, step in skipped)):
     ...         print(a.kind, a.status, a.step, a.end_step, a.evidence["steps"])
     skipped_steps active 70 None 3
     skipped_steps resolved 70 73 4
+
+    A burst with applied steps in between is one anomaly:
+
+    >>> det = SkippedStepsDetector()
+    >>> burst = {100, 101, 102, 104, 105, 107, 110, 111, 112, 113, 120}
+    >>> for step in range(200):
+    ...     for a in det.update(agg(step, step in burst)):
+    ...         print(a.kind, a.status, a.step, a.end_step, a.evidence["steps"])
+    skipped_steps active 100 None 3
+    skipped_steps active 100 None 6
+    skipped_steps resolved 100 120 11
 
     References
     ----------
@@ -58,9 +73,13 @@ class SkippedStepsDetector:
     KIND = "skipped_steps"
 
     def __init__(self, min_steps: int = defaults.SKIPPED_STEPS_MIN,
-                 initial: int = defaults.SKIPPED_STEPS_INITIAL) -> None:
+                 initial: int = defaults.SKIPPED_STEPS_INITIAL,
+                 quiet_steps: int = defaults.SKIPPED_STEPS_QUIET) -> None:
         self.min_steps = min_steps
         self.initial = initial
+        self.quiet_steps = quiet_steps
+        self._streak: tuple[int, int, int] | None = None  # the current run of consecutive skips
+        self._quiet = 0  # applied steps in a row since the open episode's last skip
         self._gen: int | None = None
         self._applied = False
         self._run: tuple[int, int, int] | None = None  # first step, last step, count
@@ -82,30 +101,38 @@ class SkippedStepsDetector:
         """Feed one step; return the anomaly states that changed (opened, grown, resolved)."""
         out: list[Anomaly] = []
         if agg.gen != self._gen or (self._prev_step is not None and agg.step <= self._prev_step):
-            out += self._close()  # a restart or rollback ends the run; a new generation calibrates again
-            self._run = None
+            out += self._close()  # a restart or rollback ends the episode; a new generation calibrates again
+            self._streak = None
             if agg.gen != self._gen:
                 self._gen, self._applied = agg.gen, False
         self._prev_step = agg.step
         if not agg.skipped:
-            out += self._close()
-            self._run, self._applied = None, True
+            self._streak, self._applied = None, True
+            if self._open is not None:
+                self._quiet += 1
+                if self._quiet >= self.quiet_steps:
+                    out += self._close()
             return out
-        first, _, n = self._run if self._run is not None else (agg.step, agg.step, 0)
+        if self._open is not None:  # the open episode goes on
+            first, _, n = self._run
+            self._run, self._quiet = (first, agg.step, n + 1), 0
+            if n + 1 >= 2 * self._reported:
+                self._reported = n + 1
+                self._open = replace(self._open, message=_message(first, agg.step, n + 1, not self._applied,
+                                                                  done=False),
+                                     evidence={**self._open.evidence, "steps": n + 1, "last_step": agg.step})
+                out.append(self._open)
+            return out
+        first, _, n = self._streak if self._streak is not None else (agg.step, agg.step, 0)
         n += 1
-        self._run = (first, agg.step, n)
+        self._streak = (first, agg.step, n)
         limit = self.min_steps if self._applied else self.initial + 1
-        if self._open is None and n >= limit:
-            self._reported = n
+        if n >= limit:
+            self._run, self._reported, self._quiet = self._streak, n, 0
             self._open = Anomaly(kind=self.KIND, severity="warning", step=first, gen=agg.gen,
                                  message=_message(first, agg.step, n, not self._applied, done=False),
                                  evidence={"steps": n, "first_step": first, "last_step": agg.step,
                                            "calibrating": not self._applied})
-            out.append(self._open)
-        elif self._open is not None and n >= 2 * self._reported:
-            self._reported = n
-            self._open = replace(self._open, message=_message(first, agg.step, n, not self._applied, done=False),
-                                 evidence={**self._open.evidence, "steps": n, "last_step": agg.step})
             out.append(self._open)
         return out
 
@@ -116,5 +143,6 @@ def _message(first: int, last: int, n: int, calibrating: bool, done: bool) -> st
         return (f"the optimizer skipped all {n} steps since the start ({span}, fp16 loss-scale overflow): no loss "
                 f"scale stops the overflow; check the initial loss scale, the data and the learning rate")
     tail = "" if done else " so far"
-    return (f"the optimizer skipped {n} steps in a row{tail} ({span}, fp16 loss-scale overflow): the gradients kept "
+    how = f"{n} steps in a row" if n == last - first + 1 else f"{n} of the {last - first + 1} steps"
+    return (f"the optimizer skipped {how}{tail} ({span}, fp16 loss-scale overflow): the gradients kept "
             f"overflowing after the loss scale was lowered; look for a loss or grad-norm spike")

@@ -154,6 +154,9 @@ SKIPPED_STEPS_MIN = 3
 #: ...except while the loss scaler calibrates at the start (no step applied yet in this generation): halving
 #: once per overflow from Megatron-LM's default initial scale 2^32 takes up to 32 skips.
 SKIPPED_STEPS_INITIAL = 32
+#: Applied steps in a row that end a skipped-steps episode (a judgement: ten times the fp16 scalers'
+#: hysteresis of 2), so a burst with a few applied steps between overflows is one anomaly.
+SKIPPED_STEPS_QUIET = 20
 
 # --- Detectors: timing family (throughput drop, slow steps) --------------------------------------
 #: Both judge a step's own duration: the live ``mon.step()`` time, else the job's own measurement
