@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from collections import deque
 from dataclasses import replace
 
 from detectors.aggregate import StepAggregate
 from detectors.anomaly import RESOLVED, Anomaly
-from detectors.loss_spike import NOT_RECOVERED, Baseline, LossSpikeDetector, robust_scale
+from detectors.loss_spike import NOT_RECOVERED, Baseline, LossSpikeDetector, SortedWindow, robust_scale_sorted
 from trainhealth import defaults
+
+_second = operator.itemgetter(1)  # the value of a (step, value) point
 
 
 class DivergenceDetector:
@@ -53,8 +56,14 @@ class DivergenceDetector:
     z : float
         The margin is at least this many robust per-point SDs of the loss.
     spikes : LossSpikeDetector | None
-        The private spike detector (a fresh one with the default settings if None); it must not be
-        fed by anyone else.
+        The spike detector to build on (a fresh private one with the default settings if None); unless
+        ``shared``, it must not be fed by anyone else.
+    shared : bool
+        ``spikes`` is fed by its owner, each step *before* this detector (the pipeline's own
+        :class:`~detectors.loss_spike.LossSpikeDetector`, with the same settings: the same anomalies, without
+        running a second copy of it). A step it was already fed (the same aggregate object, per
+        :attr:`~detectors.loss_spike.LossSpikeDetector.last_update`) is not fed again: its output is reused; any
+        other step is fed here.
 
     Evidence: ``reason`` (``spike_not_recovered``, ``overflow_skips``, ``sustained_rise``),
     ``baseline`` (reference loss), ``baseline_step`` (where the best level was reached, for a rise),
@@ -89,11 +98,13 @@ class DivergenceDetector:
         min_points: int = defaults.DIVERGENCE_MIN_POINTS,
         z: float = defaults.DIVERGENCE_Z,
         spikes: LossSpikeDetector | None = None,
+        shared: bool = False,
     ) -> None:
         self.min_rise = min_rise
         self.steps = steps
         self.min_points = min_points
         self.z = z
+        self.shared = shared
         self._spikes = spikes if spikes is not None else LossSpikeDetector()
         self._best: float | None = None
         self._best_step = 0
@@ -101,8 +112,9 @@ class DivergenceDetector:
         # (step, best, best step, points behind it) each time the best level fell by 1 %, for rollbacks.
         self._best_hist: list[tuple[int, float, int, int]] = []
         # A run of points above best + margin: onset step, generation, margin, the noise scale before it (None if
-        # unknown), their (step, log-loss).
-        self._cand: tuple[int, int, float, float | None, list[tuple[int, float]]] | None = None
+        # unknown), their (step, log-loss) with the log-losses kept sorted (its median at every step is O(1): a long
+        # run that stays undecided costs O(n log n), not O(n^2)).
+        self._cand: tuple[int, int, float, float | None, SortedWindow] | None = None
         self._open: Anomaly | None = None
         self._ref = 0.0
         self._margin = 0.0
@@ -153,8 +165,12 @@ class DivergenceDetector:
             out += self._rewind(agg.step)
         self._prev_step = agg.step
         # The noise scale from before this point joins the window (a rise must not widen its own margin).
-        margin = self._margin_for(self._spikes.baseline)
-        changes = self._spikes.update(agg)
+        fed = self._spikes.last_update if self.shared else None
+        if fed is not None and fed[0] is agg:  # its owner has already fed it this step
+            margin, changes = self._margin_for(fed[1]), fed[2]
+        else:
+            margin = self._margin_for(self._spikes.baseline)
+            changes = self._spikes.update(agg)
         loss = agg.loss
         if loss is None or not math.isfinite(loss) or loss <= 0 or not self._spikes.log_scale:
             return out  # NaN/Inf is nan_inf's; a non-positive loss has no relative rise
@@ -178,7 +194,9 @@ class DivergenceDetector:
         if self._cand is None:
             if self._best is not None and x - self._best > margin:
                 base = self._spikes.baseline
-                self._cand = (agg.step, agg.gen, margin, base.scale if base is not None else None, [(agg.step, x)])
+                pts = SortedWindow(key=_second)
+                pts.append((agg.step, x))
+                self._cand = (agg.step, agg.gen, margin, base.scale if base is not None else None, pts)
                 return []
             level = self._spikes.window_median
             if level is not None and not self._spikes.spike_open and (self._best is None or level < self._best):
@@ -188,17 +206,16 @@ class DivergenceDetector:
             return []
         onset, gen, margin, scale, pts = self._cand
         pts.append((agg.step, x))
-        xs = [v for _, v in pts]
-        if statistics.median(xs[-5:]) - self._best < margin / 2:
+        if statistics.median(v for _, v in pts[-5:]) - self._best < margin / 2:
             self._cand = None  # back near the best level: a bump, not a divergence
             return []
-        if agg.step - onset < self.steps or len(xs) < self.min_points:
+        if agg.step - onset < self.steps or len(pts) < self.min_points:
             return []
         # The rise is a difference of two medians (of the points behind the best level and of the run's points);
         # its standard error 1.2533 s sqrt(1/n1 + 1/n2) matters when either is backed by few points (a sparse log).
-        s = scale if scale is not None else robust_scale(xs)
-        se = 1.2533 * s * math.sqrt(1.0 / max(self._best_n, 1) + 1.0 / len(xs))
-        if statistics.median(xs) - self._best >= max(math.log1p(self.min_rise), self.z * se):
+        s = scale if scale is not None else robust_scale_sorted(pts.sorted)  # robust_scale of the run's points
+        se = 1.2533 * s * math.sqrt(1.0 / max(self._best_n, 1) + 1.0 / len(pts))
+        if pts.median() - self._best >= max(math.log1p(self.min_rise), self.z * se):
             self._cand = None
             peak_step, peak = max(pts, key=lambda p: p[1])
             return [self._start(onset, gen, self._best, margin, "sustained_rise", agg, x, math.exp(peak), peak_step,

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from collections import deque
 from dataclasses import replace
 
 from detectors.aggregate import StepAggregate
 from detectors.anomaly import RESOLVED, Anomaly
+from detectors.loss_spike import SortedWindow
 from trainhealth import defaults
+
+_second = operator.itemgetter(1)  # the value of a (step, value) point
 
 
 class GradNormExplosionDetector:
@@ -84,10 +88,12 @@ class GradNormExplosionDetector:
         self.min_points = min_points
         self.steps = steps
         self.min_sustain = min_sustain
-        self._win: deque[float] = deque(maxlen=window)
+        self._win = SortedWindow(window)  # sorted too: its median after each point is O(1)
         self._floor: float | None = None
         self._floor_step = 0
-        self._cand: tuple[int, int, list[tuple[int, float]]] | None = None
+        # A run of points above the floor: onset step, generation, their (step, log grad norm) with the values kept
+        # sorted (a run that stays undecided costs O(n log n), not O(n^2)).
+        self._cand: tuple[int, int, SortedWindow] | None = None
         self._open: Anomaly | None = None
         self._recent: deque[float] = deque(maxlen=5)
         self._last_elevated = 0
@@ -107,7 +113,7 @@ class GradNormExplosionDetector:
         """An ordinary point: into the trailing window, and the floor follows its median down."""
         self._win.append(x)
         if len(self._win) >= self.min_points:
-            med = statistics.median(self._win)
+            med = self._win.median()
             if self._floor is None or med < self._floor:
                 self._floor, self._floor_step = med, step
 
@@ -126,25 +132,27 @@ class GradNormExplosionDetector:
             return out + self._follow(agg, x, rise)
         if self._cand is None:
             if self._floor is not None and x - self._floor > rise:
-                self._cand = (agg.step, agg.gen, [(agg.step, x)])
+                pts = SortedWindow(key=_second)
+                pts.append((agg.step, x))
+                self._cand = (agg.step, agg.gen, pts)
             else:
                 self._keep(agg.step, x)
             return out
         onset, gen, pts = self._cand
         pts.append((agg.step, x))
-        xs = [v for _, v in pts]
-        if statistics.median(xs[-5:]) - self._floor < rise / 2:
+        if statistics.median(v for _, v in pts[-5:]) - self._floor < rise / 2:
             self._cand = None  # it came back down: a spike or a bump, not an explosion
             for st, v in pts:
                 self._keep(st, v)
             return out
-        med = statistics.median(xs)
+        med = pts.median()
         k = self.min_sustain
-        lasted = agg.step - onset >= self.steps and len(xs) >= k and med - self._floor >= rise
+        lasted = agg.step - onset >= self.steps and len(pts) >= k and med - self._floor >= rise
         # Or still climbing: a further order of magnitude since the run of points began (the median of its last
         # k points over that of its first k). An exponential blow-up reaches NaN before 100 steps pass; a spike
         # or a plateau, however high, does not keep growing.
-        climbing = len(xs) >= 2 * k and statistics.median(xs[-k:]) - statistics.median(xs[:k]) >= rise
+        climbing = (len(pts) >= 2 * k
+                    and statistics.median(v for _, v in pts[-k:]) - statistics.median(v for _, v in pts[:k]) >= rise)
         if lasted or climbing:
             self._cand = None
             self._recent.clear()

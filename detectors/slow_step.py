@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 
 from detectors.aggregate import StepAggregate
 from detectors.anomaly import RESOLVED, Anomaly
+from detectors.loss_spike import SortedWindow
 from detectors.throughput import MAD_TO_SIGMA, step_seconds
 from trainhealth import defaults
 
@@ -83,8 +83,9 @@ class SlowStepDetector:
         self.min_scale = min_scale
         self._gen: int | None = None
         self._seen = 0
-        self._ref: deque[float] = deque(maxlen=window)  # log step times of normal steps
-        self._stats: tuple[float, float] | None = None
+        # Log step times of normal steps, kept sorted too: median and MAD in O(log n) after each new one.
+        self._ref = SortedWindow(window)
+        self._stats: tuple[float, float | None] | None = None  # (median, robust SD or None until needed), cached
         self._slow: deque[int] = deque(maxlen=16)  # onset steps of recent slow runs (the rhythm)
         self._run: list[tuple[int, float, float]] = []  # (step, seconds, z) of the open run
         self._run_base: tuple[float, float] = (0.0, 1.0)
@@ -118,9 +119,15 @@ class SlowStepDetector:
             self._run.clear()
             self._shifted = False
             # This step is back to normal: judge it afresh below.
-        m, s = self._reference()
-        z = (y - m) / s
-        if t >= self.ratio * math.exp(m) and z >= self.z_open:
+        m = self._median()
+        slow = t >= self.ratio * math.exp(m)
+        if slow or not self.min_scale > 0:
+            # The robust SD (a MAD: the costly part) matters only for a step already ratio x the median (rare);
+            # without a floor it may be 0, and z must then raise at every step as it always did.
+            s = self._scale()
+            z = (y - m) / s
+            slow = slow and z >= self.z_open
+        if slow:
             # The rhythm: earlier slow steps at s - d and s - 2d for some gap d >= 2.
             rhythm = any(2 * a - agg.step in self._slow for a in self._slow if agg.step - a >= 2)
             self._slow.append(agg.step)
@@ -147,12 +154,20 @@ class SlowStepDetector:
         self._ref.append(y)
         self._stats = None
 
-    def _reference(self) -> tuple[float, float]:
+    def _median(self) -> float:
+        """Median of the reference (log s), cached until it changes."""
         if self._stats is None:
-            mu = statistics.median(self._ref)
-            mad = statistics.median(abs(v - mu) for v in self._ref)
-            self._stats = (mu, max(MAD_TO_SIGMA * mad, self.min_scale))
-        return self._stats
+            self._stats = (self._ref.median(), None)
+        return self._stats[0]
+
+    def _scale(self) -> float:
+        """Robust SD of the reference, ``max(1.4826 x MAD, min_scale)``, cached until it changes."""
+        mu = self._median()
+        s = self._stats[1]
+        if s is None:
+            s = max(MAD_TO_SIGMA * self._ref.mad(mu), self.min_scale)
+            self._stats = (mu, s)
+        return s
 
     def _report(self) -> list[Anomaly]:
         med = math.exp(self._run_base[0])

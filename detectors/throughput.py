@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import operator
 import statistics
-from collections import deque
 from dataclasses import replace
 from typing import NamedTuple
 
 from detectors.aggregate import StepAggregate
 from detectors.anomaly import RESOLVED, Anomaly
+from detectors.loss_spike import SortedWindow
 from trainhealth import defaults
 
 #: Consistency constant making the MAD estimate the standard deviation of normal data
@@ -46,6 +47,9 @@ class _Point(NamedTuple):
     tps: float | None  # tokens per step, when known
 
 
+_y = operator.attrgetter("y")  # a point's log step time (C-level: the sorted windows call it at every step)
+
+
 def _percentile(values: list[float], q: float) -> float:
     # Linear interpolation between closest ranks, as ml-goodput-measurement's compute_percentile.
     v = sorted(values)
@@ -74,6 +78,18 @@ def goodput_step_deviation(baseline: list[float], recent: list[float]) -> tuple[
     ideal = statistics.fmean(normal)
     base_dev = statistics.median(abs(t - ideal) for t in baseline)
     return ideal, round(_percentile([abs(t - ideal) for t in recent], 90) - base_dev, 6)
+
+
+def _highest_median(values: list[float], n: int) -> float:
+    """The highest median of ``n`` consecutive values (``1 <= n <= len(values)``), from one sorted window slid
+    along them: ``max(statistics.median(values[i:i + n]) for i in range(len(values) - n + 1))``, exactly."""
+    win = SortedWindow(n)
+    win.extend(values[:n])
+    best = win.median()
+    for v in values[n:]:
+        win.append(v)
+        best = max(best, win.median())
+    return best
 
 
 class ThroughputDropDetector:
@@ -188,13 +204,15 @@ class ThroughputDropDetector:
         self._gen: int | None = None
         self._seen = 0  # timed steps in this generation
         self._prev_step: int | None = None
-        self._ref: deque[_Point] = deque(maxlen=window)
-        self._stats: tuple[float, float] | None = None  # (mu, s) of the reference, cached
+        # Windows of points with their log step times kept sorted: the reference's median and MAD, and the
+        # shifted level's median, are read in O(log n) at every step instead of sorted again.
+        self._ref = SortedWindow(window, _y)
+        self._stats: tuple[float, float | None] | None = None  # (mu, s or None until needed) of the reference
         self._s = 0.0
         self._pending: list[_Point] = []  # the current excursion (S > 0)
         self._open: Anomaly | None = None
         self._base: tuple[float, float] = (0.0, 1.0)  # frozen (mu, s) while open
-        self._shifted: deque[_Point] = deque(maxlen=window)
+        self._shifted = SortedWindow(window, _y)
         self._d = 0.0
         self._back: list[_Point] = []  # the current return excursion while open
 
@@ -225,9 +243,15 @@ class ThroughputDropDetector:
             self._ref.append(p)
             self._stats = None
             return out
-        mu, s = self._reference()
-        z = min(max((p.y - mu) / s, -self.clip), self.clip)
-        self._s = max(0.0, self._s + z - self.k)
+        mu = self._median()
+        if self._s == 0.0 and p.y <= mu and self.k >= 0 and self.min_scale > 0:
+            # No excursion under way and a step at or below the median: z <= 0 <= k whatever the robust SD (> 0
+            # with the floor), so the CUSUM stays exactly 0.0 and the MAD (the costly part) is not needed.
+            s = None
+        else:
+            s = self._scale()
+            z = min(max((p.y - mu) / s, -self.clip), self.clip)
+            self._s = max(0.0, self._s + z - self.k)
         if self._s == 0.0:
             # The excursion was noise: its steps join the reference.
             self._ref.extend(self._pending)
@@ -237,6 +261,7 @@ class ThroughputDropDetector:
             return out
         self._pending.append(p)
         if self._s > self.h:
+            assert s is not None  # the CUSUM only grows from a step whose SD was computed
             opened = self._judge(agg, mu, s)
             if opened is not None:
                 out.append(opened)
@@ -251,13 +276,20 @@ class ThroughputDropDetector:
         self._pending.clear()
         self._stats = None
 
-    def _reference(self) -> tuple[float, float]:
+    def _median(self) -> float:
+        """Median ``mu`` of the reference's log step times, cached until the reference changes."""
         if self._stats is None:
-            ys = [p.y for p in self._ref]
-            mu = statistics.median(ys)
-            mad = statistics.median(abs(y - mu) for y in ys)
-            self._stats = (mu, max(MAD_TO_SIGMA * mad, self.min_scale))
-        return self._stats
+            self._stats = (self._ref.median(), None)
+        return self._stats[0]
+
+    def _scale(self) -> float:
+        """Robust SD ``s = max(1.4826 x MAD, min_scale)`` of the reference, cached until it changes."""
+        mu = self._median()
+        s = self._stats[1]
+        if s is None:
+            s = max(MAD_TO_SIGMA * self._ref.mad(mu), self.min_scale)
+            self._stats = (mu, s)
+        return s
 
     def _judge(self, agg: StepAggregate, mu: float, s: float) -> Anomaly | None:
         pend = self._onset_trimmed(mu)
@@ -272,7 +304,7 @@ class ThroughputDropDetector:
         # The reference's own level must never have been this high over as many steps: a workload
         # whose step time wanders (sequence lengths in fine-tuning) is not a drop when it wanders.
         ref_t, n = [p.t for p in self._ref], len(pend)
-        if n < len(ref_t) and after <= max(statistics.median(ref_t[i:i + n]) for i in range(len(ref_t) - n + 1)):
+        if n < len(ref_t) and after <= _highest_median(ref_t, n):
             return None
         ev: dict[str, float | int] = {
             "before_s": before, "after_s": after, "rel_change": round(rel, 4), "cusum": round(self._s, 2),
@@ -322,14 +354,14 @@ class ThroughputDropDetector:
         return pend[start:]
 
     @staticmethod
-    def _tokens(points: list[_Point] | deque[_Point]) -> float | None:
+    def _tokens(points: list[_Point] | SortedWindow) -> float | None:
         known = [p.tps for p in points if p.tps is not None]
         return statistics.median(known) if known and 2 * len(known) >= len(points) else None
 
     def _track(self, p: _Point, agg: StepAggregate) -> list[Anomaly]:
         """While a drop is open: watch for the return below the midpoint of the two levels."""
         mu0, s0 = self._base
-        mu1 = statistics.median(q.y for q in self._shifted)
+        mu1 = self._shifted.median()
         mid = (mu0 + mu1) / 2.0
         z = min(max((mid - p.y) / s0, -self.clip), self.clip)
         self._d = max(0.0, self._d + z)
