@@ -8,7 +8,6 @@ is what lets the service rebuild its state by replaying the streams after a rest
 from __future__ import annotations
 
 import math
-import statistics
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -32,7 +31,7 @@ from detectors.skipped_steps import SkippedStepsDetector
 from detectors.slow_node import SlowNodeDetector
 from detectors.slow_step import SlowStepDetector
 from detectors.straggler import StragglerDetector
-from detectors.throughput import ThroughputDropDetector
+from detectors.throughput import ThroughputDropDetector, step_seconds
 from trainhealth.events import ROW_DATA, ROW_SOURCE, Event, StepRecord, step_record
 
 
@@ -93,7 +92,7 @@ class RunPipeline:
         self.positions: OrderedDict[int, tuple[int | None, int | None]] = OrderedDict()
         self.current_step = 0
         self._last_advice = -(10**9)
-        self._prev_end: tuple[int, float] | None = None
+        self._prev_end: tuple[int, float, int] | None = None
 
     @property
     def world_size(self) -> int:
@@ -181,12 +180,15 @@ class RunPipeline:
         out = Output(aggs=aggs)
         for agg in aggs:
             self.ledger.add_step(agg)
-            dur = agg.dur
+            # The step's own time (timed by the ranks, else the job's own step_s), the one the timing
+            # detectors judge; an untimed step without one lasted since the previous step ended, per step
+            # (a log written every N steps must not make the hang timeout and advice costs N times too long).
+            dur = step_seconds(agg)
             prev = self._prev_end
             if dur is None and prev is not None and prev[0] == agg.gen:
-                dur = agg.t_end - prev[1]  # an untimed step lasted since the previous one ended
+                dur = (agg.t_end - prev[1]) / max(agg.step - prev[2], 1)
             self.hang.observe_step(dur, agg.gen)
-            self._prev_end = (agg.gen, agg.t_end)
+            self._prev_end = (agg.gen, agg.t_end, agg.step)
             self.current_step = agg.step
             if agg.consumed_samples is not None or agg.batch_index is not None:
                 self.positions[agg.step] = (agg.consumed_samples, agg.batch_index)
@@ -213,7 +215,7 @@ class RunPipeline:
         return out
 
     def _advise(self, a: Anomaly) -> Recommendation | None:
-        step_s = statistics.median(self.hang._step_s) if self.hang._step_s else None
+        step_s = self.hang.median_step_s
         return self.advisor.advise(
             a, run=self.run, checkpoints=self.checkpoints.values(), current_step=self.current_step, step_s=step_s,
             world_size=self.world_size, gpu_hour_usd=self.ledger.gpu_hour_usd, data_positions=self.positions,
