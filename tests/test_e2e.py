@@ -32,8 +32,12 @@ def test_demo_job_through_serve_flags_spike_straggler_and_restart(r: redis.Redis
 
         snap = wait_for(done, 60, "the service to process all 291 step attempts")
         anomalies = {k.decode(): json.loads(v) for k, v in r.hgetall("th:{e2e}:anomalies").items()}
-        assert sorted(anomalies) == ["grad_norm_spike:*:118:0", "loss_spike:*:120:0", "restart:*:200:1",
-                                     "straggler:2:40:0", "throughput_drop:*:40:0"]
+        # Step-time kinds judge 10 ms steps on a shared CPU: a loaded CI machine can add a real (if
+        # unscripted) drop of its own, e.g. after the relaunch; every scripted fault must be there exactly.
+        timing = {k for k in anomalies if k.split(":")[0] in ("throughput_drop", "slow_step")}
+        assert sorted(set(anomalies) - timing) == ["grad_norm_spike:*:118:0", "loss_spike:*:120:0",
+                                                   "restart:*:200:1", "straggler:2:40:0"]
+        assert "throughput_drop:*:40:0" in timing
         # The straggler slows every step 3x (the all-reduce waits for it): the job-level symptom, same onset
         # (its alert is inhibited by the straggler's, see detectors/alerts/inhibition.py).
         td = anomalies["throughput_drop:*:40:0"]
