@@ -663,6 +663,28 @@ def service_running(heartbeats: list[dict[str, Any]], now: float, stale_s: float
     return bool(ts) and now - max(ts) <= stale_s
 
 
+def detector_errors(heartbeats: list[dict[str, Any]], run: str, now: float,
+                    stale_s: float = SERVICE_STALE_S) -> dict[str, int]:
+    """Exceptions raised by ``run``'s detectors, by detector class name, as the live services report them.
+
+    From the ``detector_errors`` field (``{run: {name: count}}``) of the heartbeats at most
+    ``stale_s`` seconds old at ``now``; counts of several services (a run handed over) are summed.
+    Malformed fields are skipped.
+    """
+    out: dict[str, int] = {}
+    for beat in heartbeats:
+        if not (math.isfinite(beat.get("t", math.nan)) and now - beat["t"] <= stale_s):
+            continue
+        per_run = beat.get("detector_errors")
+        errors = per_run.get(run) if isinstance(per_run, dict) else None
+        if not isinstance(errors, dict):
+            continue
+        for name, n in errors.items():
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                out[str(name)] = out.get(str(name), 0) + n
+    return out
+
+
 def processing_state(client: redis.Redis, run: str) -> dict[str, Any]:
     """How far the run's aggregates trail its ranks: newest completed step per heartbeats vs aggregates.
 

@@ -98,18 +98,25 @@ def _processing_state(url: str, run: str) -> dict:
     return data.processing_state(get_client(url), run)
 
 
-def service_problem(beats: list[dict], state: dict, now: float) -> str | None:
+def service_problem(beats: list[dict], state: dict, now: float, run: str = "") -> str | None:
     """The banner text for the service heartbeats and the run's processing state, None if healthy.
 
     Not running: no ``th:service:*`` heartbeat, or the newest older than
     :data:`dashboard.data.SERVICE_STALE_S`. Not processing: the ranks' heartbeats report steps
     completed well after the newest aggregate (:func:`dashboard.data.unprocessed_lag`).
+    Detectors failing: a live service reports exceptions of ``run``'s detectors
+    (:func:`dashboard.data.detector_errors`).
     """
     running = data.service_running(beats, now)
     lag = data.unprocessed_lag(state)
-    if running and lag is None:
+    failing = data.detector_errors(beats, run, now) if running else {}
+    if running and lag is None and not failing:
         return None
     parts = []
+    if failing:
+        names = ", ".join(f"{name} ({plural(n, 'error')})" for name, n in sorted(failing.items()))
+        parts.append(f"Detectors failing on this run: {names}. Their findings may be missing; the other "
+                     f"detectors go on. The traceback is in the `trainhealth serve` log.")
     if not running:
         parts.append(SERVICE_DOWN)
         newest = beats[0] if beats and math.isfinite(beats[0]["t"]) else None
@@ -140,7 +147,7 @@ def service_banner(run: str) -> None:
         state = _processing_state(url, run)
     except redis.RedisError:
         return  # the page's own reads say that Redis is unreachable
-    text = service_problem(beats, state, time.time())
+    text = service_problem(beats, state, time.time(), run)
     if text:
         st.warning(text, icon=":material/sensors_off:")
 

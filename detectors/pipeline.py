@@ -7,6 +7,7 @@ is what lets the service rebuild its state by replaying the streams after a rest
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
@@ -33,6 +34,11 @@ from detectors.slow_step import SlowStepDetector
 from detectors.straggler import StragglerDetector
 from detectors.throughput import ThroughputDropDetector, step_seconds
 from trainhealth.events import ROW_DATA, ROW_SOURCE, Event, StepRecord, step_record
+
+log = logging.getLogger(__name__)
+
+#: A failing detector's traceback is logged on its first error and then on every this-many-th.
+ERROR_LOG_EVERY = 1000
 
 
 @dataclass
@@ -93,6 +99,10 @@ class RunPipeline:
         self.current_step = 0
         self._last_advice = -(10**9)
         self._prev_end: tuple[int, float, int] | None = None
+        #: Exceptions raised by a detector (or the advisor), by its class name. A bug in one detector must
+        #: not stop the others, the ledger, or the service (which would crash again on the same entry
+        #: when it replays the stream after a restart): the step is skipped for that detector only.
+        self.detector_errors: dict[str, int] = {}
 
     @property
     def world_size(self) -> int:
@@ -172,9 +182,23 @@ class RunPipeline:
     def check_heartbeats(self, now: float, heartbeats: Mapping[int, Mapping[str, Any]]) -> list[Anomaly]:
         """Hang and dead-rank checks at unix time ``now``; ranks that ended cleanly are left out."""
         live = {r: hb for r, hb in heartbeats.items() if r not in self.ended_ranks}
-        found = self.hang.check(now, live) + self.dead_rank.check(now, live, self.hang.timeout_s,
-                                                                  self.aggregator.generation)
+        found: list[Anomaly] = []
+        try:
+            found += self.hang.check(now, live)
+        except Exception:
+            self._failed(self.hang, self.current_step)
+        try:
+            found += self.dead_rank.check(now, live, self.hang.timeout_s, self.aggregator.generation)
+        except Exception:
+            self._failed(self.dead_rank, self.current_step)
         return [self._with_hosts(a) for a in found]
+
+    def _failed(self, who: object, step: int) -> None:
+        name = type(who).__name__
+        n = self.detector_errors[name] = self.detector_errors.get(name, 0) + 1
+        if n == 1 or n % ERROR_LOG_EVERY == 0:
+            log.exception("run %s: %s failed at step %d (error %d); the other detectors go on", self.run, name,
+                          step, n)
 
     def _steps(self, aggs: list[StepAggregate]) -> Output:
         out = Output(aggs=aggs)
@@ -196,7 +220,12 @@ class RunPipeline:
                     self.positions.popitem(last=False)
             changed = []
             for det in self.step_detectors:
-                changed += [self._with_hosts(a) for a in det.update(agg)]
+                try:
+                    found = det.update(agg)
+                except Exception:  # see detector_errors
+                    self._failed(det, agg.step)
+                    continue
+                changed += [self._with_hosts(a) for a in found]
             out.anomalies += changed
             for a in changed:
                 self.anomalies[a.id] = a
@@ -215,12 +244,15 @@ class RunPipeline:
         return out
 
     def _advise(self, a: Anomaly) -> Recommendation | None:
-        step_s = self.hang.median_step_s
-        return self.advisor.advise(
-            a, run=self.run, checkpoints=self.checkpoints.values(), current_step=self.current_step, step_s=step_s,
-            world_size=self.world_size, gpu_hour_usd=self.ledger.gpu_hour_usd, data_positions=self.positions,
-            history=self.anomalies.values(),
-        )
+        try:
+            return self.advisor.advise(
+                a, run=self.run, checkpoints=self.checkpoints.values(), current_step=self.current_step,
+                step_s=self.hang.median_step_s, world_size=self.world_size, gpu_hour_usd=self.ledger.gpu_hour_usd,
+                data_positions=self.positions, history=self.anomalies.values(),
+            )
+        except Exception:
+            self._failed(self.advisor, self.current_step)
+            return None
 
     def _with_hosts(self, a: Anomaly) -> Anomaly:
         hosts = tuple(sorted({self.hosts[r] for r in a.ranks if r in self.hosts}))

@@ -487,7 +487,9 @@ class DetectorService:
         self.client.set(service_heartbeat(self.consumer),
                         json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": now,
                                     "runs": len(self.runs), "processed": self.processed,
-                                    "malformed": self.malformed}),
+                                    "malformed": self.malformed, "detector_errors": {
+                                        run_id: dict(run.pipeline.detector_errors)
+                                        for run_id, run in self.runs.items() if run.pipeline.detector_errors}}),
                         ex=defaults.SERVICE_HEARTBEAT_TTL_S)
         for run_id, run in list(self.runs.items()):
             if not self._renew(keys=[run.keys.owner], args=[self.consumer, self.lease_s]):

@@ -690,6 +690,18 @@ def test_service_problem_texts() -> None:
     assert frame.service_problem([], {**behind, "agg_step": None, "agg_t_end": None}, now) == frame.SERVICE_DOWN + (
         " Steps still arrive: the ranks completed step 1,400 (10 s ago), but no step of this run has been "
         "aggregated.")
+    failing = [{**fresh[0], "detector_errors": {"r1": {"LossSpikeDetector": 3, "RollbackAdvisor": 1},
+                                                "other": {"HangDetector": 9}}},
+               {"consumer": "svc-0", "t": now - 40.0, "detector_errors": {"r1": {"HangDetector": 5}}},  # stale
+               {"consumer": "svc-2", "t": now - 2.0, "detector_errors": {"r1": {"LossSpikeDetector": 1,
+                                                                               "Bad": "x", "Neg": -1}}}]
+    assert data.detector_errors(failing, "r1", now) == {"LossSpikeDetector": 4, "RollbackAdvisor": 1}
+    assert frame.service_problem(failing, ok, now, "other") == (
+        "Detectors failing on this run: HangDetector (9 errors). Their findings may be missing; the other "
+        "detectors go on. The traceback is in the `trainhealth serve` log.")
+    assert frame.service_problem(failing, ok, now, "r1").startswith(
+        "Detectors failing on this run: LossSpikeDetector (4 errors), RollbackAdvisor (1 error). ")
+    assert frame.service_problem(failing, ok, now, "r2") is None
 
 
 @pytest.mark.parametrize("page", ["app.py", "pages/ranks.py", "pages/anomalies.py"])

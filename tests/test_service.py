@@ -279,3 +279,40 @@ def test_malformed_entries_are_logged_counted_and_skipped(r: redis.Redis, caplog
     assert svc.malformed == 6
     svc._tick(T0 + 201)
     assert json.loads(r.get("th:service:m"))["malformed"] == 6
+
+
+def test_a_failing_detector_is_isolated_counted_and_survives_a_rebuild(r: redis.Redis, caplog, monkeypatch) -> None:
+    """A bug in one detector (here the grad-norm explosion detector raising on two steps) skips those steps for that
+    detector only: the others, the aggregates and the ledger go on, the service keeps running (also when a
+    restart replays the same entries), and the heartbeat reports the errors per run for the dashboard."""
+    import logging
+
+    from detectors.grad_norm_explosion import GradNormExplosionDetector
+
+    real = GradNormExplosionDetector.update
+
+    def buggy(self, agg):  # type: ignore[no-untyped-def]
+        if agg.step in (50, 51):
+            raise ZeroDivisionError("float division by zero")
+        return real(self, agg)
+
+    monkeypatch.setattr(GradNormExplosionDetector, "update", buggy)
+    write_run(r, "bug", range(0, 120), spike_at=80, nan_at=100)
+    svc = DetectorService(r, consumer="b", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
+    with caplog.at_level(logging.ERROR, logger="detectors.pipeline"):
+        drain(svc)
+    assert len(r.xrange("th:{bug}:agg")) == 120
+    assert sorted(k.decode() for k in r.hgetall("th:{bug}:anomalies")) == ["loss_spike:*:80:0", "nan_inf:*:100:0"]
+    errors = [rec for rec in caplog.records if rec.name == "detectors.pipeline"]
+    assert [rec.getMessage() for rec in errors] == [
+        "run bug: GradNormExplosionDetector failed at step 50 (error 1); the other detectors go on"]
+    assert errors[0].exc_info is not None and errors[0].exc_info[0] is ZeroDivisionError
+    svc._tick(T0 + 201)
+    assert json.loads(r.get("th:service:b"))["detector_errors"] == {"bug": {"GradNormExplosionDetector": 2}}
+    # A restarted service replays the same entries into a new pipeline: same errors, no crash, no duplicates.
+    before = r.xlen("th:{bug}:anomaly_log")
+    svc2 = DetectorService(r, consumer="b2", clock=lambda: T0 + 300, hang_factory=lambda: HangDetector(floor_s=1e9))
+    r.delete("th:{bug}:owner")
+    drain(svc2)
+    assert svc2.runs["bug"].pipeline.detector_errors == {"GradNormExplosionDetector": 2}
+    assert r.xlen("th:{bug}:anomaly_log") == before
