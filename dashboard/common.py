@@ -11,6 +11,7 @@ import redis
 import streamlit as st
 
 from trainhealth import config
+from trainhealth.text import plural  # noqa: F401 - re-exported: the pages import it from here
 
 #: Session-state key of the selected run id (set by ``app.py``, read by every page).
 RUN_KEY = "th_run"
@@ -83,13 +84,6 @@ def fmt_int(x: Any) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)) or x is pd.NA:
         return "—"
     return f"{int(x):,}"
-
-
-def plural(n: Any, word: str, many: str | None = None) -> str:
-    """``plural(1, "rank")`` → ``1 rank``, ``plural(1400, "step")`` → ``1,400 steps``;
-    ``many`` for irregular plurals (``plural(3, "anomaly", "anomalies")``)."""
-    count = int(n)
-    return f"{count:,} {word if count == 1 else (many or word + 's')}"
 
 
 def anomaly_delta(total: int, n_crit: int) -> str:

@@ -12,6 +12,7 @@ from detectors.aggregate import StepAggregate
 from detectors.anomaly import RESOLVED, Anomaly
 from detectors.loss_spike import NOT_RECOVERED, Baseline, LossSpikeDetector, SortedWindow, robust_scale_sorted
 from trainhealth import defaults
+from trainhealth.text import plural
 
 _second = operator.itemgetter(1)  # the value of a (step, value) point
 
@@ -138,7 +139,8 @@ class DivergenceDetector:
         self._open = Anomaly(
             kind=self.KIND, severity="critical", step=step, gen=gen, evidence=ev,
             message=(f"loss {math.exp(x):.4g} at step {now.step} is {math.exp(x - ref):.2f}x "
-                     f"{ref_text.format(base=f'{base:.4g}')}, {now.step - step} steps after step {step}{extra}; "
+                     f"{ref_text.format(base=f'{base:.4g}')}, {plural(now.step - step, 'step')} after step "
+                     f"{step}{extra}; "
                      f"the run is diverging: roll back to a checkpoint before step {step} and lower the learning "
                      f"rate or skip the data there"),
         )

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from detectors.aggregate import StepAggregate
 from detectors.anomaly import RESOLVED, Anomaly
 from trainhealth import defaults
+from trainhealth.text import plural
 
 #: Consistency constant making the MAD estimate the standard deviation of normal data.
 MAD_TO_SIGMA = 1.4826
@@ -747,7 +748,8 @@ class LossSpikeDetector:
                                         skipped_run=self._skip_run)
                 else:
                     done = self._settle(spike, NOT_RECOVERED, agg.step,
-                                        f"not recovered after {open_for} steps (now {value:.4g})", recovery_steps=None)
+                                        f"not recovered after {plural(open_for, 'step')} (now {value:.4g})",
+                                        recovery_steps=None)
                 # Restart the baseline at the new level.
                 self._spike = None
                 self._hist.clear()
@@ -760,9 +762,9 @@ class LossSpikeDetector:
             return []
         rec = self._back - spike.step
         if rec <= self.fast_steps or self._elevated_points == 1:
-            cls, note = FAST, f"recovered after {rec} steps (fast)"
+            cls, note = FAST, f"recovered after {plural(rec, 'step')} (fast)"
         else:
-            cls, note = SLOW, f"recovered after {rec} steps (slow: more than {self.fast_steps})"
+            cls, note = SLOW, f"recovered after {plural(rec, 'step')} (slow: more than {self.fast_steps})"
         done = self._settle(spike, cls, agg.step, note, recovery_steps=rec)
         self._spike = None
         self._accept(agg, x, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from detectors.aggregate import StepAggregate
 from detectors.anomaly import RESOLVED, Anomaly
+from trainhealth.text import plural
 
 
 class RestartDetector:
@@ -47,6 +48,6 @@ class RestartDetector:
             evidence={"last_step": last.step, "resume_step": agg.step, "steps_recomputed": redo,
                       "downtime_s": round(down, 3), "generation": agg.gen},
             message=(f"run restarted (generation {agg.gen}): resumed at step {agg.step} after reaching step "
-                     f"{last.step}; {redo} steps recomputed, {down:.0f} s from the last step before to the first "
-                     "step after"),
+                     f"{last.step}; {plural(redo, 'step')} recomputed, {down:.0f} s from the last step before to the "
+                     "first step after"),
         )]

@@ -57,6 +57,7 @@ def test_demo_starts_everything_and_ctrl_c_stops_it(tmp_path: Path) -> None:
         assert (snap["steps_done"], snap["world_size"], snap["tokens_total"]) == (120, 4, 120 * 4 * 8192)
         assert c.hget("th:{cli-demo}:meta", "source") == b"demo"
         assert c.config_get("appendonly")["appendonly"] == "yes"
+        c.close()  # a connected client would keep the server up (test below)
     finally:
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
@@ -97,3 +98,44 @@ def test_demo_and_replay_reject_bad_arguments_before_starting_anything(tmp_path:
     finally:
         busy.close()
     assert not (home / "redis").exists()  # nothing was started for a command that could not run
+
+
+def _dashboard(home: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "TRAINHEALTH_HOME": str(home)}
+    env.pop("TRAINHEALTH_REDIS_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "dashboard", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as resp:
+                if resp.read() == b"ok":
+                    return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(proc.communicate()[0])
+
+
+def test_dashboard_stops_the_embedded_redis_it_started_unless_someone_else_uses_it(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    proc = _dashboard(home, free_port())
+    url = json.loads((home / "redis" / "server.json").read_text())["url"]
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert f"Stopped the embedded redis-server (data kept in {home / 'redis'})." in out
+    assert not ping(url)
+    # Started again, and a client (here a redis-cli-like connection) still connected at Ctrl-C: left running.
+    proc = _dashboard(home, free_port())
+    url = json.loads((home / "redis" / "server.json").read_text())["url"]
+    other = redis.Redis.from_url(url)
+    other.ping()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert (f"Left the embedded redis-server running at {url}: 1 other client is connected (`trainhealth redis "
+            "stop` stops it).") in out
+    assert ping(url)
+    other.close()
+    subprocess.run([sys.executable, "-m", "trainhealth.cli", "redis", "stop"], check=True, capture_output=True,
+                   env={**os.environ, "TRAINHEALTH_HOME": str(home)})
+    assert not ping(url)

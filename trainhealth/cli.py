@@ -11,10 +11,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from trainhealth import __version__, config, defaults
 from trainhealth.exceptions import ConfigError, TrainHealthError
+
+if TYPE_CHECKING:
+    from trainhealth.server import EmbeddedRedis
 
 log = logging.getLogger("trainhealth")
 
@@ -64,20 +68,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from detectors.service import DetectorService
     from trainhealth.server import connect
 
-    url, _ = _resolve(args)
+    url, embedded = _resolve(args)
     floor = args.hang_floor
     service = DetectorService(connect(url), consumer=args.consumer,
                               hang_factory=lambda: HangDetector(floor_s=floor))
     service.install_signal_handlers()
-    service.run_forever()
+    try:
+        service.run_forever()
+    finally:
+        _release_embedded(embedded, url)
     return 0
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     _check_port(args.port)
-    url, _ = _resolve(args)
+    url, embedded = _resolve(args)
     print(f"Dashboard: http://127.0.0.1:{args.port}/", flush=True)
-    return subprocess.call(dashboard_command(url, args.port), env=_child_env(url))
+    proc = subprocess.Popen(dashboard_command(url, args.port), env=_child_env(url))
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # Streamlit got the same Ctrl-C from the terminal
+        try:
+            return proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
+        _release_embedded(embedded, url)
+
+
+def _release_embedded(embedded: EmbeddedRedis | None, url: str, own_run: str = "") -> None:
+    """Stop the embedded redis-server this command started, unless something else still uses it."""
+    if embedded is None or not embedded.started:
+        return
+    others = _other_users(url, own_run)
+    if others:
+        print(f"Left the embedded redis-server running at {url}: {others} (`trainhealth redis stop` stops it).",
+              flush=True)
+    else:
+        embedded.stop()
+        print(f"Stopped the embedded redis-server (data kept in {embedded.directory}).", flush=True)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -293,13 +324,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 c.wait(10)
             except subprocess.TimeoutExpired:
                 c.kill()
-        if embedded is not None and embedded.started:
-            others = _other_users(url, run)
-            if others:
-                print(f"Left the embedded redis-server running at {url}: {others}.")
-            else:
-                embedded.stop()
-                print(f"Stopped the embedded redis-server (data kept in {embedded.directory}).")
+        _release_embedded(embedded, url, run)
 
 
 def _faults(cfg) -> str:
@@ -342,6 +367,11 @@ def _other_users(url: str, own_run: str) -> str:
         client = redis.Redis.from_url(url, socket_timeout=2)
         if _live_services(client):
             return "another detector service uses it"
+        # Anyone else connected (a dashboard, a job's collectors, redis-cli): our own client is one.
+        me = client.client_id()
+        others = [c for c in client.client_list() if int(c["id"]) != me]
+        if others:
+            return f"{len(others)} other client{'s are' if len(others) != 1 else ' is'} connected"
         now = time.time()
         for raw in client.zrange(RUNS, 0, -1):
             run = raw.decode()
