@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -30,6 +31,11 @@ from collectors.spill import default_directory as default_spill_directory
 from trainhealth import config, defaults
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import run_keys
+
+#: Section that :meth:`Monitor.step`'s ``data_from`` fills (the first of ``defaults.DATA_SECTIONS``).
+DATA_SECTION = defaults.DATA_SECTIONS[0]
+#: A ``data_from`` older than this (s) is taken for a wrong clock, not a data-loader wait.
+_MAX_DATA_WAIT_S = 3600
 
 log = logging.getLogger(__name__)
 
@@ -85,20 +91,31 @@ class _CudaSection(_Section):
 class _Step:
     """Times one training step; see :meth:`Monitor.step`."""
 
-    __slots__ = ("_mon", "_t0", "metrics", "step")
+    __slots__ = ("_data_from", "_mon", "_t0", "metrics", "step")
 
-    def __init__(self, mon: Monitor, step: int) -> None:
+    def __init__(self, mon: Monitor, step: int, data_from: float | None = None) -> None:
         self._mon = mon
         self.step = step
         self.metrics: dict[str, Any] | None = None
         self._t0 = 0.0
+        self._data_from = data_from
 
     def __enter__(self) -> _Step:
         mon = self._mon
         if mon._held is not None:
             mon._emit_held()
         mon._cur = self
-        self._t0 = perf_counter()
+        now = self._t0 = perf_counter()
+        since = self._data_from
+        if since is not None:
+            wait = now - since
+            if 0.0 <= wait < _MAX_DATA_WAIT_S:  # the batch's wait is part of the step, as data loading
+                self._t0 = since
+                sec = mon._sections
+                sec[DATA_SECTION] = sec.get(DATA_SECTION, 0.0) + wait
+            else:
+                mon._warn_once("data_from_range", "step(data_from=%r): not a time.perf_counter() of the last %d s; "
+                               "ignored", since, _MAX_DATA_WAIT_S)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -323,13 +340,47 @@ class Monitor:
         for ready in gpu.submit(rec, rec.pop("_gpu", None) or []):
             self._put("steps", ready)
 
-    def step(self, step: int) -> _Step:
+    def step(self, step: int, data_from: float | None = None) -> _Step:
         """Context manager timing one training step on this rank.
 
         Metrics given to :meth:`log_step` for the same step, inside the block or right after
         it, go into the same record. Sections timed since the previous step belong to it.
+
+        ``data_from``: a :func:`time.perf_counter` value (seconds) when the step started waiting
+        for its batch, for loops that fetch the batch before the block is entered (framework
+        callbacks: the Trainer fetches, then calls the hook that opens the step). The step then
+        starts there, and the wait until the block is entered is added to its ``data`` section,
+        which the goodput ledger counts as data loading instead of idle time between steps. A
+        value that is not a perf_counter() of the last hour is ignored with one warning. Do not
+        also time the same wait with ``section("data")``: both would count.
         """
-        return _Step(self, step)
+        if data_from is not None and type(data_from) is not float:
+            try:
+                data_from = float(data_from)
+            except (TypeError, ValueError):
+                self._warn_once("data_from", "step(data_from=%r): not a time.perf_counter() value; ignored",
+                                data_from)
+                data_from = None
+        return _Step(self, step, data_from)
+
+    def add_section(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` to section ``name`` of the current step, timed elsewhere.
+
+        For time measured between two framework hooks (e.g. the data fetch between two
+        micro-batches of a step). Seconds add up with :meth:`section`'s. Never raises: a value
+        that is not a finite number of seconds >= 0 is dropped with one warning.
+        """
+        try:
+            v = float(seconds)
+        except (TypeError, ValueError):
+            v = math.nan
+        if not 0.0 <= v < math.inf:
+            self._warn_once(f"add_section:{name}", "add_section(%r, %r): not a duration >= 0 s; dropped",
+                            name, seconds)
+            return
+        sec = self._sections
+        key = str(name)
+        sec[key] = sec.get(key, 0.0) + v
 
     def section(self, name: str, cuda: bool = False) -> _Section:
         """Context manager timing a named part of the step (``data``, ``forward_backward``, ...).

@@ -79,6 +79,43 @@ def test_log_step_after_the_block_merges_and_outside_makes_its_own(r: redis.Redi
         (10, 1.0, True), (11, 2.0, True), (12, None, True), (13, 4.0, False)]
 
 
+def test_step_data_from_and_add_section(r: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``step(data_from=)`` starts the step where its batch's fetch began and books that wait as ``data``;
+    ``add_section`` adds time measured between hooks; bad values are ignored with one warning, never raised."""
+    from time import perf_counter
+
+    caplog.set_level(logging.WARNING)
+    mon = Monitor("run-df", redis_url=redis_url, rank=0, world_size=1)
+    t0 = perf_counter()
+    time.sleep(0.01)  # the fetch, before the step is entered
+    with mon.step(1, data_from=t0):
+        mon.add_section("data", 0.25)
+        with mon.section("forward"):
+            time.sleep(0.002)
+    with mon.step(2, data_from="soon"):
+        pass
+    later = perf_counter() + 60
+    with mon.step(3, data_from=later):
+        pass
+    with mon.step(4, data_from=None):
+        mon.add_section("data", -1.0)
+        mon.add_section("data", float("nan"))
+        mon.add_section("weird", "x")
+    assert mon.close() is True
+    recs = {x.step: x for x in steps_of(r, "run-df")}
+    assert sorted(recs) == [1, 2, 3, 4]
+    one = recs[1]
+    assert 0.26 <= one.sections["data"] < 0.5 and one.dur >= one.sections["data"] - 0.25 + one.sections["forward"]
+    assert one.dur >= 0.012
+    assert [recs[s].sections for s in (2, 3, 4)] == [{}, {}, {}]
+    msgs = [m.getMessage() for m in caplog.records]
+    assert sum("step(data_from='soon'): not a time.perf_counter() value; ignored" in m for m in msgs) == 1
+    assert sum("add_section('data', -1.0): not a duration >= 0 s; dropped" in m for m in msgs) == 1
+    assert sum("add_section('weird', 'x'): not a duration >= 0 s; dropped" in m for m in msgs) == 1
+    assert sum(f"step(data_from={later!r}): not a time.perf_counter() of the last 3600 s; ignored" in m
+               for m in msgs) == 1
+
+
 def test_bad_values_are_recorded_faithfully_or_dropped_with_one_warning(
     r: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

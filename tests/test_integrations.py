@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,17 +92,20 @@ def test_grad_norm_value() -> None:
 class _TokenData(torch.utils.data.Dataset):
     """Random token sequences; the labels are the inputs (causal LM)."""
 
-    def __init__(self, n: int, seq: int = 16, vocab: int = 64, seed: int = 0) -> None:
+    def __init__(self, n: int, seq: int = 16, vocab: int = 64, seed: int = 0, delay_s: float = 0.0) -> None:
         self.x = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
+        self.delay_s = delay_s
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.delay_s:
+            time.sleep(self.delay_s)  # a slow data loader
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def _hf_trainer(out: Path, redis_url: str, callbacks: list | None = None):
+def _hf_trainer(out: Path, redis_url: str, callbacks: list | None = None, delay_s: float = 0.0):
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from collectors.integrations.hf import TrainHealthCallback
@@ -116,7 +120,8 @@ def _hf_trainer(out: Path, redis_url: str, callbacks: list | None = None):
         disable_tqdm=True, learning_rate=1e-3, seed=0, dataloader_num_workers=0,
     )
     cb = TrainHealthCallback(redis_url=redis_url, heartbeat_interval=0.5)
-    trainer = Trainer(model=model, args=args, train_dataset=_TokenData(200), eval_dataset=_TokenData(16, seed=1),
+    trainer = Trainer(model=model, args=args, train_dataset=_TokenData(200, delay_s=delay_s),
+                      eval_dataset=_TokenData(16, seed=1),
                       callbacks=[cb, *(callbacks or [])])
     return trainer, cb
 
@@ -131,8 +136,9 @@ def test_hf_trainer_run_is_recorded_exactly(r: redis.Redis, redis_url: str, tmp_
     assert len({x.inc for x in recs}) == 1
     for x in recs:
         assert x.rank == 0 and x.dur is not None and x.dur > 0
-        # the forward passes of the step's 2 micro-batches, inside the step
-        assert set(x.sections) == {"forward"} and 0 < x.sections["forward"] < x.dur
+        # the forward passes of the step's 2 micro-batches, and the fetch of its batches before on_step_begin
+        assert set(x.sections) == {"forward", "data"} and 0 < x.sections["forward"] < x.dur
+        assert 0 < x.sections["data"] < x.dur - x.sections["forward"]
 
     train_logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
     assert sorted(train_logs) == [2, 4, 6, 8, 10]
@@ -157,6 +163,25 @@ def test_hf_trainer_run_is_recorded_exactly(r: redis.Redis, redis_url: str, tmp_
     start = events_of(r, run, "run_start")[0]
     assert json.loads(start.extra["config"])["gradient_accumulation_steps"] == 2
     assert r.hget(f"th:{{{run}}}:meta", "status") == b"finished"
+
+
+def test_hf_slow_data_loader_is_data_loading_not_idle(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    """HF fetches a step's micro-batches before on_step_begin: that wait is the step's ``data`` section and
+    the ledger's data loading. 8 samples per step (2 micro-batches x 4) at >= 5 ms each: >= 40 ms per step."""
+    from detectors.pipeline import RunPipeline
+
+    trainer, _ = _hf_trainer(tmp_path / "out", redis_url, delay_s=0.005)
+    trainer.train()
+    recs = steps_of(r, "hf-tiny-gpt2")
+    assert [x.step for x in recs] == list(range(1, 11))
+    for x in recs:
+        assert 8 * 0.005 <= x.sections["data"] < x.dur - x.sections["forward"]
+    pipe = RunPipeline(1)
+    for x in recs:
+        pipe.feed_step(x)
+    snap = pipe.ledger.snapshot(recs[-1].t)
+    assert snap["seconds"]["data_loading"] == pytest.approx(sum(x.sections["data"] for x in recs), abs=1e-6)
+    assert snap["seconds"]["data_loading"] > 10 * 8 * 0.005
 
 
 def test_hf_trainer_resume_records_checkpoint_load(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
@@ -195,7 +220,21 @@ def test_hf_hook_errors_never_reach_training(caplog: pytest.LogCaptureFixture, r
 
 
 # -- Lightning ---------------------------------------------------------------------------------------------
-def _lightning_parts(tmp_path: Path, redis_url: str, max_steps: int):
+class _Slow(torch.utils.data.Dataset):
+    """A dataset whose every item takes ``delay_s`` to load."""
+
+    def __init__(self, inner: torch.utils.data.Dataset, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        time.sleep(self.delay_s)
+        return self.inner[i]
+
+
+def _lightning_parts(tmp_path: Path, redis_url: str, max_steps: int, delay_s: float = 0.0):
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -233,7 +272,7 @@ def _lightning_parts(tmp_path: Path, redis_url: str, max_steps: int):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
-    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    loader = torch.utils.data.DataLoader(_Slow(data, delay_s) if delay_s else data, batch_size=4)
     torch.manual_seed(0)
     cb = TrainHealthCallback(run="pl-tiny", redis_url=redis_url, count_tokens=lambda b: b[0].numel(),
                              heartbeat_interval=0.5)
@@ -259,7 +298,9 @@ def test_lightning_run_is_recorded_exactly(r: redis.Redis, redis_url: str, tmp_p
         assert x.grad_norm == model.step_norms[x.step]
         assert x.lr == model.step_lrs[x.step] == pytest.approx(0.1 * 0.9 ** (x.step - 1))
         assert x.tokens == 2 * 4 * 8
-        assert set(x.sections) == {"forward"} and 0 < x.sections["forward"] < x.dur
+        # Forward passes, and the fetch of both batches: the first before the step's hook, the second inside it.
+        assert set(x.sections) == {"forward", "data"} and 0 < x.sections["forward"] < x.dur
+        assert 0 < x.sections["data"] < x.dur - x.sections["forward"]
     saves = events_of(r, "pl-tiny", "checkpoint_save")
     assert [e.step for e in saves] == [3, 6] and all(e.seconds > 0 for e in saves)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt"]
@@ -268,6 +309,23 @@ def test_lightning_run_is_recorded_exactly(r: redis.Redis, redis_url: str, tmp_p
     assert all(e.seconds > 0 for e in evals)
     assert [e.kind for e in events_of(r, "pl-tiny")][-1] == "run_end"
     assert "save_checkpoint" not in vars(trainer)  # the save wrapper is gone after fit
+
+
+def test_lightning_slow_data_loader_is_data_loading_not_idle(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    """Each batch is fetched before on_train_batch_start: 2 batches of 4 samples at >= 5 ms each per step."""
+    from detectors.pipeline import RunPipeline
+
+    trainer, model, loader, _ = _lightning_parts(tmp_path, redis_url, max_steps=6, delay_s=0.005)
+    trainer.fit(model, loader)
+    recs = steps_of(r, "pl-tiny")
+    assert [x.step for x in recs] == [1, 2, 3, 4, 5, 6]
+    for x in recs:
+        assert 8 * 0.005 <= x.sections["data"] < x.dur - x.sections["forward"]
+    pipe = RunPipeline(1)
+    for x in recs:
+        pipe.feed_step(x)
+    snap = pipe.ledger.snapshot(recs[-1].t)
+    assert snap["seconds"]["data_loading"] == pytest.approx(sum(x.sections["data"] for x in recs), abs=1e-6)
 
 
 def test_lightning_resume_records_checkpoint_load(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:

@@ -12,9 +12,11 @@ world size from ``args.process_index`` / ``args.world_size``). Mapping, per hook
 ``Trainer._run_epoch`` and ``_maybe_log_save_evaluate``, checked against transformers 5.24):
 
 - ``on_step_begin`` → ``on_step_end``: one **optimizer** step, timed with ``Monitor.step``.
-  With ``gradient_accumulation_steps=n`` it spans the n forward/backward passes; the n
-  micro-batches are fetched *before* ``on_step_begin``, so data-loader time falls between
-  steps (the goodput ledger shows it as idle, not as data loading). Step numbers are
+  With ``gradient_accumulation_steps=n`` it spans the n forward/backward passes. The n
+  micro-batches are fetched *before* ``on_step_begin`` (``get_batch_samples``), so the step
+  starts at the previous hook (``on_step_end``, ``on_log``, ``on_evaluate`` or ``on_save``)
+  and that wait is its section ``data`` (``Monitor.step(data_from=...)``): the goodput ledger
+  counts a slow data loader as data loading, not idle time. Step numbers are
   ``state.global_step`` after the step (1-based), the numbers HF logs.
 - Section ``forward``: the model's forward passes of the step (forward pre/post hooks on
   the model, summed over micro-batches). This is the rank's own work before the gradient
@@ -133,7 +135,7 @@ class TrainHealthCallback(TrainerCallback):
         if not self._active:
             return
         # global_step counts completed optimizer steps: this one will be logged as global_step + 1.
-        self._step = self.monitor.step(int(state.global_step) + 1)
+        self._step = self.monitor.step(int(state.global_step) + 1, data_from=self._t_last)
         self._step.__enter__()
         self._in_step = True
 

@@ -15,8 +15,11 @@ and world size from ``trainer.global_rank`` / ``trainer.world_size``). Mapping, 
 - ``on_train_batch_start`` → ``on_train_batch_end``: one **optimizer** step, timed with
   ``Monitor.step``. With ``accumulate_grad_batches=n`` the step opens at the first batch of
   the window and closes at the batch where ``trainer.global_step`` advanced. Step numbers
-  are ``trainer.global_step`` after the step (1-based). The batch is fetched before
-  ``on_train_batch_start``, so data-loader time falls between steps (idle in the ledger).
+  are ``trainer.global_step`` after the step (1-based). Each batch is fetched before
+  ``on_train_batch_start``: the time since the previous hook (``on_train_batch_end``, the end
+  of validation or of a checkpoint save) is section ``data``, and a step starts when its first
+  batch's fetch did (``Monitor.step(data_from=...)``), so the goodput ledger counts a slow
+  data loader as data loading, not idle time.
 - Section ``forward``: ``on_train_batch_start`` → ``on_before_backward`` (``training_step``
   and ``zero_grad``), summed over the window: the rank's own work before the gradient
   all-reduce, which under DDP overlaps backward, so a slow rank shows here.
@@ -109,6 +112,7 @@ class TrainHealthCallback(Callback):
         self._load_s: float | None = None
         self._save_wrapper: Callable[..., Any] | None = None
         self._failed_hooks: set[str] = set()
+        self._t_mark = perf_counter()  # when the previous hook ended: the next batch's fetch starts here
 
     # -- lifecycle -------------------------------------------------------------------------------
     @guarded
@@ -137,6 +141,7 @@ class TrainHealthCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._active and trainer.global_step > 0:
             self.monitor.checkpoint_loaded(int(trainer.global_step), self._load_s)
+        self._t_mark = perf_counter()
 
     @guarded
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -168,10 +173,12 @@ class TrainHealthCallback(Callback):
         mon = self.monitor
         if self._step is None:  # first micro-batch of an optimizer step
             self._gs0 = int(trainer.global_step)
-            self._step = mon.step(self._gs0 + 1)
+            self._step = mon.step(self._gs0 + 1, data_from=self._t_mark)
             self._step.__enter__()
             self._loss, self._gn, self._lr = None, None, None
             self._tokens = 0 if self.count_tokens is not None else None
+        else:  # a later micro-batch: its fetch is inside the open step
+            mon.add_section("data", perf_counter() - self._t_mark)
         if self.count_tokens is not None:
             self._tokens = (self._tokens or 0) + int(self.count_tokens(batch))
         mon.section("forward").__enter__()
@@ -194,6 +201,7 @@ class TrainHealthCallback(Callback):
     @guarded
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._end_forward()
+        self._t_mark = perf_counter()
         st = self._step
         if not self._active or st is None:
             return
@@ -226,6 +234,7 @@ class TrainHealthCallback(Callback):
         val, self._val = self._val, None
         if val is not None:
             val.__exit__(None, None, None)
+        self._t_mark = perf_counter()
 
     def _wrap_save(self, trainer: Any) -> None:
         if self._save_wrapper is not None:
@@ -238,8 +247,11 @@ class TrainHealthCallback(Callback):
             if mon is None:
                 return original(*args, **kwargs)
             # Heartbeats say phase=checkpoint_save meanwhile; recorded only if the save succeeds.
-            with mon.checkpoint_save(int(trainer.global_step)):
-                return original(*args, **kwargs)
+            try:
+                with mon.checkpoint_save(int(trainer.global_step)):
+                    return original(*args, **kwargs)
+            finally:
+                self._t_mark = perf_counter()  # the save is not the next batch's data wait
 
         trainer.save_checkpoint = save_checkpoint
         self._save_wrapper = save_checkpoint
