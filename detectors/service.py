@@ -10,6 +10,7 @@ exponentially (capped); SIGTERM/SIGINT stop it after the current batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import json
@@ -376,13 +377,12 @@ class DetectorService:
         for sid, stream, fields in chunk:
             try:
                 recs: list[tuple] | list[Event] = (
-                    decode_step_rows(fields, data_sections) if stream == keys.steps else [decode_event(fields)])
+                    decode_step_rows(fields, data_sections, functools.partial(self._bad_record, keys.run, sid,
+                                                                              stream, collect is None))
+                    if stream == keys.steps else [decode_event(fields)])
             except (KeyError, ValueError, TypeError) as exc:
                 # Bad input never stops the service: the entry is skipped (and acknowledged with its batch).
-                if collect is None:  # counted once, not again when a rebuild replays it
-                    self.malformed += 1
-                log.warning("run %s: skipping malformed entry %s-%s in %s: %s", keys.run, *sid, stream,
-                            exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
+                self._bad_record(keys.run, sid, stream, collect is None, None, exc)
                 continue
             if group and sid[0] != group_ms:
                 ordered += _time_order(group)
@@ -398,6 +398,15 @@ class DetectorService:
                 collect.recommendations.update(out.recommendations)
                 out.anomalies, out.recommendations = [], {}
             self._write(run, out, pipe)
+
+    def _bad_record(self, run: str, sid: tuple[int, int], stream: str, count: bool, index: int | None,
+                    exc: Exception) -> None:
+        # A bad record is left out (the entry's other records are kept); a bad entry is skipped whole.
+        if count:  # counted once, not again when a rebuild replays it
+            self.malformed += 1
+        what = "entry" if index is None else "record in entry"
+        log.warning("run %s: skipping malformed %s %s-%s in %s: %s", run, what, *sid, stream,
+                    exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
 
     def _write(self, run: _Run, out: Output, pipe: Any) -> None:
         keys = run.keys

@@ -274,7 +274,7 @@ def test_malformed_entries_are_logged_counted_and_skipped(r: redis.Redis, caplog
     assert r.xpending("th:{bad}:steps", "th-detectors")["pending"] == 0
     warnings = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
     for entry_id, why in bad:
-        assert f"run bad: skipping malformed entry {entry_id} in th:{{bad}}:steps: {why}" in warnings
+        assert f"run bad: skipping malformed record in entry {entry_id} in th:{{bad}}:steps: {why}" in warnings
     assert sum("field 'recs' is not a JSON list of records" in w for w in warnings) == 1
     assert svc.malformed == 6
     svc._tick(T0 + 201)
@@ -316,3 +316,23 @@ def test_a_failing_detector_is_isolated_counted_and_survives_a_rebuild(r: redis.
     drain(svc2)
     assert svc2.runs["bug"].pipeline.detector_errors == {"GradNormExplosionDetector": 2}
     assert r.xlen("th:{bug}:anomaly_log") == before
+
+
+def test_one_bad_record_costs_only_itself_not_its_entry(r: redis.Redis, caplog) -> None:
+    """A collector batches up to 1,000 records of a rank in one entry: a record with a bad value (here
+    tokens NaN, as an older collector sent it) is left out, the entry's other records are processed."""
+    import logging
+
+    recs = [{"rank": 0, "step": s, "inc": T0, "t": T0 + 10 + s, "loss": 2.0, "tokens": 1000} for s in range(6)]
+    recs[3]["tokens"] = float("nan")
+    entry = r.xadd("th:{one}:steps", {"rank": 0, "n": len(recs), "recs": json.dumps(recs)}).decode()
+    r.zadd("th:runs", {"one": T0})
+    r.hset("th:{one}:meta", mapping={"world_size": 1, "status": "running"})
+    svc = DetectorService(r, consumer="o", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
+    with caplog.at_level(logging.WARNING, logger="detectors.service"):
+        drain(svc)
+    assert [int(f[b"step"]) for _, f in r.xrange("th:{one}:agg")] == [0, 1, 2, 4, 5]
+    assert [rec.getMessage() for rec in caplog.records if rec.name == "detectors.service"] == [
+        f"run one: skipping malformed record in entry {entry} in th:{{one}}:steps: record 3: field 'tokens' has "
+        "non-numeric value nan"]
+    assert svc.malformed == 1

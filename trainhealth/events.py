@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
 from itertools import repeat
 from typing import Any
@@ -320,13 +320,17 @@ def _layout(keys: tuple, types: tuple, data_sections: tuple[str, ...]
     return cpu, gpu, data, bool(sec or gpu)
 
 
-def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...]) -> list[tuple]:
+def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
+                     on_bad: Callable[[int, Exception], None] | None = None) -> list[tuple]:
     """Decode a ``th:{run}:steps`` entry into rows (:func:`record_row`), as the detector service feeds them.
 
     The same rows as ``[record_row(r, data_sections) for r in decode_steps(fields)]`` but for the
     last column, which holds the decoded dict of a plain record (collectors send only those) instead
     of a :class:`StepRecord`: at ~100,000 records/s no object is built per record
-    (``bench/service_throughput.py``). Raises as :func:`decode_steps`.
+    (``bench/service_throughput.py``). Raises as :func:`decode_steps`; with ``on_bad``, a bad
+    record is instead passed to ``on_bad(index, error)`` and left out, and the entry's other
+    records are kept (one bad value must not cost a rank up to 1,000 steps). An entry that is not
+    a list of records still raises.
 
     >>> rows = decode_step_rows({b"recs": b'[{"rank":3,"step":5,"inc":1.0,"t":2.0,"sec.data":0.25,"sec.fwd":0.5}]'},
     ...                         ("data",))
@@ -347,21 +351,31 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...]) 
             half = len(key) // 2
             layout = layouts[key] = _layout(key[:half], key[half:], data_sections)
         if layout is None:
-            rows.append(record_row(_checked(i, d), data_sections))
-            continue
-        cpu, gpu, data, timed = layout
-        get = d.__getitem__
-        if not timed:
-            busy = None
-        elif gpu:
-            busy = sum(map(get, gpu)) + sum(map(get, cpu))
+            try:
+                row = record_row(_checked(i, d), data_sections)
+            except (KeyError, ValueError, TypeError) as exc:
+                if on_bad is None:
+                    raise
+                on_bad(i, exc)
+                continue
         else:
-            busy = sum(map(get, cpu))
-        rows.append((*map(d.get, ROW_FIELDS), busy, sum(map(get, data)), d))
-    for i, row in enumerate(rows):
+            cpu, gpu, data, timed = layout
+            get = d.__getitem__
+            if not timed:
+                busy = None
+            elif gpu:
+                busy = sum(map(get, gpu)) + sum(map(get, cpu))
+            else:
+                busy = sum(map(get, cpu))
+            row = (*map(d.get, ROW_FIELDS), busy, sum(map(get, data)), d)
         # Ranks index per-rank arrays in the aggregator and detectors: a wild one must not size them.
         if not 0 <= row[_ROW_RANK] < MAX_RANKS:
-            raise ValueError(f"record {i}: field 'rank' is {_show(row[_ROW_RANK])}, not in 0..{MAX_RANKS - 1}")
+            exc = ValueError(f"record {i}: field 'rank' is {_show(row[_ROW_RANK])}, not in 0..{MAX_RANKS - 1}")
+            if on_bad is None:
+                raise exc
+            on_bad(i, exc)
+            continue
+        rows.append(row)
     return rows
 
 
