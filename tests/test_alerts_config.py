@@ -96,6 +96,10 @@ def test_defaults_are_alertmanagers(env: Path) -> None:
      "route.routes[0].matchers[0] = \"run=~\\\"(unclosed\\\"\": '(unclosed' is not a valid regular expression: "
      "missing ), unterminated subpattern at position 0"),
     ('[route]\nreceivers = []\ngroup_interval = 0\n', "route.group_interval = 0: must be > 0 s"),
+    ('[route]\nreceivers = []\ngroup_wait = inf\n',
+     "route.group_wait = inf: not a duration (use e.g. 30s, 5m, 4h, 1h30m, 1d, or a number of seconds)"),
+    ('[route]\nreceivers = []\nrepeat_interval = "99999999999999999999d"\n',
+     'route.repeat_interval = "99999999999999999999d": must be at most 366 days'),
     ('[route]\nreceivers = []\nfoo = 1\n',
      "route.foo: unknown key (expected one of: name, receivers, group_by, group_wait, group_interval, "
      "repeat_interval, routes)"),
@@ -179,4 +183,4 @@ def test_secrets_never_print_and_are_redacted_from_text(caplog: pytest.LogCaptur
 def test_durations() -> None:
     assert [parse_duration(v) for v in ("0", "500ms", "1d", "1w", "2h30m", "90", 45, 1.5)] == [
         0.0, 0.5, 86400.0, 604800.0, 9000.0, None, 45.0, 1.5]
-    assert [parse_duration(v) for v in ("", "1x", "-5s", -1, True, None)] == [None] * 6
+    assert [parse_duration(v) for v in ("", "1x", "-5s", -1, True, None, float("inf"), float("nan"))] == [None] * 8

@@ -35,6 +35,7 @@ numbers of seconds. Every error is a :class:`~trainhealth.exceptions.ConfigError
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -59,6 +60,8 @@ else:  # pragma: no cover - Python 3.10
 
 _DURATION = re.compile(r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
 _UNITS = (365 * 86400, 7 * 86400, 86400, 3600, 60, 1, 0.001)
+#: The longest duration a setting takes (s): longer is a typo that would keep its alerts from ever firing.
+MAX_DURATION_S = 366 * 86400
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _TOP_KEYS = ("version", "dashboard_url", "backfill", "route", "inhibit_rules", "sinks", "delivery", "watchdog",
              "deadman")
@@ -174,6 +177,8 @@ class _Ctx:
             raise self.error(where, "not a duration (use e.g. 30s, 5m, 4h, 1h30m, 1d, or a number of seconds)", value)
         if secs < minimum or (strict_min and secs == minimum):
             raise self.error(where, f"must be {'>' if strict_min else '>='} {minimum:g} s", value)
+        if secs > MAX_DURATION_S:  # a typo ("99999999d") would silence the alerts it times
+            raise self.error(where, f"must be at most {MAX_DURATION_S // 86400} days", value)
         return secs
 
     def boolean(self, table: Mapping[str, Any], key: str, name: str, default: bool) -> bool:
@@ -217,7 +222,7 @@ def parse_duration(value: Any) -> float | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
-        return float(value) if value >= 0 else None
+        return float(value) if 0 <= value < math.inf else None
     if not isinstance(value, str):
         return None
     text = value.strip()
