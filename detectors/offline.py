@@ -13,10 +13,28 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from collectors.importers._common import MAX_STEP, show
 from collectors.importers.base import LogPoint
 from detectors.anomaly import Anomaly
 from detectors.pipeline import Output, RunPipeline
 from trainhealth.events import Event, StepRecord
+
+#: Largest assumed seconds per step (``--step-seconds``): one day. Beyond it the value is a typo, and an
+#: infinite one makes every time on the timeline infinite (records with ``"inc": -Infinity, "t": NaN``).
+MAX_STEP_SECONDS = 86400.0
+
+
+def step_seconds_error(value: object, name: str = "step_seconds") -> str | None:
+    """Why ``value`` is not a usable assumed pace, as one line naming ``name`` (an option or argument); else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_STEP_SECONDS:
+        return f"{name}={value!r} must be a number of seconds > 0 and at most {MAX_STEP_SECONDS:g} (one day)"
+    return None
+
+
+def _check_step_seconds(value: float) -> None:
+    err = step_seconds_error(value)
+    if err is not None:
+        raise ValueError(err)
 
 
 @dataclass(frozen=True)
@@ -62,25 +80,33 @@ def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[
     >>> [round(tp.offset) for tp in timeline([LogPoint(15), LogPoint(30)])]
     [1, 16]
 
+    A time the log gives that would make the timeline infinite (a step time of ``1e300`` s; an
+    infinite evaluation runtime) is not used: the step is placed at the assumed pace, the
+    evaluation takes no time.
+
     Raises
     ------
     ValueError
-        For ``step_seconds <= 0``.
+        For a ``step_seconds`` outside (0, :data:`MAX_STEP_SECONDS`], or a step beyond ±``MAX_STEP``
+        (2**53 - 1; the importers refuse such steps, naming file and line).
     """
-    if not step_seconds > 0:
-        raise ValueError(f"step_seconds={step_seconds!r} must be > 0")
+    _check_step_seconds(step_seconds)
     cursor, prev_step, after_eval = 0.0, None, False
     for p in points:
         skip, timed, own = None, False, None
         if p.is_eval:
-            cursor += max(p.eval_seconds or 0.0, 0.0)
+            e = p.eval_seconds
+            if e is not None and e > 0 and math.isfinite(cursor + e):
+                cursor += e
             timed = after_eval = True
         else:
+            if abs(p.step) > MAX_STEP:  # a float timeline cannot hold it (OverflowError on a 400-digit step)
+                raise ValueError(f"step {show(p.step)} (line/entry {p.source_line}) is beyond ±{MAX_STEP:,}")
             per = p.step_seconds
-            timed = per is not None and math.isfinite(per) and per > 0
+            first, steps = prev_step is None, 1 if prev_step is None else max(p.step - prev_step, 1)
+            timed = per is not None and math.isfinite(per) and per > 0 and math.isfinite(cursor + steps * per)
             if not timed:
                 per = step_seconds
-            first, steps = prev_step is None, 1 if prev_step is None else max(p.step - prev_step, 1)
             cursor += steps * per
             prev_step = p.step
             if p.skipped is not None:
@@ -134,10 +160,10 @@ def arrange(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Arranged:
     Raises
     ------
     ValueError
-        For ``step_seconds <= 0``, or a log mixing per-rank points with rank-less ones.
+        For a ``step_seconds`` outside (0, :data:`MAX_STEP_SECONDS`], or a log mixing per-rank points
+        with rank-less ones.
     """
-    if not step_seconds > 0:
-        raise ValueError(f"step_seconds={step_seconds!r} must be > 0")
+    _check_step_seconds(step_seconds)
     it = iter(points)
     first = next(it, None)
     if first is None:
@@ -192,8 +218,7 @@ class OfflineRun:
 
     def __init__(self, run: str = "offline", step_seconds: float = 1.0, start: float = 0.0,
                  pipeline: RunPipeline | None = None) -> None:
-        if not step_seconds > 0:
-            raise ValueError(f"step_seconds={step_seconds!r} must be > 0")
+        _check_step_seconds(step_seconds)
         self.run = run
         self.step_seconds = step_seconds
         self.start = start

@@ -125,10 +125,10 @@ def test_all_nan_word_lm_is_critical_and_exits_1(real_logs: Path) -> None:
 
 def test_bad_file_exits_2_with_one_line_naming_file_entry_and_field(tmp_path: Path, real_logs: Path) -> None:
     bad = tmp_path / "trainer_state.json"
-    bad.write_text('{"log_history": [{"loss": 1.0, "step": 1}, {"loss": "x", "step": 2}]}')
+    bad.write_text('{"log_history": [{"loss": "x", "step": 1}, {"loss": "y", "step": 2}]}')  # no good entry
     out = cli(bad)
     assert out.returncode == 2
-    assert out.stderr == f"trainhealth: error: {bad}: log_history[1] field 'loss' is not a number: 'x'\n"
+    assert out.stderr == f"trainhealth: error: {bad}: log_history[0] field 'loss' is not a number: 'x'\n"
     jsonl = tmp_path / "run.jsonl"
     jsonl.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": "x"}\n')
     out = cli(jsonl, real_logs / TINYLLAMA, tmp_path / "missing.log", "--json")
@@ -253,3 +253,38 @@ def test_excerpt_with_gaps_says_the_goodput_counts_the_unlogged_steps(real_logs:
         "estimated from the step times in the log; the log skips 4 stretches of steps (32,288 steps not logged, the "
         "largest 12,695 -> 31,214), counted as if they ran at the logged step times")
     assert f["recommendations"] == []  # the spike at 31219 recovered by itself: no stale rollback advice
+
+
+def test_a_bad_trainer_state_entry_is_skipped_and_the_rest_analysed(tmp_path: Path) -> None:
+    state = tmp_path / "trainer_state.json"
+    hist = [{"step": s, "loss": 2.0 - s / 100} for s in range(1, 31)]
+    hist[1]["loss"] = "abc"
+    state.write_text(json.dumps({"log_history": hist}))
+    out = cli(state, "--json")
+    assert out.returncode == 0, out.stderr
+    (f,) = json.loads(out.stdout)["files"]
+    assert (f["error"], f["summary"]["steps"], f["summary"]["first_step"], f["summary"]["last_step"]) == (
+        None, 29, 1, 30)
+    assert f["summary"]["warnings"] == [f"{state}: skipped 1 malformed log_history entry(s); the first: "
+                                        "log_history[1] field 'loss' is not a number: 'abc'"]
+
+
+def test_huge_numbers_and_bad_step_seconds_are_one_line_errors(tmp_path: Path) -> None:
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"step":1,"loss":1.0}\n{"step":2,"loss":%s}\n' % ("9" * 5000))
+    step = tmp_path / "step.csv"
+    step.write_text("step,loss\n1,1.0\n%s,2.0\n" % ("9" * 400))
+    out = cli(big, step)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        f"trainhealth: error: {big}: line 2 field 'loss' is out of range for a number (beyond 1.8e308): "
+        f"{'9' * 40}… (5,000 characters)",
+        f"trainhealth: error: {step}: line 3 field 'step' is out of range for a step (above 9,007,199,254,740,991): "
+        f"'{'9' * 39}… (402 characters)",
+    ]
+    for value in ("inf", "1e308", "nan", "0"):
+        out = cli(step, "--step-seconds", value)
+        shown = repr(float(value))
+        assert (out.returncode, out.stdout, out.stderr) == (2, "", f"trainhealth: error: --step-seconds={shown} must "
+                                                                   "be a number of seconds > 0 and at most 86400 (one "
+                                                                   "day)\n")

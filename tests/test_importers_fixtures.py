@@ -405,3 +405,116 @@ def test_collectors_import_stays_standard_library_plus_redis() -> None:
             "assert not heavy, heavy")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+# --- huge numbers, byte-order marks, bad trainer_state entries ------------------------------------------
+
+BIG = "9" * 5000  # beyond int()'s 4,300-digit limit: json.loads alone raises a ValueError naming nothing
+STEP400 = "9" * 400  # an int, but no float holds it: the timeline overflowed
+
+
+def test_huge_numbers_are_refused_naming_file_line_and_field(tmp_path: Path) -> None:
+    step_range = "out of range for a step (above 9,007,199,254,740,991)"
+    num_range = "out of range for a number (beyond 1.8e308)"
+    cases = {  # file name, content → the error (formats whose well-formed rows are all-or-nothing)
+        "big.jsonl": ('{"step":1,"loss":1.0}\n{"step":2,"loss":' + BIG + '}\n',
+                      f"line 2 field 'loss' is {num_range}: {'9' * 40}… (5,000 characters)"),
+        "bigstep.jsonl": ('{"step":1,"loss":1.0}\n{"step":' + STEP400 + ',"loss":2.0}\n',
+                          f"line 2 field 'step' is {step_range}: an integer of 400 digits"),
+        "bigstep.csv": (f"step,loss\n1,1.0\n{STEP400},2.0\n",
+                        f"line 3 field 'step' is {step_range}: '{'9' * 39}… (402 characters)"),
+        "hugestep.csv": (f"step,loss\n1,1.0\n{BIG},2.0\n",
+                         f"line 3 field 'step' is {step_range}: '{'9' * 39}… (5,002 characters)"),
+        "bigloss.csv": (f"step,loss\n1,1.0\n2,{STEP400}\n", f"line 3 field 'loss' is {num_range}: '{'9' * 39}… "
+                                                            "(402 characters)"),
+        "x.golden_values.json": ('{"lm loss": {"start_step": 1, "step_interval": 1, "values": {"1": 2.0, "2": '
+                                 + BIG + "}}}", f"metric 'lm loss' value at step 2 is {num_range}: {'9' * 40}… (5,000 "
+                                        "characters)"),
+    }
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(InputFormatError) as err:
+            list(read(path))
+        assert str(err.value) == f"{path}: {message}", name
+    trace = tmp_path / "rank0.pt.trace.json"
+    trace.write_text('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#' + STEP400 + '", "ts": 1, "dur": 2}]}')
+    with pytest.raises(InputFormatError) as err:
+        list(read(trace))
+    assert str(err.value) == f"{trace}: traceEvents[0] (ProfilerStep#{'9' * 27}): field 'name' step is {step_range}"
+    # A big number on the first line must not break format detection either.
+    first = tmp_path / "first.jsonl"
+    first.write_text('{"step":1,"loss":' + BIG + '}\n{"step":2,"loss":1.0}\n')
+    assert detect(first) == "jsonl"
+
+
+def test_huge_numbers_in_text_logs_and_trainer_state_skip_the_entry(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    step_range = "out of range for a step (above 9,007,199,254,740,991)"
+    state = tmp_path / "trainer_state.json"
+    state.write_text('{"log_history": [{"step": 1, "loss": 1.0}, {"step": 2, "loss": ' + BIG + '}, {"step": '
+                     + STEP400 + ', "loss": 1.0}, {"step": 4, "loss": 0.5}]}')
+    megatron = tmp_path / "megatron.log"
+    megatron.write_text(f" iteration {STEP400}/ 100 | lm loss: 2.0 |\n iteration 2/ 100 | lm loss: 1.0E+400 |\n"
+                        " iteration 3/ 100 | lm loss: 1.5 | consumed samples: nan |\n"
+                        " iteration 4/ 100 | lm loss: 1.25 |\n")
+    nanogpt = tmp_path / "nanogpt.log"
+    nanogpt.write_text(f"iter {BIG}: loss 2.0, time 100.00ms, mfu 1.00%\niter 1: loss 1.5, time 100.00ms, mfu 1.00%\n")
+    word = tmp_path / "word.log"
+    word.write_text(f"| epoch {STEP400} |   200/ 2983 batches | lr 20.00 | ms/batch 11.61 | loss  6.50 | ppl 665\n"
+                    "| epoch   1 |   400/ 2983 batches | lr 20.00 | ms/batch 11.61 | loss  6.25 | ppl 518\n")
+    bench = tmp_path / "bench.log"
+    bench.write_text(f"{BIG}:\n duration: 1.0 sec\n0:\n duration: 0.5 sec\n")
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        assert rows(state, "loss", "source_line") == [(1, 1.0, 0), (4, 0.5, 3)]
+        assert rows(megatron, "loss") == [(4, 1.25)]
+        assert rows(nanogpt, "loss") == [(1, 1.5)]
+        assert rows(word, "loss") == [(400, 6.25)]
+        assert rows(bench, "rank", "step_seconds") == [(1, 0, 0.5)]
+    assert warnings_of(caplog) == [
+        f"{state}: skipped 2 malformed log_history entry(s); the first: log_history[1] field 'loss' is out of range "
+        f"for a number (beyond 1.8e308): {'9' * 40}… (5,000 characters)",
+        f"{megatron}: skipped 3 malformed iteration line(s); the first: line 1: field 'iteration' is {step_range}: "
+        f"'{'9' * 39}… (402 characters)",
+        f"{nanogpt}: skipped 1 malformed nanoGPT iter line(s); the first: line 1: field 'iter' is {step_range}: "
+        f"'{'9' * 39}… (5,002 characters)",
+        f"{word}: skipped 1 malformed '| epoch' line(s); the first: line 1: field 'epoch'/'batches' is {step_range}: "
+        f"'| epoch {'9' * 31}… (62 characters)",
+        f"{bench}: skipped 2 malformed all-reduce benchmark duration line(s); the first: line 1: rank "
+        f"'{'9' * 39}… (5,002 characters) is out of range (above 1,048,575)",
+    ]
+    with pytest.raises(InputFormatError) as err:  # the huge step as the only entry: an error naming it
+        state.write_text('{"log_history": [{"step": ' + STEP400 + ', "loss": 1.0}]}')
+        list(read(state))
+    assert str(err.value) == f"{state}: log_history[0] field 'step' is {step_range}: an integer of 400 digits"
+
+
+def test_trainer_state_skips_a_bad_entry_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = tmp_path / "trainer_state.json"
+    state.write_text('{"log_history": [{"step": 1, "loss": 1.0, "num_tokens": 100}, {"step": 2, "loss": "abc"},'
+                     ' {"step": "3", "loss": 0.9}, [1], {"step": 4, "loss": 0.8, "num_tokens": 400},'
+                     ' {"step": 4, "eval_runtime": 2.5}]}')
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        assert rows(state, "loss", "tokens", "eval_seconds", "source_line") == [
+            (1, 1.0, 100, None, 0), (4, 0.8, 300, None, 4), (4, None, None, 2.5, 5)]
+    assert warnings_of(caplog) == [f"{state}: skipped 3 malformed log_history entry(s); the first: log_history[1] "
+                                   "field 'loss' is not a number: 'abc'"]
+
+
+def test_a_utf8_byte_order_mark_is_ignored(tmp_path: Path) -> None:
+    bom = b"\xef\xbb\xbf"
+    cases = {
+        "bom.csv": (b"step,loss\n1,1.0\n2,0.5\n", [(1, 1.0), (2, 0.5)]),
+        "bom.jsonl": (b'{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n', [(1, 1.0), (2, 0.5)]),
+        "metrics.csv": (b"epoch,step,train_loss_step\n0,49,2.5\n", [(49, 2.5)]),
+        "trainer_state.json": (b'{"log_history": [{"step": 3, "loss": 0.25}]}', [(3, 0.25)]),
+        "nanogpt.log": (b"iter 0: loss 10.5, time 30.00ms, mfu -100.00%\n", [(0, 10.5)]),
+        "golden_values.json": (b'{"lm loss": {"start_step": 1, "step_interval": 1, "values": {"1": 2.0}}}', [(1, 2.0)]),
+    }
+    for name, (text, expected) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(bom + text)
+        assert rows(path, "loss") == expected, name
+        gz = tmp_path / (name + ".gz")
+        gz.write_bytes(gzip.compress(bom + text))
+        assert rows(gz, "loss", fmt=detect(path)) == expected, name

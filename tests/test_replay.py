@@ -74,8 +74,8 @@ def test_healthy_tinyllama_replay_flags_nothing(r: redis.Redis, real_logs: Path)
 
 def test_replay_bad_input_is_a_clear_error(tmp_path: Path, r: redis.Redis, real_logs: Path) -> None:
     bad = tmp_path / "trainer_state.json"
-    bad.write_text('{"log_history": [{"loss": 1.0, "step": 1}, {"loss": "x", "step": 2}]}')
-    with pytest.raises(InputFormatError, match=r"log_history\[1\] field 'loss' is not a number: 'x'"):
+    bad.write_text('{"log_history": [{"loss": "x", "step": 2}]}')  # no good entry (one bad entry is skipped)
+    with pytest.raises(InputFormatError, match=r"log_history\[0\] field 'loss' is not a number: 'x'"):
         replay(bad, r)
     bad.write_text('{"log_history": [{"loss": 1.0, "step": "3"}]}')
     with pytest.raises(InputFormatError, match=r"log_history\[0\] field 'step' is not an integer: '3'"):
@@ -129,3 +129,43 @@ def test_tensorboard_t5_replay_flags_exactly_its_two_grad_norm_spikes(r: redis.R
     assert sorted(found) == ["grad_norm_spike:*:164000:0", "grad_norm_spike:*:190000:0"]
     assert [round(found[k]["evidence"]["grad_norm"], 1) for k in sorted(found)] == [13.2, 35.6]
     assert all(a["status"] == "resolved" for a in found.values())
+
+
+def test_replay_options_are_refused_with_one_line_naming_option_and_value(tmp_path: Path) -> None:
+    ok = tmp_path / "ok.csv"
+    ok.write_text("step,loss\n" + "".join(f"{i},{3 - i / 100}\n" for i in range(1, 20)))
+    other = tmp_path / "other.csv"
+    other.write_text("step,loss\n1,2.0\n2,1.9\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRAINHEALTH_REDIS_URL"}  # refused before Redis is touched
+    cases = [
+        (["--speed", "1e-300", ok], "--speed=1e-300 would take 1.9e+301 s to replay the log's 19 s timeline (more "
+                                    "than a year); use a larger --speed, or 0 for as fast as possible"),
+        (["--speed", "inf", ok], "--speed=inf must be a finite pace factor (0 = as fast as possible)"),
+        (["--step-seconds", "inf", ok], "--step-seconds=inf must be a number of seconds > 0 and at most 86400 "
+                                        "(one day)"),
+        (["--step-seconds", "1e308", ok], "--step-seconds=1e+308 must be a number of seconds > 0 and at most 86400 "
+                                          "(one day)"),
+        (["--run", "ok3", ok, other], "--run 'ok3' names one run, but the 2 PATHs are replayed as 2 runs; give one "
+                                      "PATH, or --one-run for the per-rank logs of one job"),
+        (["--run", "", ok], "--run '' is not a valid run id: use 1-128 letters, digits, '.', '_' or '-', starting "
+                            "with a letter or digit"),
+        # --one-run makes the PATHs one run, so --run names it: here the logs are not per-rank, which is refused
+        (["--one-run", "--run", "ok3", ok, other], f"{ok}: a csv log has no rank: --one-run joins per-rank logs of "
+                                                   "one job (formats allreduce_bench, kineto_trace)"),
+    ]
+    for args, message in cases:
+        out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", *map(str, args)], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert (out.returncode, out.stderr, out.stdout) == (2, f"trainhealth: error: {message}\n", ""), args
+
+
+def test_replay_api_refuses_a_pace_of_over_a_year_and_an_empty_run(tmp_path: Path, r: redis.Redis) -> None:
+    ok = tmp_path / "ok.csv"
+    ok.write_text("step,loss\n1,2.0\n11,1.9\n")
+    with pytest.raises(ConfigError, match=r"^speed=1e-09 would take 1.1e\+10 s to replay the log's 11 s timeline"):
+        replay(ok, r, speed=1e-9)
+    with pytest.raises(ConfigError, match=r"^step_seconds=nan must be a number of seconds > 0 and at most 86400"):
+        replay(ok, r, step_seconds=math.nan)
+    with pytest.raises(ConfigError, match=r"^run='' is not a valid run id"):
+        replay(ok, r, run="")
+    assert r.keys("*") == []

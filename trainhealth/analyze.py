@@ -32,7 +32,7 @@ from collectors import importers
 from collectors.importers.base import LogPoint
 from detectors.advisor import Recommendation, RollbackAdvisor
 from detectors.anomaly import Anomaly
-from detectors.offline import OfflineRun, arrange
+from detectors.offline import OfflineRun, arrange, step_seconds_error
 from trainhealth import __version__
 from trainhealth.exceptions import ConfigError, InputFormatError, TrainHealthError
 
@@ -429,7 +429,7 @@ def analyze_file(path: str | Path, fmt: str | None = None, mapping: Mapping[str,
     InputFormatError
         The file cannot be read or parsed, or holds no training step (naming file, place, field).
     ConfigError
-        ``fmt`` or ``mapping`` is not valid for the file, or ``step_seconds <= 0``.
+        ``fmt`` or ``mapping`` is not valid for the file, or ``step_seconds`` is not in (0, one day].
     """
     rep = FileReport(path=str(path), run=run_id(path), step_seconds=step_seconds)
     _analyze(rep, fmt, mapping, progress, chart_buckets)
@@ -439,8 +439,8 @@ def analyze_file(path: str | Path, fmt: str | None = None, mapping: Mapping[str,
 def _analyze(rep: FileReport, fmt: str | None, mapping: Mapping[str, str | None] | None, progress: bool | None,
              chart_buckets: int) -> None:
     """Fill ``rep`` (what was read stays in it when this raises; see :func:`analyze_file`)."""
-    if not rep.step_seconds > 0:
-        raise ConfigError(f"step_seconds={rep.step_seconds!r} must be > 0")
+    if (err := step_seconds_error(rep.step_seconds)) is not None:
+        raise ConfigError(err)
     path = Path(rep.path)
     rep.format = fmt = fmt or importers.detect(path)
     rep.chart = ChartSeries(chart_buckets)
@@ -454,8 +454,8 @@ def _analyze_run(rep: FileReport, fmt: str | None, mapping: Mapping[str, str | N
     """Fill ``rep`` for the per-rank logs ``rep.paths`` of one job, as one run (``--one-run``)."""
     from trainhealth.replay import read_run
 
-    if not rep.step_seconds > 0:
-        raise ConfigError(f"step_seconds={rep.step_seconds!r} must be > 0")
+    if (err := step_seconds_error(rep.step_seconds)) is not None:
+        raise ConfigError(err)
     formats = [fmt or importers.detect(p) for p in rep.paths]
     rep.format = formats[0] if len(set(formats)) == 1 else "+".join(formats)
     rep.chart = ChartSeries(chart_buckets)
@@ -581,10 +581,10 @@ def analyze_paths(paths: Iterable[str | Path], fmt: str | None = None,
     rank) and are analysed together as one multi-rank run, one report (see
     :func:`trainhealth.replay.read_run` for what is refused).
     ``on_error(message)`` is called with each one-line error as it happens (the CLI prints it).
-    A bad ``step_seconds`` raises :class:`ConfigError` before any file is read.
+    A bad ``step_seconds`` (not in (0, one day]) raises :class:`ConfigError` before any file is read.
     """
-    if not step_seconds > 0:
-        raise ConfigError(f"--step-seconds={step_seconds!r} must be > 0")
+    if (err := step_seconds_error(step_seconds, "--step-seconds")) is not None:
+        raise ConfigError(err)
     paths = list(paths)
     if one_run and len(paths) > 1:
         from trainhealth.replay import log_stem

@@ -112,19 +112,32 @@ def _release_embedded(embedded: EmbeddedRedis | None, url: str, own_run: str = "
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from trainhealth.replay import read_points, read_run, replay
+    from detectors.offline import step_seconds_error
+    from trainhealth.keys import validate_run_id
+    from trainhealth.replay import check_pace, check_speed, read_points, read_run, replay, replay_span
     from trainhealth.server import connect
 
-    if not args.speed >= 0:
-        raise ConfigError(f"--speed={args.speed!r} must be >= 0 (0 = as fast as possible)")
-    if not args.step_seconds > 0:
-        raise ConfigError(f"--step-seconds={args.step_seconds!r} must be > 0")
+    check_speed(args.speed, "--speed")
+    err = step_seconds_error(args.step_seconds, "--step-seconds")
+    if err is not None:
+        raise ConfigError(err)
+    one_run = args.one_run and len(args.paths) > 1  # the per-rank logs of one job: one run
+    if args.run is not None:
+        if len(args.paths) > 1 and not one_run:  # it would name only one of the runs: refuse, do not ignore
+            raise ConfigError(f"--run {args.run!r} names one run, but the {len(args.paths)} PATHs are replayed as "
+                              f"{len(args.paths)} runs; give one PATH, or --one-run for the per-rank logs of one job")
+        try:
+            validate_run_id(args.run)
+        except ConfigError as exc:
+            raise ConfigError("--run " + str(exc).removeprefix("run=")) from None
     # Parse every file before touching Redis: a typo must not start a server or half-write a run.
     mapping = parse_map(args.map)
-    if args.one_run and len(args.paths) > 1:  # the per-rank logs of one job: one run
+    if one_run:
         parsed = [(args.paths, read_run(args.paths, args.format, mapping)[0])]
     else:
         parsed = [(path, read_points(path, args.format, mapping)) for path in args.paths]
+    for _, points in parsed:  # a --speed that paces some file over years: refuse before replaying any
+        check_pace(replay_span(points, args.step_seconds), args.speed, "--speed")
     url, _ = _resolve(args)
     client = connect(url)
     for path, points in parsed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -15,8 +16,9 @@ import redis
 from collectors import importers
 from collectors.importers.base import LogPoint
 from collectors.monitor import Monitor
-from detectors.offline import arrange
+from detectors.offline import arrange, step_seconds_error
 from trainhealth.exceptions import ConfigError, InputFormatError
+from trainhealth.keys import validate_run_id
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,32 @@ def read_run(paths: Sequence[str | Path], fmt: str | None = None,
     return points, found
 
 
+#: Longest real time a paced replay may take (a year): a ``speed`` that stretches the log's timeline
+#: further is a typo (``1e-300`` would sleep beyond what ``time.sleep`` accepts).
+MAX_PACED_SECONDS = 366 * 86400.0
+
+
+def check_speed(speed: float, name: str = "speed") -> None:
+    """Raise :class:`ConfigError` naming ``name`` (an argument or option) unless ``speed`` is 0 or a finite
+    pace factor > 0."""
+    if not speed >= 0:
+        raise ConfigError(f"{name}={speed!r} must be >= 0 (0 = as fast as possible)")
+    if not math.isfinite(speed):
+        raise ConfigError(f"{name}={speed!r} must be a finite pace factor (0 = as fast as possible)")
+
+
+def check_pace(span_s: float, speed: float, name: str = "speed") -> None:
+    """Raise :class:`ConfigError` when pacing a ``span_s``-second timeline at ``speed`` would take over a year."""
+    if speed > 0 and span_s / speed > MAX_PACED_SECONDS:
+        raise ConfigError(f"{name}={speed!r} would take {span_s / speed:.3g} s to replay the log's {span_s:.3g} s "
+                          f"timeline (more than a year); use a larger {name}, or 0 for as fast as possible")
+
+
+def replay_span(points: Sequence[LogPoint], step_seconds: float = 1.0) -> float:
+    """Seconds the log spans on the synthetic timeline (what ``speed`` paces)."""
+    return max((tp.offset for tp in arrange(points, step_seconds).points), default=0.0)
+
+
 def replay(
     path: str | Path | Sequence[str | Path],
     client: redis.Redis,
@@ -139,21 +167,25 @@ def replay(
     Raises
     ------
     ConfigError
-        For ``speed < 0`` or ``step_seconds <= 0``.
+        For a ``speed`` that is negative, not finite, or would pace the replay over more than a year
+        (:data:`MAX_PACED_SECONDS`); a ``step_seconds`` outside (0, one day]; an invalid ``run`` id.
     InputFormatError
         When the file cannot be parsed (naming file, entry and field).
     """
-    if not speed >= 0:
-        raise ConfigError(f"speed={speed!r} must be >= 0 (0 = as fast as possible)")
-    if not step_seconds > 0:
-        raise ConfigError(f"step_seconds={step_seconds!r} must be > 0")
+    check_speed(speed)
+    err = step_seconds_error(step_seconds)
+    if err is not None:
+        raise ConfigError(err)
+    if run is not None:
+        validate_run_id(run)  # '' is not "the default": say so instead of ignoring it
     paths = [Path(p) for p in path] if isinstance(path, (list, tuple)) else [Path(path)]  # type: ignore[arg-type]
     if points is None:
         points = read_points(paths[0]) if len(paths) == 1 else read_run(paths)[0]
-    run = run or default_run_id(paths)
+    run = run if run is not None else default_run_id(paths)
     arranged = arrange(points, step_seconds)
     placed = list(arranged.points)
     span = max((tp.offset for tp in placed), default=0.0)
+    check_pace(span, speed)  # before any Monitor writes to Redis
     live = speed > 0
     start = clock() if live else clock() - span
     if arranged.ranks:

@@ -47,9 +47,12 @@ naming the file, the line (or entry, metric, record) and the field. Where lines 
 text logs, and torn (not valid JSON) lines of a JSON-lines log — skipping a malformed line
 misreads nothing else, so such lines are skipped with ONE warning on the
 ``collectors.importers`` logger, counting them and naming the first; a file with no good line
-is an error naming its first bad line. A well-formed row whose field is not a number (CSV, a
-valid JSON line, golden values, TensorBoard) means the columns are not what the reader thinks:
-an error, never a skip.
+is an error naming its first bad line. The entries of a ``trainer_state.json`` are
+independent records with their own step and fixed keys: a bad entry is skipped the same way.
+A well-formed row whose field is not a number (CSV, a valid JSON line, golden values,
+TensorBoard) means the columns are not what the reader thinks: an error, never a skip.
+A number written out in full that no float holds (``1e999``, a 400-digit integer) and a step
+beyond ±2**53 - 1 are "out of range" (an error or a skipped line as above); a UTF-8 BOM is ignored.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ from collectors.importers import (
     wandb_history,
     word_lm_log,
 )
-from collectors.importers._common import GZIP_MAGIC
+from collectors.importers._common import GZIP_MAGIC, json_loads
 from collectors.importers.base import LogPoint
 from trainhealth.exceptions import ConfigError, InputFormatError
 
@@ -222,8 +225,8 @@ def detect(path: str | Path) -> str:
     if stripped.startswith(("{", "[")):
         first = stripped.split("\n", 1)[0].strip()
         try:
-            row = json.loads(first)
-        except json.JSONDecodeError:
+            row = json_loads(first)  # not json.loads: a 5,000-digit number must not raise a bare ValueError
+        except (json.JSONDecodeError, RecursionError):
             row = None
         if isinstance(row, dict):
             kind = _json_kind(path, row)  # a one-line JSON document (golden values are one line)
@@ -235,7 +238,9 @@ def detect(path: str | Path) -> str:
         if stripped.startswith("{") and _TRACE_KEY.search(head, 0, 1 << 20):
             return "kineto_trace"  # a profiler trace: hundreds of MB, not parsed whole just to detect it
         try:
-            doc = json.loads(text) if len(head) < SNIFF_BYTES else _whole_json(path)
+            doc = json_loads(text) if len(head) < SNIFF_BYTES else _whole_json(path)
+        except RecursionError:
+            raise _unknown(path, "JSON nested too deeply to read") from None
         except json.JSONDecodeError as exc:
             doc = None  # maybe a text log whose first line starts with a bracket: sniff its lines below
             json_error = f"not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}"
@@ -272,7 +277,7 @@ def _whole_json(path: Path) -> Any:
         raw = path.read_bytes()
         if raw[:2] == GZIP_MAGIC:
             raw = gzip.decompress(raw)
-        return json.loads(raw.decode("utf-8"))
+        return json_loads(raw.decode("utf-8-sig"))
     except json.JSONDecodeError:
         raise
     except (UnicodeDecodeError, OSError, EOFError, zlib.error) as exc:

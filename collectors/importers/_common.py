@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import logging
 import math
 import re
@@ -21,14 +22,17 @@ GZIP_MAGIC = b"\x1f\x8b"
 def open_text(path: Path, newline: str | None = None) -> io.TextIOBase:
     """Open ``path`` as UTF-8 text (undecodable bytes replaced), gunzipping a gzip file transparently.
 
+    A leading UTF-8 byte-order mark (Excel's "CSV UTF-8", PowerShell's ``Out-File``) is dropped: left
+    in, it would glue itself to the first column name (``\ufeffstep``) or break the first JSON line.
+
     Raises :class:`InputFormatError` when it cannot be opened.
     """
     try:
         with open(path, "rb") as f:
             magic = f.read(2)
         if magic == GZIP_MAGIC:
-            return gzip.open(path, "rt", encoding="utf-8", errors="replace", newline=newline)  # type: ignore[return-value]
-        return open(path, encoding="utf-8", errors="replace", newline=newline)
+            return gzip.open(path, "rt", encoding="utf-8-sig", errors="replace", newline=newline)  # type: ignore[return-value]
+        return open(path, encoding="utf-8-sig", errors="replace", newline=newline)
     except OSError as exc:
         raise InputFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
@@ -44,59 +48,177 @@ def read_lines(path: Path) -> Iterator[tuple[int, str]]:
         raise InputFormatError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
 
 
+#: Largest step accepted: the largest integer a float holds exactly. The timeline computes in floats
+#: (a 400-digit step overflows it) and JSON readers of the reports lose integers beyond it.
+MAX_STEP = 2**53 - 1
+#: Largest rank accepted: rank ids index the per-rank columns (world size = highest rank + 1), so a
+#: garbled rank must not make a run millions of ranks wide.
+MAX_RANK = 2**20 - 1
+
+# Why a value was refused: ``str()`` of the ValueError the converters raise, put into messages as
+# "field 'loss' is <reason>: <value>".
+NOT_A_NUMBER = "not a number"
+NUMBER_RANGE = "out of range for a number (beyond 1.8e308)"
+NOT_A_STEP = "not an integer step"
+STEP_RANGE = f"out of range for a step (above {MAX_STEP:,})"
+_REASONS = frozenset({NOT_A_NUMBER, NUMBER_RANGE, NOT_A_STEP, STEP_RANGE})
+
+
+def reason(exc: BaseException, default: str = NOT_A_NUMBER) -> str:
+    """The reason phrase of a converter's error (``default`` for any other ValueError/OverflowError)."""
+    msg = str(exc)
+    return msg if msg in _REASONS else default
+
+
+class HugeNumber(str):
+    """A JSON number no Python int or float holds (5,000 digits, ``1e999``), kept as its text.
+
+    ``json`` refuses integers over 4,300 digits with a ValueError naming no line or field, and turns
+    ``1e999`` into infinity, which the log never wrote; kept as text, the converters below refuse it
+    with the file, line and field.
+    """
+
+    def __repr__(self) -> str:
+        return str.__str__(self)
+
+
+def _json_int(text: str) -> int | HugeNumber:
+    try:
+        return int(text)
+    except ValueError:  # beyond sys.get_int_max_str_digits()
+        return HugeNumber(text)
+
+
+def _json_float(text: str) -> float | HugeNumber:
+    x = float(text)
+    return HugeNumber(text) if math.isinf(x) else x  # "Infinity" is a constant, not parsed here
+
+
+def json_loads(text: str | bytes) -> Any:
+    """``json.loads`` keeping out-of-range numbers as :class:`HugeNumber` (the converters refuse them)."""
+    return json.loads(text, parse_int=_json_int, parse_float=_json_float)
+
+
+def show(v: Any, limit: int = 40) -> str:
+    """``repr(v)`` for a one-line message, cut to ``limit`` characters (a 5,000-digit value must not flood it)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 4 * limit:
+        return f"an integer of {len(str(v)) if v.bit_length() < 14000 else 'over 4,300'} digits"
+    text = repr(v)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text):,} characters)"
+
+
+def _is_inf_text(s: str) -> bool:
+    return s.lower().lstrip("+-") in ("inf", "infinity")
+
+
 def to_float(v: Any) -> float | None:
     """A logged number: int/float as is, a numeric string parsed (``nan``/``inf`` kept); None/"" → None.
 
-    Raises ValueError for anything else (booleans, non-numeric strings, containers).
+    Raises ValueError (``str()`` = :data:`NOT_A_NUMBER`) for anything else (booleans, non-numeric
+    strings, containers), and (:data:`NUMBER_RANGE`) for a number written out in full that no float
+    holds (a 400-digit integer, ``1e999``): the log did not say infinity.
     """
     if v is None:
         return None
     if isinstance(v, bool):
-        raise ValueError(v)
-    if isinstance(v, (int, float)):
-        return float(v)
+        raise ValueError(NOT_A_NUMBER)
+    if isinstance(v, int):
+        try:
+            return float(v)
+        except OverflowError:
+            raise ValueError(NUMBER_RANGE) from None
+    if isinstance(v, float):
+        return v
     if isinstance(v, str):
         s = v.strip()
         if not s:
             return None
-        return float(s)
-    raise ValueError(v)
+        try:
+            x = float(s)
+        except ValueError:
+            raise ValueError(NOT_A_NUMBER) from None
+        if math.isinf(x) and not _is_inf_text(s):
+            raise ValueError(NUMBER_RANGE)
+        return x
+    raise ValueError(NOT_A_NUMBER)
+
+
+def check_step(n: int) -> int:
+    """``n`` if it is within ±:data:`MAX_STEP`, else ValueError(:data:`STEP_RANGE`)."""
+    if abs(n) > MAX_STEP:
+        raise ValueError(STEP_RANGE)
+    return n
+
+
+def step_of(digits: str) -> int:
+    """A step matched as a digit string by a text log's pattern; ValueError(:data:`STEP_RANGE`) when too large.
+
+    The length is checked first: ``int()`` of over 4,300 digits raises a ValueError of its own.
+    """
+    if len(digits.lstrip("+-0")) > len(str(MAX_STEP)):
+        raise ValueError(STEP_RANGE)
+    return check_step(int(digits))
+
+
+_INT_TEXT = re.compile(r"^[+-]?\d+$")
 
 
 def to_step(v: Any) -> int:
-    """A step number: an int, an integral float (``49.0``) or a string of one. Raises ValueError otherwise."""
+    """A step number: an int, an integral float (``49.0``) or a string of one.
+
+    Raises ValueError: :data:`NOT_A_STEP`, or :data:`STEP_RANGE` beyond ±:data:`MAX_STEP`.
+    """
     if isinstance(v, bool):
-        raise ValueError(v)
+        raise ValueError(NOT_A_STEP)
     if isinstance(v, int):
-        return v
-    if isinstance(v, float) and math.isfinite(v) and v == int(v):
-        return int(v)
+        return check_step(v)
+    if isinstance(v, float):
+        if math.isfinite(v) and v == int(v):
+            return check_step(int(v))
+        raise ValueError(NOT_A_STEP)
     if isinstance(v, str):
         s = v.strip()
+        if _INT_TEXT.match(s):
+            return step_of(s)
         try:
-            return int(s)
-        except ValueError:
             f = float(s)
-            if math.isfinite(f) and f == int(f):
-                return int(f)
-    raise ValueError(v)
+        except ValueError:
+            raise ValueError(NOT_A_STEP) from None
+        if math.isinf(f) and not _is_inf_text(s):
+            raise ValueError(STEP_RANGE)
+        if math.isfinite(f) and f == int(f):
+            return check_step(int(f))
+    raise ValueError(NOT_A_STEP)
 
 
 _DAYS = re.compile(r"^\s*(-?\d+) days?, (.*)$")
 
 
 def to_seconds(v: Any) -> float | None:
-    """Elapsed time as seconds: a number, or ``str(timedelta)`` text (``5:39:46``, ``1 day, 2:03:04``)."""
+    """Elapsed time as seconds: a number, or ``str(timedelta)`` text (``5:39:46``, ``1 day, 2:03:04``).
+
+    Raises ValueError as :func:`to_float` does.
+    """
     if isinstance(v, str) and ":" in v:
-        days = 0
-        m = _DAYS.match(v)
-        if m:
-            days, v = int(m.group(1)), m.group(2)
-        parts = v.strip().split(":")
-        if len(parts) != 3:
-            raise ValueError(v)
-        h, mi, s = int(parts[0]), int(parts[1]), float(parts[2])
-        return days * 86400.0 + h * 3600.0 + mi * 60.0 + s
+        try:
+            days = 0
+            m = _DAYS.match(v)
+            if m:
+                days, v = int(m.group(1)), m.group(2)
+            parts = v.strip().split(":")
+            if len(parts) != 3:
+                raise ValueError(NOT_A_NUMBER)
+            h, mi, s = int(parts[0]), int(parts[1]), float(parts[2])
+            total = days * 86400.0 + h * 3600.0 + mi * 60.0 + s
+        except OverflowError:  # an hour count of 400 digits
+            raise ValueError(NUMBER_RANGE) from None
+        except ValueError as exc:
+            raise ValueError(reason(exc)) from None
+        if math.isinf(total):
+            raise ValueError(NUMBER_RANGE)
+        return total
     return to_float(v)
 
 
@@ -105,14 +227,18 @@ def finite_positive(x: float | None) -> bool:
 
 
 class BadLines:
-    """Counts malformed lines of a line-oriented log; one warning at the end, naming the first.
+    """Counts malformed lines (or entries) of a log; one warning at the end, naming the first.
 
+    ``place`` formats a line number (or entry index) into the message: ``"line {}: "`` for lines,
+    ``"log_history[{}] "`` for the entries of a ``trainer_state.json``.
     ``finish(good)`` raises :class:`InputFormatError` for the first bad line when nothing good was read.
     """
 
-    def __init__(self, path: Path, what: str) -> None:
+    def __init__(self, path: Path, what: str, place: str = "line {}: ", unit: str = "line") -> None:
         self.path = path
         self.what = what
+        self.place = place
+        self.unit = unit
         self.count = 0
         self.first: tuple[int, str] | None = None
 
@@ -124,13 +250,14 @@ class BadLines:
     def finish(self, good: int) -> None:
         if self.first is None:
             if good == 0:
-                raise InputFormatError(f"{self.path}: no {self.what} lines found")
+                raise InputFormatError(f"{self.path}: no {self.what} {self.unit}s found")
             return
         line, reason = self.first
+        where = self.place.format(line)
         if good == 0:
-            raise InputFormatError(f"{self.path}: line {line}: {reason}")
-        log.warning("%s: skipped %d malformed %s line(s); the first: line %d: %s",
-                    self.path, self.count, self.what, line, reason)
+            raise InputFormatError(f"{self.path}: {where}{reason}")
+        log.warning("%s: skipped %d malformed %s %s(s); the first: %s%s",
+                    self.path, self.count, self.what, self.unit, where, reason)
 
 
 class Timeline:

@@ -14,11 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from collectors.importers._common import (
+    NOT_A_STEP,
     BadLines,
     CumulativeTokens,
     Timeline,
+    json_loads,
     open_text,
     read_lines,
+    reason,
+    show,
     to_float,
     to_seconds,
     to_step,
@@ -141,8 +145,8 @@ def points(path: Path, rows: Iterable[tuple[int, Mapping[str, Any]]], cols: Mapp
                     vals[field] = float(v)
                 else:
                     vals[field] = to_float(v)
-            except (ValueError, TypeError):
-                raise InputFormatError(f"{path}: {where} {line} field {col!r} is not a number: {v!r}") from None
+            except (ValueError, TypeError, OverflowError) as exc:
+                raise InputFormatError(f"{path}: {where} {line} field {col!r} is {reason(exc)}: {show(v)}") from None
         if all(vals.get(f) is None for f in METRICS):
             continue  # an evaluation, epoch-summary or other row: not a training step
         v = row.get(cols["step"])
@@ -150,9 +154,9 @@ def points(path: Path, rows: Iterable[tuple[int, Mapping[str, Any]]], cols: Mapp
             raise InputFormatError(f"{path}: {where} {line} field {cols['step']!r} (the step) is empty")
         try:
             step = to_step(v)
-        except (ValueError, TypeError, OverflowError):
-            raise InputFormatError(f"{path}: {where} {line} field {cols['step']!r} is not an integer step: {v!r}"
-                                   ) from None
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise InputFormatError(f"{path}: {where} {line} field {cols['step']!r} is {reason(exc, NOT_A_STEP)}: "
+                                   f"{show(v)}") from None
         per = vals.get("step_seconds")
         from_clock = clock.per_step(step, vals.get(clock_field)) if clock_field else None
         if per is None:
@@ -210,10 +214,14 @@ def iter_jsonl(path: Path, bad: BadLines | None = None) -> Iterator[tuple[int, d
         if not s:
             continue
         try:
-            obj = json.loads(s)
+            obj = json_loads(s)  # a 5,000-digit number stays text: refused with its line and field
         except json.JSONDecodeError as exc:
             if bad is not None:
                 bad.add(line, f"not valid JSON (column {exc.colno}): {exc.msg}")
+            continue
+        except RecursionError:
+            if bad is not None:
+                bad.add(line, "JSON nested too deeply to read")
             continue
         if not isinstance(obj, dict):
             if bad is not None:

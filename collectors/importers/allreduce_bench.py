@@ -40,7 +40,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from collectors.importers._common import BadLines, read_lines
+from collectors.importers._common import MAX_RANK, BadLines, read_lines, show
 from collectors.importers.base import LogPoint
 
 HEADER = re.compile(r"^\s*(\d+):\s*$")
@@ -88,6 +88,9 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     for lineno, text in read_lines(path):
         m = HEADER.match(text)
         if m is not None:
+            if len(m.group(1)) > len(str(MAX_RANK)) or int(m.group(1)) > MAX_RANK:  # int() of 5,000 digits raises
+                bad.add(lineno, f"rank {show(m.group(1))} is out of range (above {MAX_RANK:,})")
+                continue
             rank = int(m.group(1))
             if nranks is not None and rank >= nranks:
                 bad.add(lineno, f"rank {rank} is beyond NCCL's nranks {nranks}")
@@ -114,7 +117,7 @@ def read(path: str | Path) -> Iterator[LogPoint]:
                            sections=((SECTION, seconds),))
             continue
         m = NCCL_RANK.match(text)
-        if m is not None:
+        if m is not None and max(len(m.group(2)), len(m.group(3))) <= len(str(MAX_RANK)):  # else not NCCL's
             hosts[int(m.group(2))] = m.group(1)
             nranks = int(m.group(3))
     for rank, _, lineno in waiting:

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from collectors.importers._common import GZIP_MAGIC, to_float
+from collectors.importers._common import GZIP_MAGIC, MAX_RANK, NUMBER_RANGE, json_loads, show, step_of, to_float
 from collectors.importers.base import LogPoint
 from trainhealth.exceptions import InputFormatError
 
@@ -60,7 +60,7 @@ def load(path: Path) -> dict[str, Any]:
         raw = path.read_bytes()
         if raw[:2] == GZIP_MAGIC:
             raw = gzip.decompress(raw)
-        doc = json.loads(raw.decode("utf-8"))
+        doc = json_loads(raw.decode("utf-8-sig"))  # a BOM is dropped; huge numbers stay text
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # BadGzipFile is an OSError: first
         raise InputFormatError(f"{path}: a gzip file that cannot be decompressed: {exc}") from None
     except OSError as exc:
@@ -69,6 +69,8 @@ def load(path: Path) -> dict[str, Any]:
         raise InputFormatError(f"{path}: not UTF-8 JSON: {exc}") from None
     except json.JSONDecodeError as exc:
         raise InputFormatError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from None
+    except RecursionError:
+        raise InputFormatError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise InputFormatError(f"{path}: not a Chrome trace: no 'traceEvents' list")
     return doc
@@ -87,13 +89,18 @@ def rank_of(path: Path, doc: dict[str, Any]) -> tuple[int | None, int | None]:
     if isinstance(info, dict) and "rank" in info:
         rank, world = info.get("rank"), info.get("world_size")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise InputFormatError(f"{path}: distributedInfo.rank is not a non-negative integer: {rank!r}")
+            raise InputFormatError(f"{path}: distributedInfo.rank is not a non-negative integer: {show(rank)}")
+        if rank > MAX_RANK:  # rank ids index the per-rank columns: a garbled one must not make a huge run
+            raise InputFormatError(f"{path}: distributedInfo.rank is out of range (above {MAX_RANK:,}): {show(rank)}")
         if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
-            raise InputFormatError(f"{path}: distributedInfo.world_size is not a positive integer: {world!r}")
+            raise InputFormatError(f"{path}: distributedInfo.world_size is not a positive integer: {show(world)}")
         if world is not None and rank >= world:
             raise InputFormatError(f"{path}: distributedInfo.rank {rank} is not below its world_size {world}")
         return rank, world
     m = NAME_RANK.search(path.name)
+    if m and (len(m.group(1)) > len(str(MAX_RANK)) or int(m.group(1)) > MAX_RANK):
+        raise InputFormatError(f"{path}: the rank in the file name is out of range (above {MAX_RANK:,}): "
+                               f"{show(m.group(1))}")
     return (int(m.group(1)) if m else None), None
 
 
@@ -134,17 +141,22 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         m = STEP.match(name)
         if m is None:
             raise InputFormatError(f"{where}: field 'name' has no step number after 'ProfilerStep#'")
-        step = int(m.group(1))
+        try:
+            step = step_of(m.group(1))  # 400 digits would overflow the timeline
+        except ValueError as exc:
+            raise InputFormatError(f"{where}: field 'name' step is {exc}") from None
         vals = []
         for key in ("ts", "dur"):
             v = ev.get(key)
             try:
                 x = to_float(v)
-            except ValueError:
+            except ValueError as exc:
+                if str(exc) == NUMBER_RANGE:  # a 400-digit number: say so, not 'not a number'
+                    raise InputFormatError(f"{where}: field {key!r} is {exc}: {show(v)}") from None
                 x = None
             if x is None or not math.isfinite(x) or (key == "dur" and x < 0):
                 what = "a non-negative number of microseconds" if key == "dur" else "a number of microseconds"
-                raise InputFormatError(f"{where}: field {key!r} is not {what}: {v!r}")
+                raise InputFormatError(f"{where}: field {key!r} is not {what}: {show(v)}")
             vals.append(x)
         if step in found:
             raise InputFormatError(f"{where}: step {step} again (first at traceEvents[{found[step][2]}])")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from collectors.importers import _table
-from collectors.importers._common import open_text, to_float, to_step
+from collectors.importers._common import NOT_A_STEP, json_loads, open_text, reason, show, to_float, to_step
 from collectors.importers.base import LogPoint
 from trainhealth.exceptions import ConfigError, InputFormatError
 
@@ -44,24 +44,25 @@ def _series(path: Path, name: str, entry: Any) -> dict[int, float | None]:
     elif isinstance(values, list):
         try:
             start, every = to_step(entry.get("start_step", 0)), to_step(entry.get("step_interval", 1))
-        except (ValueError, TypeError):
-            raise InputFormatError(f"{where} field 'start_step'/'step_interval' is not an integer: "
-                                   f"{entry.get('start_step')!r}/{entry.get('step_interval')!r}") from None
-        items = [(start + i * every, v) for i, v in enumerate(values)]
+        except (ValueError, TypeError) as exc:
+            raise InputFormatError(f"{where} field 'start_step'/'step_interval' is {reason(exc, NOT_A_STEP)}: "
+                                   f"{show(entry.get('start_step'))}/{show(entry.get('step_interval'))}") from None
+        items = [(start + i * every, v) for i, v in enumerate(values)]  # each step range-checked below
     else:
         raise InputFormatError(f"{where} field 'values' is neither an object nor a list: {type(values).__name__}")
     for k, v in items:
         try:
             step = to_step(k)
-        except (ValueError, TypeError):
-            raise InputFormatError(f"{where} step {k!r} is not an integer") from None
+        except (ValueError, TypeError) as exc:
+            what = "not an integer" if reason(exc, NOT_A_STEP) == NOT_A_STEP else reason(exc)
+            raise InputFormatError(f"{where} step {show(k)} is {what}") from None
         if isinstance(v, str) and v.strip().lower() == "nan":
             out[step] = None  # not recorded
             continue
         try:
             out[step] = to_float(v)
-        except (ValueError, TypeError):
-            raise InputFormatError(f"{where} value at step {step} is not a number: {v!r}") from None
+        except (ValueError, TypeError) as exc:
+            raise InputFormatError(f"{where} value at step {step} is {reason(exc)}: {show(v)}") from None
     return out
 
 
@@ -90,9 +91,11 @@ def read(path: str | Path, mapping: Mapping[str, str | None] | None = None) -> I
         raise ConfigError("mapping['step'] is not used for golden values: they carry their steps")
     try:
         with open_text(path) as f:
-            doc = json.load(f)
+            doc = json_loads(f.read())  # huge numbers stay text: refused with their metric and step
     except json.JSONDecodeError as exc:
         raise InputFormatError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from None
+    except RecursionError:
+        raise InputFormatError(f"{path}: JSON nested too deeply to read") from None
     except (OSError, EOFError) as exc:
         raise InputFormatError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
     if not isinstance(doc, dict):

@@ -40,7 +40,17 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from collectors.importers._common import BadLines, CumulativeTokens, read_lines
+from collectors.importers._common import (
+    NOT_A_NUMBER,
+    BadLines,
+    CumulativeTokens,
+    read_lines,
+    reason,
+    show,
+    step_of,
+    to_float,
+    to_step,
+)
 from collectors.importers.base import LogPoint
 
 START = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)")
@@ -67,13 +77,21 @@ def sniff_line(line: str) -> bool:
     return RECORD.search(line) is not None and ":" in line
 
 
-def _parse(text: str, nemo: bool) -> tuple[dict[str, float], str | None]:
-    """Fields of one (re-joined) record, or the reason it is malformed."""
+#: Fields that are counts: a NaN or infinite count is not a count (and ``int()`` of it raises).
+COUNTS = ("consumed_samples", "tokens_total", "skipped", "nan")
+
+
+def _parse(text: str, nemo: bool) -> tuple[dict[str, float], int, str | None]:
+    """Fields and step of one (re-joined) record, or the reason it is malformed."""
     if not nemo and not text.rstrip().endswith("|"):
-        return {}, "the line ends before its closing '|' (torn or wrapped beyond repair)"
+        return {}, 0, "the line ends before its closing '|' (torn or wrapped beyond repair)"
     m = START.search(text)
     assert m is not None
-    fields: dict[str, float] = {"iteration": float(m.group(1))}
+    try:
+        step = step_of(m.group(1))  # 400 digits would overflow the timeline
+    except ValueError as exc:
+        return {}, 0, f"field 'iteration' is {exc}: {show(m.group(1))}"
+    fields: dict[str, float] = {}
     for seg in text[m.end():].split("|"):
         key, sep, value = seg.rpartition(":")
         if not sep:
@@ -83,14 +101,22 @@ def _parse(text: str, nemo: bool) -> tuple[dict[str, float], str | None]:
             continue
         name, scale = known
         v = value.strip()
+        shown = " ".join(key.split())
         try:
-            x = float(v)
-        except ValueError:
-            return {}, f"field {' '.join(key.split())!r} is not a number: {v!r}"
+            if name == "step":  # NeMo's global_step
+                step = to_step(v)
+                continue
+            x = to_float(v)
+            if x is None:
+                raise ValueError(NOT_A_NUMBER)
+        except ValueError as exc:
+            return {}, 0, f"field {shown!r} is {reason(exc)}: {show(v)}"
+        if name in COUNTS and not math.isfinite(x):
+            return {}, 0, f"field {shown!r} is not a finite count: {show(v)}"
         fields[name] = x * scale
     if not any(k in fields for k in ("loss", "grad_norm", "lr")):
-        return {}, "no loss, grad norm or learning rate on the line"
-    return fields, None
+        return {}, 0, "no loss, grad norm or learning rate on the line"
+    return fields, step, None
 
 
 def read(path: str | Path) -> Iterator[LogPoint]:
@@ -142,7 +168,7 @@ def read(path: str | Path) -> Iterator[LogPoint]:
                 held.append(peek)
                 break
             parts.append(peek[1])
-        fields, err = _parse("".join(parts), nemo)
+        fields, step, err = _parse("".join(parts), nemo)
         if err is not None:
             bad.add(lineno, err)
             continue
@@ -156,7 +182,7 @@ def read(path: str | Path) -> Iterator[LogPoint]:
             loss = math.nan
         good += 1
         yield LogPoint(
-            step=int(fields.get("step", fields["iteration"])), loss=loss, grad_norm=fields.get("grad_norm"),
+            step=step, loss=loss, grad_norm=fields.get("grad_norm"),
             lr=fields.get("lr"), tokens=tokens.delta(fields.get("tokens_total")), source_line=lineno,
             step_seconds=fields.get("step_seconds"), skipped=None if skipped is None else int(skipped),
             consumed_samples=int(fields["consumed_samples"]) if "consumed_samples" in fields else None)

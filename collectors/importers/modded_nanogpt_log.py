@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from collectors.importers._common import BadLines, read_lines
+from collectors.importers._common import BadLines, read_lines, reason, show, step_of, to_float
 from collectors.importers.base import LogPoint
 
 START = re.compile(r"^step:(\d+)/(\d+)\s")
@@ -53,17 +53,23 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         m = START.match(text)
         if m is None:
             continue
-        step = int(m.group(1))
+        try:
+            step = step_of(m.group(1))  # 400 digits would overflow the timeline
+        except ValueError as exc:
+            bad.add(lineno, f"field 'step' is {exc}: {show(m.group(1))}")
+            continue
         fields = dict(FIELD.findall(text[m.end():]))
         nums: dict[str, float] = {}
         err = None
         for name in ("train_time", "train_loss", "val_loss"):
             if name in fields:
                 try:
-                    nums[name] = float(fields[name].removesuffix("ms") if name == "train_time" else fields[name])
-                except ValueError:
-                    err = f"field {name!r} is not a number: {fields[name]!r}"
+                    x = to_float(fields[name].removesuffix("ms") if name == "train_time" else fields[name])
+                except ValueError as exc:
+                    err = f"field {name!r} is {reason(exc)}: {show(fields[name])}"
                     break
+                if x is not None:
+                    nums[name] = x
         if err is not None:
             bad.add(lineno, err)
             continue

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from collectors.importers._common import BadLines, read_lines
+from collectors.importers._common import BadLines, read_lines, reason, show, step_of, to_float
 from collectors.importers.base import LogPoint
 
 START = re.compile(r"^iter (\d+):")
@@ -48,20 +48,23 @@ def read(path: str | Path) -> Iterator[LogPoint]:
             bad.add(lineno, f"not 'iter N: loss X, time Yms, mfu Z%': {text[:80]!r}")
             continue
         try:
-            loss = float(m.group(2))
-        except ValueError:
-            bad.add(lineno, f"field 'loss' is not a number: {m.group(2)!r}")
+            step = step_of(m.group(1))  # 400 digits would overflow the timeline
+        except ValueError as exc:
+            bad.add(lineno, f"field 'iter' is {exc}: {show(m.group(1))}")
             continue
-        try:
-            lr = float(m.group(3)) if m.group(3) is not None else None
-        except ValueError:
-            bad.add(lineno, f"field 'lr' is not a number: {m.group(3)!r}")
+        vals: dict[str, float | None] = {}
+        err = None
+        for name, value in (("loss", m.group(2)), ("lr", m.group(3)), ("time", m.group(4))):
+            try:
+                vals[name] = to_float(value)
+            except ValueError as exc:
+                err = f"field {name!r} is {reason(exc)}: {show(value)}"
+                break
+        if err is not None:
+            bad.add(lineno, err)
             continue
-        try:
-            ms = float(m.group(4))
-        except ValueError:
-            bad.add(lineno, f"field 'time' is not a number: {m.group(4)!r}")
-            continue
+        ms = vals["time"]
         good += 1
-        yield LogPoint(step=int(m.group(1)), loss=loss, lr=lr, step_seconds=ms / 1000.0, source_line=lineno)
+        yield LogPoint(step=step, loss=vals["loss"], lr=vals["lr"], step_seconds=None if ms is None else ms / 1000.0,
+                       source_line=lineno)
     bad.finish(good)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from collectors.importers import _table
-from collectors.importers._common import CumulativeTokens, Timeline
+from collectors.importers._common import MAX_STEP, STEP_RANGE, CumulativeTokens, Timeline
 from collectors.importers.base import LogPoint
 from trainhealth.exceptions import InputFormatError
 
@@ -138,6 +138,8 @@ def read(path: str | Path, mapping: Mapping[str, str | None] | None = None) -> I
         vals = {f: g.get(t) for f, t in cols.items()}
         if all(vals.get(f) is None for f in _table.METRICS):
             continue
+        if abs(step) > MAX_STEP:  # an int64 step beyond what the timeline's floats hold exactly
+            raise InputFormatError(f"{path}: record {rec} field 'step' is {STEP_RANGE}: {step}")
         per = vals.get("step_seconds")
         from_clock = clock.per_step(step, wall)
         if per is None:

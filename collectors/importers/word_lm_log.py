@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from collectors.importers._common import BadLines, read_lines
+from collectors.importers._common import BadLines, check_step, read_lines, reason, show, step_of, to_float
 from collectors.importers.base import LogPoint
 
 START = re.compile(r"^\|\s*epoch\s+\d")
@@ -49,7 +49,12 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         if m is None:
             bad.add(lineno, f"not '| epoch E | B/ N batches | …': {text[:80]!r}")
             continue
-        epoch, batch, per_epoch = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        try:  # each below MAX_STEP, and so the step they make (400 digits would overflow the timeline)
+            epoch, batch, per_epoch = (step_of(m.group(i)) for i in (1, 2, 3))
+            step = check_step((epoch - 1) * per_epoch + batch)
+        except ValueError as exc:
+            bad.add(lineno, f"field 'epoch'/'batches' is {exc}: {show(m.group(0)[:60])}")
+            continue
         vals: dict[str, float] = {}
         err = None
         for seg in m.group(4).split("|"):
@@ -58,10 +63,12 @@ def read(path: str | Path) -> Iterator[LogPoint]:
             if name is None:
                 continue
             try:
-                vals[name] = float(value)
-            except ValueError:
-                err = f"field {key.strip()!r} is not a number: {value!r}"
+                x = to_float(value)
+            except ValueError as exc:
+                err = f"field {key.strip()!r} is {reason(exc)}: {show(value)}"
                 break
+            if x is not None:
+                vals[name] = x
         if err is None and "loss" not in vals:
             err = "no loss on the line"
         if err is not None:
@@ -69,6 +76,6 @@ def read(path: str | Path) -> Iterator[LogPoint]:
             continue
         good += 1
         ms = vals.get("ms")
-        yield LogPoint(step=(epoch - 1) * per_epoch + batch, loss=vals["loss"], lr=vals.get("lr"),
+        yield LogPoint(step=step, loss=vals["loss"], lr=vals.get("lr"),
                        step_seconds=None if ms is None else ms / 1000.0, source_line=lineno)
     bad.finish(good)
