@@ -180,9 +180,18 @@ def test_several_paths_report_each_file_in_order(real_logs: Path) -> None:
     assert out.returncode == 1
     heads = [line for line in out.stdout.splitlines() if line.startswith(str(real_logs))]
     assert heads == [str(real_logs / n) for n in (TROCR, TINYLLAMA, WORD_LM)]
-    assert "    WARNING  loss_spike       steps 682–682 (resolved)\n" in out.stdout
+    assert "    WARNING  loss_spike       steps 682–682 (recovered fast)\n" in out.stdout
     assert "    CRITICAL nan_inf          steps 200–… (active)\n" in out.stdout
     assert out.stdout.endswith("3 file(s) analysed: 3 anomalies, 1 critical → exit 1\n")
+
+
+def test_a_spike_that_did_not_recover_reads_so_beside_its_divergence(real_logs: Path) -> None:
+    out = cli(real_logs / "megatron_deepspeed_104b_overflow_excerpt.log")
+    assert out.returncode == 1
+    assert [line for line in out.stdout.splitlines() if re.match(r"    (CRITICAL|WARNING) ", line)] == [
+        "    CRITICAL loss_spike       steps 17062–17064 (over, loss not recovered)",
+        "    CRITICAL divergence       steps 17062–… (active)",
+        "    WARNING  skipped_steps    steps 17062–… (active)"]
 
 
 def test_html_report_is_standalone_with_the_figures(real_logs: Path, tmp_path: Path) -> None:

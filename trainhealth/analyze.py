@@ -644,6 +644,16 @@ def to_json(reports: list[FileReport]) -> str:
     return json.dumps(to_dict(reports), indent=2, allow_nan=True) + "\n"
 
 
+#: A settled loss spike's state by its recovery class: "resolved" beside "not recovered" read as a contradiction.
+_RECOVERY_STATE = {"fast": "recovered fast", "slow": "recovered slowly", "not_recovered": "over, loss not recovered"}
+
+
+def _state(a: Anomaly) -> str:
+    """``active``/``resolved``, or for a settled loss spike how it ended."""
+    cls = a.evidence.get("recovery_class") if a.status == "resolved" else None
+    return _RECOVERY_STATE.get(cls, a.status) if isinstance(cls, str) else a.status
+
+
 def _n(x: float | int | None) -> str:
     return "—" if x is None else f"{x:,}"
 
@@ -705,7 +715,7 @@ def format_file(rep: FileReport) -> list[str]:
     out.append(f"  anomalies  {len(rep.anomalies)}" + (f" ({crit} critical)" if rep.anomalies else ""))
     for a in rep.anomalies:
         end = a.end_step if a.end_step is not None else "…"
-        out.append(f"    {a.severity.upper():8} {a.kind:16} steps {a.step}–{end} ({a.status})")
+        out.append(f"    {a.severity.upper():8} {a.kind:16} steps {a.step}–{end} ({_state(a)})")
         out.append(f"             {a.message}")
     g = rep.goodput()
     snap = g["ledger"]
