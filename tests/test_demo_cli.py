@@ -119,12 +119,17 @@ def _dashboard(home: Path, port: int) -> subprocess.Popen:
 
 def test_dashboard_stops_the_embedded_redis_it_started_unless_someone_else_uses_it(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    proc = _dashboard(home, free_port())
+    port = free_port()
+    proc = _dashboard(home, port)
     url = json.loads((home / "redis" / "server.json").read_text())["url"]
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)  # to this process alone, as a supervisor sends it: Streamlit goes too
+    t0 = time.monotonic()
     out, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 8
     assert f"Stopped the embedded redis-server (data kept in {home / 'redis'})." in out
     assert not ping(url)
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0  # nothing serves the dashboard's port any more
     # Started again, and a client (here a redis-cli-like connection) still connected at Ctrl-C: left running.
     proc = _dashboard(home, free_port())
     url = json.loads((home / "redis" / "server.json").read_text())["url"]

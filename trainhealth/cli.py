@@ -85,16 +85,28 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     url, embedded = _resolve(args)
     print(f"Dashboard: http://127.0.0.1:{args.port}/", flush=True)
     proc = subprocess.Popen(dashboard_command(url, args.port), env=_child_env(url))
+
+    def _stop(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    # SIGTERM (systemd, kill, a supervisor) must clean up as Ctrl-C does, not orphan Streamlit.
+    signal.signal(signal.SIGTERM, _stop)
     try:
         return proc.wait()
-    except KeyboardInterrupt:  # Streamlit got the same Ctrl-C from the terminal
+    except KeyboardInterrupt:
+        # Ctrl-C in the terminal reached Streamlit too; a signal to this process alone did not.
+        if proc.poll() is None:
+            proc.terminate()
         try:
-            return proc.wait(10)
+            proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
-            return 130
+            proc.wait()
+        return 130
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
+        # A second signal must not skip the cleanup.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _release_embedded(embedded, url)
 
 
