@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import weakref
@@ -25,7 +26,7 @@ import redis
 
 from collectors import ranks
 from collectors.cuda_timing import GpuTimer, torch_event_factory
-from collectors.sender import Sender
+from collectors.sender import Sender, show
 from collectors.spill import Spill
 from collectors.spill import default_directory as default_spill_directory
 from trainhealth import config, defaults
@@ -36,6 +37,8 @@ from trainhealth.keys import run_keys
 DATA_SECTION = defaults.DATA_SECTIONS[0]
 #: A ``data_from`` older than this (s) is taken for a wrong clock, not a data-loader wait.
 _MAX_DATA_WAIT_S = 3600
+#: Largest float: a setting beyond it (``inf``, ``10**400``) is no number of anything.
+_FLOAT_MAX = sys.float_info.max
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,21 @@ class _Section:
         sec[self._name] = sec.get(self._name, 0.0) + dt
 
 
+class _NullSection:
+    """What :meth:`Monitor.section` returns for a name it cannot use: times nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NullSection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+_NULL_SECTION = _NullSection()
+
+
 class _CudaSection(_Section):
     """A section timed on the CPU and, with CUDA events, on the GPU (resolved later)."""
 
@@ -103,7 +121,10 @@ class _Step:
     def __enter__(self) -> _Step:
         mon = self._mon
         if mon._held is not None:
-            mon._emit_held()
+            try:
+                mon._emit_held()
+            except Exception:  # never into the training loop
+                mon._internal_error()
         mon._cur = self
         now = self._t0 = perf_counter()
         since = self._data_from
@@ -114,8 +135,8 @@ class _Step:
                 sec = mon._sections
                 sec[DATA_SECTION] = sec.get(DATA_SECTION, 0.0) + wait
             else:
-                mon._warn_once("data_from_range", "step(data_from=%r): not a time.perf_counter() of the last %d s; "
-                               "ignored", since, _MAX_DATA_WAIT_S)
+                mon._warn_once("data_from_range", "step(data_from=%s): not a time.perf_counter() of the last %d s; "
+                               "ignored", show(since), _MAX_DATA_WAIT_S)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -219,8 +240,9 @@ class Monitor:
     Raises
     ------
     ConfigError
-        At construction only, for a bad run id, rank, world size or URL. After that no
-        method raises: errors are logged (``collectors`` logger) and counted.
+        At construction only, for a bad argument (run id, rank, world size, URL, a number out of
+        its range...), naming it and its value. After that no method raises: errors are logged
+        (``collectors`` logger) and counted.
     """
 
     def __init__(
@@ -246,21 +268,39 @@ class Monitor:
     ) -> None:
         self.keys = run_keys(run)
         self.run = run
+        # Everything is checked here, before anything starts: a bad value found later would only
+        # show as a sender that never delivers, blamed on Redis.
+        for name, value in (("rank", rank), ("world_size", world_size)):
+            if isinstance(value, bool):  # an int to isinstance(), but never a rank
+                raise ConfigError(f"{name}={value!r} must be an integer, not a bool")
         self.rank, self.world_size, self.local_rank = ranks.detect(rank, world_size)
+        if host is not None and not isinstance(host, str):
+            raise ConfigError(f"host={show(host)} must be a string (the node name)")
         self.host = host or ranks.hostname()
-        for name, value, low in (("buffer_records", buffer_records, 1), ("batch_records", batch_records, 1)):
-            if not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
+        if client is not None and not callable(getattr(client, "pipeline", None)):
+            raise ConfigError(f"client={show(client)} is not a redis-py client")
+        for name, value, low in (("buffer_records", buffer_records, 1), ("batch_records", batch_records, 1),
+                                 ("spill_bytes", spill_bytes, 1), ("retention", retention, 1)):
+            if value is None and name == "retention":
+                continue
+            if type(value) is not int or not low <= value <= sys.maxsize:  # not bool; within a C size
+                raise ConfigError(f"{name}={show(value)} must be an integer >= {low}"
+                                  + (" (bytes)" if name == "spill_bytes" else ""))
         for name, value in (("flush_interval", flush_interval), ("heartbeat_interval", heartbeat_interval),
                             ("close_timeout", close_timeout)):
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{name}={value!r} must be a number of seconds > 0")
-        if gpu_hour_usd is not None and (not isinstance(gpu_hour_usd, (int, float)) or gpu_hour_usd < 0):
-            raise ConfigError(f"gpu_hour_usd={gpu_hour_usd!r} must be a number >= 0 (USD per GPU-hour)")
+            # Finite and within what threading's waits take: inf or 1e300 would kill the sender thread.
+            if not _is_number(value) or not 0 < value <= threading.TIMEOUT_MAX:
+                raise ConfigError(f"{name}={show(value)} must be a finite number of seconds > 0")
+        if gpu_hour_usd is not None and (not _is_number(gpu_hour_usd) or not 0 <= gpu_hour_usd <= _FLOAT_MAX):
+            raise ConfigError(f"gpu_hour_usd={show(gpu_hour_usd)} must be a number >= 0 (finite; USD per GPU-hour)")
+        if started_at is not None and (not _is_number(started_at) or not 0 <= started_at <= _FLOAT_MAX):
+            raise ConfigError(f"started_at={show(started_at)} must be a finite unix time in seconds >= 0")
+        if not (spill_dir is None or isinstance(spill_dir, (bool, str, os.PathLike))):
+            raise ConfigError(f"spill_dir={show(spill_dir)} must be a path, True or False")
         if run_config is not None:
             try:
                 config_json = json.dumps(run_config, default=str)
-            except (TypeError, ValueError) as exc:
+            except Exception as exc:  # TypeError/ValueError, or whatever a value's __str__ raises
                 raise ConfigError(f"run_config is not JSON-serialisable: {exc}") from None
         else:
             config_json = None
@@ -303,8 +343,6 @@ class Monitor:
             registry.update(name=run, started_at=self.inc)
             if gpu_hour_usd is not None:
                 registry["gpu_hour_usd"] = repr(float(gpu_hour_usd))
-        if not isinstance(spill_bytes, int) or spill_bytes < 1:
-            raise ConfigError(f"spill_bytes={spill_bytes!r} must be an integer >= 1 (bytes)")
         spill = None
         if spill_dir is not False:
             directory = Path(spill_dir) if spill_dir not in (None, True) else default_spill_directory()
@@ -357,9 +395,9 @@ class Monitor:
         if data_from is not None and type(data_from) is not float:
             try:
                 data_from = float(data_from)
-            except (TypeError, ValueError):
-                self._warn_once("data_from", "step(data_from=%r): not a time.perf_counter() value; ignored",
-                                data_from)
+            except Exception:  # TypeError/ValueError, OverflowError (a huge int), a foreign __float__'s error
+                self._warn_once("data_from", "step(data_from=%s): not a time.perf_counter() value; ignored",
+                                show(data_from))
                 data_from = None
         return _Step(self, step, data_from)
 
@@ -371,16 +409,19 @@ class Monitor:
         that is not a finite number of seconds >= 0 is dropped with one warning.
         """
         try:
-            v = float(seconds)
-        except (TypeError, ValueError):
-            v = math.nan
-        if not 0.0 <= v < math.inf:
-            self._warn_once(f"add_section:{name}", "add_section(%r, %r): not a duration >= 0 s; dropped",
-                            name, seconds)
-            return
-        sec = self._sections
-        key = str(name)
-        sec[key] = sec.get(key, 0.0) + v
+            try:
+                v = float(seconds)
+            except Exception:  # TypeError/ValueError, OverflowError (a huge int), a foreign __float__'s error
+                v = math.nan
+            key = str(name)
+            if not 0.0 <= v < math.inf:
+                self._warn_once(f"add_section:{key}", "add_section(%s, %s): not a duration >= 0 s; dropped",
+                                show(name), show(seconds))
+                return
+            sec = self._sections
+            sec[key] = sec.get(key, 0.0) + v
+        except Exception:  # a name without a str(): never into the training loop
+            self._internal_error()
 
     def section(self, name: str, cuda: bool = False) -> _Section:
         """Context manager timing a named part of the step (``data``, ``forward_backward``, ...).
@@ -393,18 +434,22 @@ class Monitor:
         CPU-timed only, with one warning.
         """
         key = (name, cuda)
-        s = self._section_cache.get(key)
-        if s is None:
-            if cuda and self._gpu is None:
-                self._enable_gpu()
-            cls = _CudaSection if cuda and self._gpu is not None else _Section
-            s = self._section_cache[key] = cls(self, str(name))
+        try:
+            s = self._section_cache.get(key)
+            if s is None:
+                if cuda and self._gpu is None:
+                    self._enable_gpu()
+                cls = _CudaSection if cuda and self._gpu is not None else _Section
+                s = self._section_cache[key] = cls(self, str(name))
+        except Exception:  # unhashable name or flag (a list), a name without a str()
+            self._warn_once("section", "section(%s, cuda=%s): not a section name; not timed", show(name), show(cuda))
+            return _NULL_SECTION  # type: ignore[return-value]
         return s
 
     def _enable_gpu(self, factory: Any = None) -> None:
         try:
             self._gpu = GpuTimer(factory or torch_event_factory())
-        except RuntimeError as exc:
+        except Exception as exc:  # no CUDA (RuntimeError), or a broken torch install
             self._warn_once("cuda", "section(cuda=True): %s; timing on the CPU only", exc)
 
     def log_step(
@@ -434,9 +479,12 @@ class Monitor:
         iteration timer, a log's time per iteration), for steps not timed with :meth:`step`: the
         timing detectors (``throughput_drop``, ``slow_step``) use it when there is no ``step()``
         time; untimed steps are never judged on the gaps between them.
-        Values are recorded as given (NaN/Inf included). An unknown keyword is ignored with one
-        warning; a value that is not a number is not recorded, with one warning per field.
-        Never raises.
+        Values are recorded as given (NaN/Inf included in the float fields). An unknown keyword is
+        ignored with one warning; a value that is not a number, an integer field's value that is
+        not a finite integer within ±2**63, or a float field's value too large for a float is not
+        recorded, with one warning per field; a record without a valid ``step`` is dropped and
+        counted in :attr:`dropped_total`. A ``timestamp`` that is not a finite unix time is
+        replaced by now, with one warning. Never raises.
         """
         if self._off:
             return
@@ -459,7 +507,7 @@ class Monitor:
                 return
             if held is not None:
                 self._emit_held()
-            t = time.time() if timestamp is None else timestamp
+            t = time.time() if timestamp is None else self._timestamp(timestamp, "log_step")
             rec = {"rank": self.rank, "step": step, "inc": self.inc, "t": t, **metrics}
             if self._sections:
                 self._attach_sections(rec)
@@ -470,7 +518,11 @@ class Monitor:
 
     def _progress(self, step: int, t: float) -> None:
         last = self._last_step
-        if last is not None and step < last:
+        try:
+            back = last is not None and step < last
+        except Exception:  # not a step number: its record is dropped by the sender, with a warning
+            return
+        if back:
             # The same process went back (rolled back to a checkpoint): say so explicitly.
             self._event("resume", step=step, from_step=last)
         self._last_step, self._last_step_t = step, t
@@ -490,6 +542,18 @@ class Monitor:
             self._put_step(rec)
         else:
             self._held = rec  # wait for log_step() of this step, sent at the next step otherwise
+
+    def _timestamp(self, value: Any, where: str) -> float:
+        """``value`` as a unix time (s), or now (with one warning) when it is not a finite number."""
+        try:
+            t = float(value)
+        except Exception:
+            t = math.nan
+        if math.isfinite(t):
+            return t
+        self._warn_once(f"timestamp:{where}", "%s(timestamp=%s): not a finite unix time; now used instead",
+                        where, show(value))
+        return time.time()
 
     def _drain_gpu(self) -> None:
         if self._gpu is not None:
@@ -529,9 +593,9 @@ class Monitor:
         Report it from the ranks that blocked (usually all). Save outside ``step()`` blocks,
         so the ledger counts the time once, as checkpoint badput.
         """
-        if _bad_seconds(seconds):
-            self._warn_once("ckpt_seconds", "checkpoint_saved(): seconds=%r is not a duration >= 0; "
-                            "recorded as given", seconds)
+        if _negative_or_nan(seconds):
+            self._warn_once("ckpt_seconds", "checkpoint_saved(): seconds=%s is not a duration >= 0; "
+                            "recorded as given", show(seconds))
         self._event("checkpoint_save", step=step, seconds=seconds)
 
     def checkpoint_loaded(self, step: int, seconds: float | None = None) -> None:
@@ -554,6 +618,8 @@ class Monitor:
 
         ``timestamp`` (unix s) overrides when it ended, for replaying logs; default now.
         """
+        if timestamp is not None:
+            timestamp = self._timestamp(timestamp, "badput")
         self._event("badput", step=step, seconds=seconds, name=name, t=timestamp)
 
     def timed_badput(self, name: str, step: int | None = None) -> _Phase:
@@ -565,7 +631,7 @@ class Monitor:
         return self.rank, json.dumps({
             "t": time.time(), "step": self._last_step, "step_t": self._last_step_t, "phase": self._phase,
             "host": self.host, "pid": os.getpid(), "inc": self.inc,
-        })
+        }, default=_json_number)  # a step given as a numpy or tensor integer
 
     @property
     def connected(self) -> bool:
@@ -575,8 +641,7 @@ class Monitor:
     @property
     def buffered(self) -> int:
         """Records waiting to be sent (in the buffer, the batch being retried, or the spill)."""
-        spill = self._sender._spill
-        return len(self._buffer) + len(self._sender._inflight) + (len(spill) if spill is not None else 0)
+        return self._sender.pending
 
     @property
     def dropped_total(self) -> int:
@@ -584,13 +649,29 @@ class Monitor:
         return self._sender.dropped_total
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Send what is buffered; wait at most ``timeout`` seconds. True when all was sent."""
-        if self._held is not None:
-            self._emit_held()
-        self._drain_gpu()
-        if self._off or not self._sender.is_alive():
+        """Send what is buffered; wait at most ``timeout`` seconds (default ``close_timeout``; a value
+        that is not a number of seconds is replaced by the default, with one warning). True when all
+        was sent. Never raises."""
+        wait = self.close_timeout
+        if timeout is not None:
+            try:
+                wait = float(timeout)
+            except Exception:
+                wait = math.nan
+            if wait != wait:  # NaN, or not a number: a wait of NaN seconds would never end
+                self._warn_once("flush_timeout", "flush(timeout=%s): not a number of seconds; %s s used",
+                                show(timeout), self.close_timeout)
+                wait = self.close_timeout
+        try:
+            if self._held is not None:
+                self._emit_held()
+            self._drain_gpu()
+            if self._off or not self._sender.is_alive():
+                return False
+            return self._sender.flush(wait)
+        except Exception:  # never into the training loop
+            self._internal_error()
             return False
-        return self._sender.flush(self.close_timeout if timeout is None else timeout)
 
     def close(self, status: str = "finished") -> bool:
         """Record the clean end of this rank, flush (within ``close_timeout``) and stop.
@@ -604,8 +685,17 @@ class Monitor:
             self._closed = True
         if self._off:
             return False
+        if not isinstance(status, str):
+            self._warn_once("status", "close(status=%s): not a string; stored as its str()", show(status))
+            try:
+                status = str(status)
+            except Exception:
+                status = "finished"
         if self._held is not None:
-            self._emit_held()
+            try:
+                self._emit_held()
+            except Exception:  # never into the training loop
+                self._internal_error()
         self._drain_gpu()
         self._event("run_end", status=status)
         if self.rank == 0:
@@ -618,7 +708,11 @@ class Monitor:
             except Exception as exc:
                 log.warning("trainhealth collector: could not store run status: %s", exc)
         if not ok:
-            log.warning("trainhealth collector: %d records not delivered at close", len(self._buffer))
+            n = self._sender.pending  # the buffer, the batch in flight and the spill
+            spill = self._sender._spill
+            log.warning("trainhealth collector: %d record%s not delivered at close%s", n, "" if n == 1 else "s",
+                        f" ({len(spill)} kept in the spill at {spill.directory})" if spill is not None and len(spill)
+                        else "")
         _LIVE.discard(self)
         return ok
 
@@ -649,8 +743,25 @@ class Monitor:
             log.exception("trainhealth collector: internal error (training continues; further ones counted)")
 
 
-def _bad_seconds(x: Any) -> bool:
+def _negative_or_nan(x: Any) -> bool:
     try:
         return not float(x) >= 0
-    except (TypeError, ValueError):
-        return True
+    except Exception:  # not a number (or a huge int): the sender leaves it out, with its own warning
+        return False
+
+
+def _is_number(x: Any) -> bool:
+    """A real number as a setting: int or float (numpy's included), not bool; NaN/Inf are left to the caller."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _json_number(x: Any) -> int | float | None:
+    """``json.dumps`` default for the heartbeat: numpy/tensor scalars as numbers, anything else null."""
+    try:
+        return x.__index__()
+    except Exception:
+        pass
+    try:
+        return float(x)
+    except Exception:
+        return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -37,7 +38,7 @@ Record = tuple[str, dict[str, Any]]
 def encode_value(v: Any) -> str | int | None:
     """Encode one event field for XADD: ints as is, floats with ``repr`` (keeps nan/inf), strings as is.
 
-    Other values (tensors, numpy scalars) go through ``float()``; None when that fails.
+    Other values (tensors, numpy scalars) go through ``float()``; None when that fails, whatever it raises.
     """
     if isinstance(v, bool):
         return int(v)
@@ -49,11 +50,30 @@ def encode_value(v: Any) -> str | int | None:
         return v
     try:
         return repr(float(v))
-    except (TypeError, ValueError):
+    except Exception:  # OverflowError, or whatever a foreign __float__ raises
         return None
 
 
 _PLAIN = frozenset({int, float, bool, type(None)})
+#: Integer fields of a step record (``trainhealth.events``: rank, step and ``_STEP_INTS``). The detector
+#: service refuses a record whose value there is not a finite number; the ledger keeps them as int64.
+INT_FIELDS = ("rank", "step", "tokens", "samples", "consumed_samples", "batch_index", "skipped")
+#: Float fields a caller can fill (sections and ``dur`` are floats by construction, ``inc`` is checked).
+_FLOAT_FIELDS = ("t", "loss", "grad_norm", "lr", "step_s")
+_INT_SET = frozenset(INT_FIELDS)
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1
+_FLOAT_MAX = sys.float_info.max
+_NON_NUMERIC, _TOO_BIG_INT, _TOO_BIG_FLOAT = "has non-numeric value", "is not an integer within ±2**63", \
+    "is too large for a float"
+
+
+def show(v: Any) -> str:
+    """``repr(v)`` for a message, at most 60 characters; never raises (huge ints, broken ``__repr__``)."""
+    try:
+        r = repr(v)
+    except Exception:
+        r = f"<{type(v).__name__}>"
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _as_number(v: Any) -> float | None:
@@ -61,8 +81,70 @@ def _as_number(v: Any) -> float | None:
         return None  # a string in a metric is a caller's mistake: never guess
     try:
         return float(v)
-    except (TypeError, ValueError):
+    except Exception:  # TypeError/ValueError, OverflowError, or whatever a foreign __float__ raises
         return None
+
+
+def _in_range(fields: dict[str, Any]) -> bool:
+    """Whether a step record of plain values (ints, floats, bools, None) is all valid on the wire."""
+    get = fields.get
+    for k in INT_FIELDS:
+        v = get(k)
+        if v is not None and not _INT_MIN <= v <= _INT_MAX:  # NaN and ±Inf fail too
+            return False
+    for k in _FLOAT_FIELDS:
+        v = get(k)
+        if v is not None and type(v) is not float and (type(v) is bool or not -_FLOAT_MAX <= v <= _FLOAT_MAX):
+            return False
+    return True
+
+
+#: Number fields of an event (``trainhealth.events.decode_event``), True for the integer ones: any other
+#: value there would make the service skip the event.
+_EVENT_NUMBERS = {"rank": True, "step": True, "t": False, "inc": False, "seconds": False}
+
+
+def _event_value(k: str, v: Any) -> tuple[Any, str]:
+    """One event field as sent (see :func:`encode_value`), or ``(None, why)``."""
+    integer = _EVENT_NUMBERS.get(k)
+    if integer is None:
+        return encode_value(v), _NON_NUMERIC
+    if isinstance(v, str):  # the sender's own fields come encoded
+        try:
+            (int if integer else float)(v)
+        except ValueError:
+            return None, _NON_NUMERIC
+        return v, ""
+    e, why = _step_value("step" if integer else "t", v)
+    if integer and type(e) is float:
+        if not e.is_integer():
+            return None, _NON_NUMERIC
+        e = int(e)
+    return (None, why) if e is None else (encode_value(e), "")
+
+
+def _step_value(k: str, v: Any) -> tuple[Any, str]:
+    """One step-record value as sent, or ``(None, why)``: NaN/Inf stay in float fields (the NaN detector
+    needs them); an int field takes a finite integer within int64, a float field a value ``float()`` takes."""
+    if k in _INT_SET:
+        if type(v) is not int and type(v) is not bool:
+            try:
+                v = v.__index__()  # numpy and tensor integers, exactly
+            except Exception:
+                v = _as_number(v)
+                if v is None:
+                    return None, _NON_NUMERIC
+        return (v, "") if _INT_MIN <= v <= _INT_MAX else (None, _TOO_BIG_INT)
+    if type(v) is float:
+        return v, ""
+    if type(v) is bool or isinstance(v, str):
+        return None, _NON_NUMERIC
+    try:
+        return float(v), ""
+    except OverflowError:
+        return None, _TOO_BIG_FLOAT
+    except Exception:
+        return None, _NON_NUMERIC
 
 
 class Sender(threading.Thread):
@@ -121,6 +203,7 @@ class Sender(threading.Thread):
         self._idle = threading.Event()
         self._reported_drops = 0
         self._spill_failed = 0
+        self._unsendable = 0  # records that could not be encoded (no valid step or time, or worse)
         self._next_hb = 0.0
         self._backoff = 0.0
         self._warned: set[str] = set()
@@ -148,6 +231,14 @@ class Sender(threading.Thread):
             self._idle.wait(min(left, 0.05))
         return True
 
+    @property
+    def pending(self) -> int:
+        """Records not delivered yet: the buffer, the batch in flight and the spill (a batch in flight
+        that was read from the spill is counted once)."""
+        spill = self._spill
+        n = len(self._buffer) + len(self._inflight)
+        return n + len(spill) - spill.peeked if spill is not None else n
+
     def stop(self, timeout: float) -> bool:
         """Flush within ``timeout`` seconds, then stop the thread; True if all was sent."""
         ok = self.flush(timeout)
@@ -166,10 +257,14 @@ class Sender(threading.Thread):
                 except (redis.RedisError, OSError) as exc:
                     self._on_error(exc)
                 except Exception:  # never let the thread die: log and keep going
-                    log.exception("trainhealth collector: unexpected error in sender (records kept)")
-                    self._stopping.wait(1.0)
+                    if not self._salvage():
+                        log.exception("trainhealth collector: unexpected error in sender (records kept)")
+                        self._stopping.wait(1.0)
             if not self.connected:
-                self._spill_overflow()
+                try:
+                    self._spill_overflow()
+                except Exception:  # never let the thread die
+                    log.exception("trainhealth collector: unexpected error while spilling")
             self.cpu_s = time.thread_time()
             if self.cpu_startup_s is None and self.connected:
                 self.cpu_startup_s = self.cpu_s
@@ -179,6 +274,8 @@ class Sender(threading.Thread):
                 # While disconnected keep waking at the flush interval: the buffer may need spilling.
                 self._wake.wait(self.flush_interval)
                 self._wake.clear()
+        if self._spill is not None:
+            self._spill.close()  # only this thread touches the spill: close it here, once stopped
 
     def _spill_overflow(self) -> None:
         """Redis is away: move the buffer to disk once it is half full, oldest first, in order."""
@@ -186,8 +283,7 @@ class Sender(threading.Thread):
         if spill is None or len(buf) < (buf.maxlen or 0) // 2:
             return
         popleft = buf.popleft
-        records = [popleft() for _ in range(len(buf))]
-        encoded = [(stream, enc) for stream, fields in records if (enc := self._clean(stream, fields)) is not None]
+        encoded = self._encode([popleft() for _ in range(len(buf))])
         try:
             spill.write(encoded)
         except OSError as exc:
@@ -227,27 +323,23 @@ class Sender(threading.Thread):
         # Oldest first: the batch that failed, then the spill, then the in-memory buffer.
         while True:
             if not self._inflight:
-                if self._spill is not None and len(self._spill):
-                    self._inflight = self._spill.peek(self.batch)
-                    self._inflight_spilled = True
-                elif self._buffer:
-                    n = min(self.batch, len(self._buffer))
-                    popleft = self._buffer.popleft
-                    self._inflight = [popleft() for _ in range(n)]
-                    self._inflight_spilled = False
+                self._next_batch()
             if not self._inflight and not first:
                 return
             # One MULTI/EXEC per batch: a batch lands whole or not at all, so a retry after a
             # dropped connection does not write part of it twice.
             pipe = client.pipeline(transaction=True)
-            self._add_batch(pipe, self._inflight, clean=not self._inflight_spilled)
+            self._add_batch(pipe, self._inflight)
             if first and drops > 0:
                 ev = self._clean("events", {"kind": "collector_drops", "count": drops,
                                             **self._registry_event_fields()})
-                self._add_batch(pipe, [("events", ev)], clean=False)
+                self._add_batch(pipe, [("events", ev)])  # type: ignore[list-item]
             if first and hb_due:
-                rank, body = self._heartbeat()
-                pipe.hset(self._keys.heartbeats, str(rank), body)
+                try:
+                    rank, body = self._heartbeat()
+                    pipe.hset(self._keys.heartbeats, str(rank), body)
+                except Exception:  # a heartbeat that cannot be built must not hold the records back
+                    self._log_once("heartbeat", "trainhealth collector: cannot build the heartbeat")
             if len(pipe):
                 pipe.execute()
             self.sent += len(self._inflight)
@@ -261,14 +353,74 @@ class Sender(threading.Thread):
                 self._next_hb = now + self.heartbeat_interval
             first = False
 
-    def _add_batch(self, pipe: Any, records: list[Record], clean: bool) -> None:
-        """Queue ``records`` on ``pipe``: each run of consecutive step records becomes one entry
-        (``rank``, ``n``, ``recs`` = JSON list), each event its own entry, so entry ids keep the order."""
-        steps: list[dict[str, Any]] = []
+    def _next_batch(self) -> None:
+        """Take the next batch to send, oldest first: from the spill (already encoded), else from the
+        buffer, encoded now, once (a batch retried after a Redis error is not encoded again)."""
+        spill, buf = self._spill, self._buffer
+        while not self._inflight:
+            if spill is not None and len(spill):
+                self._inflight = spill.peek(self.batch)
+                self._inflight_spilled = True
+                return
+            if not buf:
+                return
+            popleft = buf.popleft
+            self._inflight = self._encode([popleft() for _ in range(min(self.batch, len(buf)))])
+            self._inflight_spilled = False
+
+    def _encode(self, records: list[Record]) -> list[Record]:
+        """``records`` ready to send (see :meth:`_clean`); one that cannot be is dropped and counted."""
+        out: list[Record] = []
         for stream, fields in records:
-            rec = self._clean(stream, fields) if clean else fields
+            try:
+                rec = self._clean(stream, fields)
+            except Exception:  # a value nothing can encode must not jam the sender: drop that record only
+                self._log_once("encode", "trainhealth collector: a %s record cannot be encoded; dropped "
+                               "(further ones counted as dropped)", stream)
+                rec = None
             if rec is None:
+                self._unsendable += 1
+            else:
+                out.append((stream, rec))
+        return out
+
+    def _salvage(self) -> bool:
+        """After an unexpected error sending the batch in flight: drop the records in it that cannot be
+        sent (counted, logged once) and keep the rest; True when some were dropped (worth a retry now)."""
+        good: list[Record] = []
+        for stream, rec in self._inflight:
+            try:
+                json.dumps(rec, separators=(",", ":"))
+                if stream != "steps" and not all(type(k) is str and type(v) in (str, int) for k, v in rec.items()):
+                    raise TypeError(f"event field values must be str or int: {show(rec)}")
+            except Exception:
+                self._log_once("salvage", "trainhealth collector: a %s record cannot be sent; dropped "
+                               "(further ones counted as dropped)", stream)
                 continue
+            good.append((stream, rec))
+        bad = len(self._inflight) - len(good)
+        if not bad:
+            return False
+        if self._inflight_spilled:  # gone from the spill: sent from memory, as a batch whose segment was dropped
+            self._spill.commit(len(self._inflight))  # type: ignore[union-attr]
+            self._inflight_spilled = False
+        self._inflight = good
+        self._unsendable += bad
+        return True
+
+    def _log_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.exception(msg, *args)
+
+    def _add_batch(self, pipe: Any, records: list[Record], clean: bool = False) -> None:
+        """Queue encoded ``records`` (with ``clean``, raw ones, encoded first) on ``pipe``: each run of
+        consecutive step records becomes one entry (``rank``, ``n``, ``recs`` = JSON list), each event
+        its own entry, so entry ids keep the order."""
+        if clean:
+            records = self._encode(records)
+        steps: list[dict[str, Any]] = []
+        for stream, rec in records:
             if stream == "steps":
                 steps.append(rec)
                 continue
@@ -287,33 +439,45 @@ class Sender(threading.Thread):
 
     @property
     def dropped_total(self) -> int:
-        """Records lost so far: buffer overflow, spill bound exceeded, spill write failures."""
-        return self._dropped() + (self._spill.dropped if self._spill is not None else 0) + self._spill_failed
+        """Records lost so far: buffer overflow, spill bound exceeded, spill write failures, records that
+        could not be encoded."""
+        return (self._dropped() + (self._spill.dropped if self._spill is not None else 0) + self._spill_failed
+                + self._unsendable)
 
     def _registry_event_fields(self) -> dict[str, Any]:
         return {"rank": self._registry["_rank"], "t": repr(time.time()), "inc": self._registry["_inc"]}
 
     def _clean(self, stream: str, fields: dict[str, Any]) -> dict[str, Any] | None:
         """A record ready to send: step records keep numbers only (JSON-encoded later), event fields
-        become strings/ints. A value that cannot be a number in a step record is left out, with one
-        warning per field; tensors and numpy scalars become Python floats."""
-        if stream == "steps" and _PLAIN.issuperset(map(type, fields.values())):
-            return {k: v for k, v in fields.items() if v is not None}  # the usual case, cheap
+        become strings/ints. A value the detector service would refuse is left out, with one warning per
+        field: in a step record, a value that is not a number, an int field's value that is not a finite
+        integer within int64, a float field's value beyond a float (NaN/Inf stay: the NaN detector needs
+        them); tensors and numpy scalars become Python numbers. None (with one warning) for a step record
+        left without a valid ``step`` or ``t``, which the service would refuse whole."""
         numeric = stream == "steps"
+        if numeric and _PLAIN.issuperset(map(type, fields.values())) and _in_range(fields):
+            return {k: v for k, v in fields.items() if v is not None}  # the usual case, cheap
         out: dict[str, Any] = {}
         for k, v in fields.items():
             if v is None:
                 continue
             if numeric:
-                e: Any = v if type(v) in _PLAIN else _as_number(v)
+                e, why = _step_value(k, v)
             else:
-                e = encode_value(v)
+                e, why = _event_value(k, v)
             if e is None:
                 if k not in self._warned:
                     self._warned.add(k)
-                    log.warning("trainhealth collector: field %r has non-numeric value %r; not recorded", k, v)
+                    log.warning("trainhealth collector: field %r %s %s; not recorded",
+                                k, why, show(v) if why == _NON_NUMERIC else f"({show(v)})")
                 continue
             out[k] = e
+        if numeric and ("step" not in out or "t" not in out):
+            if "record" not in self._warned:
+                self._warned.add("record")
+                log.warning("trainhealth collector: a step record without a valid step number or time was "
+                            "dropped (step=%s); further ones counted as dropped", show(fields.get("step")))
+            return None
         return out
 
     def _register(self, client: redis.Redis) -> None:

@@ -11,11 +11,16 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+#: After the first "spill over" warning, at most one per this many seconds (with the running total):
+#: while Redis stays away a small spill drops its oldest segment on nearly every write.
+DROP_WARN_INTERVAL_S = 60.0
 
 
 class Spill:
@@ -55,10 +60,17 @@ class Spill:
         self._file: Any = None
         self._head: list[tuple[str, dict[str, Any]]] = []  # oldest segment, loaded for sending
         self._head_pos = 0
+        #: Records the last :meth:`peek` handed out and not yet committed (still counted in ``len``).
+        self.peeked = 0
+        # Records handed out by peek whose segment was then dropped for the bound: the sender holds
+        # them in memory and delivers them; their commit must not consume the next segment's records.
+        self._orphans = 0
         self._records = 0
         self._bytes = 0
         #: Records deleted because the spill bound was exceeded.
         self.dropped = 0
+        self._warned_drops = 0  # ``dropped`` as of the last warning
+        self._warned_at: float | None = None
 
     def __len__(self) -> int:
         return self._records
@@ -97,13 +109,29 @@ class Spill:
 
     def _drop_oldest(self) -> None:
         path, n, size = self._segments.popleft()
-        sent = self._head_pos if self._head else 0
+        # The head (when loaded) is this segment: its committed records are gone already, its peeked
+        # ones are in the sender's hands (orphans: delivered from there, not dropped).
+        sent = taken = 0
+        if self._head:
+            sent, taken = self._head_pos, self.peeked
+            self._orphans, self.peeked = taken, 0
         self._head, self._head_pos = [], 0
         path.unlink(missing_ok=True)
-        self.dropped += n - sent
+        self.dropped += n - sent - taken
         self._records -= n - sent
         self._bytes -= size
-        log.warning("trainhealth collector: spill over %d bytes; dropped %d oldest records", self.max_bytes, n - sent)
+        self._warn_drops()
+
+    def _warn_drops(self, final: bool = False) -> None:
+        """Warn of the records dropped since the last warning: the first time, then at most once per
+        :data:`DROP_WARN_INTERVAL_S` (and once more at :meth:`close`), with the running total."""
+        new = self.dropped - self._warned_drops
+        now = time.monotonic()
+        if new <= 0 or not (final or self._warned_at is None or now - self._warned_at >= DROP_WARN_INTERVAL_S):
+            return
+        self._warned_at, self._warned_drops = now, self.dropped
+        log.warning("trainhealth collector: spill over %d bytes; dropped %d oldest record%s (%d in all so far)",
+                    self.max_bytes, new, "" if new == 1 else "s", self.dropped)
 
     def peek(self, n: int) -> list[tuple[str, dict[str, Any]]]:
         """Up to ``n`` oldest records, without removing them (see :meth:`commit`)."""
@@ -113,10 +141,16 @@ class Spill:
             # (Re)load the oldest segment; it may have grown if it is also the one being appended to.
             with open(self._segments[0][0], encoding="utf-8") as f:
                 self._head = [tuple(json.loads(line)) for line in f]  # type: ignore[misc]
-        return self._head[self._head_pos:self._head_pos + n]
+        batch = self._head[self._head_pos:self._head_pos + n]
+        self.peeked = len(batch)
+        return batch
 
     def commit(self, n: int) -> None:
         """The ``n`` records last peeked were delivered: forget them (deleting emptied segments)."""
+        self.peeked = 0
+        if self._orphans:  # their segment was dropped meanwhile: nothing left on disk to forget
+            self._orphans = 0
+            return
         self._head_pos += n
         self._records -= n
         seg = self._segments[0]
@@ -130,11 +164,22 @@ class Spill:
             self._head, self._head_pos = [], 0
 
     def close(self) -> None:
-        """Close the open segment (records on disk stay until delivered or the process exits)."""
+        """Close the open segment and delete the segments that hold nothing undelivered.
+
+        Segments with undelivered records stay on disk (nothing replays them: a new process has
+        another prefix, and the same prefix removes them at start), for a person to inspect.
+        """
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()
             self._file = None
+        self._warn_drops(final=True)
+        keep = {seg[0] for seg in self._segments if seg[1] > 0} if self._records > 0 else set()
+        for path in self.directory.glob(f"{self.prefix}-*.jsonl"):
+            if path not in keep:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        self._segments = deque(seg for seg in self._segments if seg[0] in keep)
 
 
 def default_directory() -> Path:

@@ -401,3 +401,309 @@ def test_cuda_section_without_cuda_falls_back_to_cpu_with_one_warning(
     recs = steps_of(r, "run-nogpu")
     assert [(x.step, set(x.sections), x.gpu) for x in recs] == [(s, {"forward_backward"}, {}) for s in range(3)]
     assert sum("section(cuda=True)" in m.getMessage() for m in caplog.records) == 1
+
+
+# -- robustness: values that the detector service would refuse, values that raise, bad settings ------------------
+class _FloatRaises:
+    """A metric whose ``__float__`` raises something else than TypeError/ValueError."""
+
+    def __float__(self) -> float:
+        raise RuntimeError("device lost")
+
+
+def test_int_fields_must_be_finite_int64_and_float_fields_fit_a_float(
+    r: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fractions import Fraction
+
+    from collectors.sender import INT_FIELDS
+    from trainhealth.events import _STEP_INTS
+
+    assert set(INT_FIELDS) == {"rank", "step", *_STEP_INTS}  # the collector knows the wire format's int fields
+    caplog.set_level(logging.WARNING)
+    mon = Monitor("run-range", redis_url=redis_url, rank=0, world_size=1)
+    mon.log_step(1, loss=float("nan"), grad_norm=float("inf"), tokens=float("nan"), samples=float("inf"))
+    mon.log_step(2, loss=10**400, grad_norm=Fraction(10**400, 1), tokens=4096, consumed_samples=10**400,
+                 batch_index=-(2**63) - 1, skipped=float("nan"))
+    mon.log_step(3, loss=-10**400, tokens=float("-inf"), samples=2**63 - 1, batch_index=-(2**63))
+    mon.log_step(float("nan"), loss=1.0)  # no valid step: the service would refuse the record, so it is dropped
+    mon.log_step(4, loss=1.0, tokens=8, step_s=10**400)
+    assert mon.close() is True
+    recs = steps_of(r, "run-range")  # decodes: no record the service would refuse
+    got = [(x.step, str(x.loss), x.grad_norm, x.tokens, x.samples, x.consumed_samples, x.batch_index, x.skipped,
+            x.step_s) for x in recs]
+    assert got == [(1, "nan", float("inf"), None, None, None, None, None, None),
+                   (2, "None", None, 4096, None, None, None, None, None),
+                   (3, "None", None, None, 2**63 - 1, None, -(2**63), None, None),
+                   (4, "1.0", None, 8, None, None, None, None, None)]
+    assert mon.dropped_total == 1
+    assert [e.extra["count"] for e in events_of(r, "run-range") if e.kind == "collector_drops"] == ["1"]
+    msgs = [m.getMessage() for m in caplog.records]
+    for field, why in (("tokens", "is not an integer within ±2**63 (nan)"),
+                       ("samples", "is not an integer within ±2**63 (inf)"),
+                       ("consumed_samples", "is not an integer within ±2**63 (1000"),
+                       ("batch_index", "is not an integer within ±2**63 (-9223372036854775809)"),
+                       ("skipped", "is not an integer within ±2**63 (nan)"),
+                       ("loss", "is too large for a float (1000"),
+                       ("grad_norm", "is too large for a float (Fraction(1000"),
+                       ("step_s", "is too large for a float (1000")):
+        assert sum(f"field {field!r} " in m for m in msgs) == 1, field
+        assert sum(f"field {field!r} {why}" in m for m in msgs) == 1, field
+    assert sum("a step record without a valid step number or time was dropped (step=nan)" in m for m in msgs) == 1
+
+
+def test_a_value_whose_float_raises_never_jams_the_sender(
+    r: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fractions import Fraction
+
+    caplog.set_level(logging.WARNING)
+    mon = Monitor("run-jam", redis_url=redis_url, rank=0, world_size=1, flush_interval=0.01)
+    mon.log_step(1, loss=Fraction(10**400, 1), grad_norm=_FloatRaises())
+    mon.log_step(2, loss=2.0, lr=_FloatRaises())
+    mon.badput("eval", _FloatRaises(), step=2)
+    for s in range(3, 6):
+        mon.log_step(s, loss=float(s))
+    assert mon.close() is True
+    assert [(x.step, x.loss, x.grad_norm, x.lr) for x in steps_of(r, "run-jam")] == [
+        (1, None, None, None), (2, 2.0, None, None), (3, 3.0, None, None), (4, 4.0, None, None), (5, 5.0, None, None)]
+    assert [(e.step, e.seconds, e.extra["name"]) for e in events_of(r, "run-jam") if e.kind == "badput"] == [
+        (2, None, "eval")]
+    msgs = [m.getMessage() for m in caplog.records]
+    assert not [m for m in msgs if "unexpected error" in m]
+    assert sum("field 'grad_norm' has non-numeric value <tests.test_collectors._FloatRaises object" in m
+               for m in msgs) == 1
+    assert sum("field 'lr' has non-numeric value" in m for m in msgs) == 1
+
+
+def test_a_record_the_sender_cannot_encode_is_dropped_counted_and_the_rest_delivered(
+    r: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Defence in depth, below the public API: records no conversion can fix must not hold back the others.
+    caplog.set_level(logging.WARNING)
+    mon = Monitor("run-enc", redis_url=redis_url, rank=0, world_size=1, flush_interval=0.01)
+    mon.log_step(1, loss=1.0)
+    mon._put("steps", None)  # not a record at all: cannot be encoded
+    mon._put("steps", {"rank": 0, "step": 2, "inc": mon.inc, "t": time.time(), ("not", "a str"): 1.0})  # no JSON
+    mon.log_step(3, loss=3.0)
+    assert mon.close() is True
+    assert [x.step for x in steps_of(r, "run-enc")] == [1, 3]
+    assert mon.dropped_total == 2
+    assert [e.extra["count"] for e in events_of(r, "run-enc") if e.kind == "collector_drops"] == ["2"]
+    msgs = [m.getMessage() for m in caplog.records]
+    assert sum("a steps record cannot be encoded; dropped" in m for m in msgs) == 1
+    assert sum("a steps record cannot be sent; dropped" in m for m in msgs) == 1
+    assert not [m for m in msgs if "unexpected error" in m]
+
+
+def test_a_value_whose_float_raises_never_kills_the_sender_while_spilling(own_redis, tmp_path) -> None:
+    from fractions import Fraction
+
+    own_redis.stop()
+    mon = Monitor("run-sj", redis_url=own_redis.url, rank=0, world_size=1, buffer_records=10, flush_interval=0.005,
+                  spill_dir=tmp_path)
+    for s in range(40):
+        mon.log_step(s, loss=Fraction(10**400, 1) if s == 5 else 1.0, grad_norm=_FloatRaises() if s == 6 else 1.0)
+        time.sleep(0.002)
+    deadline = time.monotonic() + 5
+    while len(mon._sender._spill) < 35 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert mon._sender.is_alive()
+    assert len(mon._sender._spill) >= 35  # moved to disk, the bad records with the others
+    own_redis.start()
+    assert mon.flush(30)
+    mon.close()
+    recs = steps_of(redis.Redis.from_url(own_redis.url), "run-sj")
+    assert [(x.step, x.loss, x.grad_norm) for x in recs] == [
+        (s, None if s == 5 else 1.0, None if s == 6 else 1.0) for s in range(40)]
+    assert mon.dropped_total == 0
+
+
+def test_public_methods_never_raise_on_huge_ints_or_wrong_types(
+    r: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+
+    import numpy as np
+
+    caplog.set_level(logging.WARNING)
+    mon = Monitor("run-types", redis_url=redis_url, rank=0, world_size=1, close_timeout=5, heartbeat_interval=0.02,
+                  flush_interval=0.01)
+    t0 = time.time()
+    with mon.step(1, data_from=10**400):
+        with mon.section(["x"]), mon.section("data", cuda=[True]):
+            pass
+        mon.add_section("fwd", 10**400)
+        mon.add_section("fwd", _FloatRaises())
+        mon.add_section(["a"], 0.5)  # a name that is not a str: its str() names the section
+    mon.log_step(1, loss=1.0)
+    mon.log_step(2, loss=2.0, timestamp=10**400)  # not a time: now instead
+    mon.checkpoint_saved(1, 10**400)
+    mon.checkpoint_loaded(1, "soon")
+    mon.badput("eval", 1.0, step=1, timestamp="yesterday")
+    assert mon.flush("x") is True
+    assert mon.flush(float("nan")) is True
+    assert mon.flush(10**400) is True
+    mon.log_step(np.int64(7), loss=np.float32(0.5), tokens=np.int64(2**62 + 1))
+    assert mon.flush(5) is True
+    deadline = time.monotonic() + 5  # a numpy step must not break the heartbeat
+    while json.loads(r.hget("th:{run-types}:hb", "0") or "{}").get("step") != 7:
+        assert time.monotonic() < deadline, "no heartbeat with step 7"
+        time.sleep(0.01)
+    assert mon.close(status=5) is True
+    recs = steps_of(r, "run-types")
+    assert [(x.step, x.loss, x.tokens, x.sections) for x in recs] == [(1, 1.0, None, {"['a']": 0.5}),
+                                                                      (2, 2.0, None, {}), (7, 0.5, 2**62 + 1, {})]
+    assert t0 <= recs[1].t <= time.time()
+    evs = events_of(r, "run-types")
+    assert [(e.kind, e.step, e.seconds) for e in evs if e.kind in ("checkpoint_save", "badput")] == [
+        ("checkpoint_save", 1, None), ("badput", 1, 1.0)]
+    assert t0 <= next(e.t for e in evs if e.kind == "badput") <= time.time()
+    assert [e.extra["status"] for e in evs if e.kind == "run_end"] == ["5"]
+    msgs = [m.getMessage() for m in caplog.records]
+    expected = ["step(data_from=1000", "section(['x'], cuda=False): not a section name; not timed",
+                "add_section('fwd', 1000", "log_step(timestamp=1000", "field 'seconds' is too large for a float (1000",
+                "badput(timestamp='yesterday'): not a finite unix time; now used instead",
+                "flush(timeout='x'): not a number of seconds; 5 s used", "close(status=5): not a string"]
+    for text in expected:
+        assert sum(m.startswith("trainhealth collector: " + text) for m in msgs) == 1, text
+    assert sum("add_section(" in m for m in msgs) == 1  # one warning per section name
+    assert sum("section(" in m and "cuda=" in m for m in msgs) == 1
+    assert sum("field 'seconds'" in m or "seconds=" in m for m in msgs) == 1  # one warning for both bad seconds
+    assert not [m for m in msgs if "internal error" in m or "unexpected error" in m or "heartbeat" in m]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"started_at": float("nan")}, r"started_at=nan must be a finite unix time in seconds >= 0"),
+    ({"started_at": float("inf")}, r"started_at=inf must be a finite unix time"),
+    ({"started_at": "yesterday"}, r"started_at='yesterday' must be a finite unix time"),
+    ({"started_at": 10**400}, r"started_at=1000.* must be a finite unix time"),
+    ({"retention": -1}, r"retention=-1 must be an integer >= 1"),
+    ({"retention": "x"}, r"retention='x' must be an integer >= 1"),
+    ({"retention": True}, r"retention=True must be an integer >= 1"),
+    ({"rank": True, "world_size": 2}, r"rank=True must be an integer, not a bool"),
+    ({"world_size": True}, r"world_size=True must be an integer, not a bool"),
+    ({"flush_interval": float("inf")}, r"flush_interval=inf must be a finite number of seconds > 0"),
+    ({"flush_interval": 1e300}, r"flush_interval=1e\+300 must be a finite number of seconds > 0"),
+    ({"heartbeat_interval": float("nan")}, r"heartbeat_interval=nan must be a finite number of seconds > 0"),
+    ({"close_timeout": float("inf")}, r"close_timeout=inf must be a finite number of seconds > 0"),
+    ({"close_timeout": True}, r"close_timeout=True must be a finite number of seconds > 0"),
+    ({"gpu_hour_usd": float("nan")}, r"gpu_hour_usd=nan must be a number >= 0 \(finite; USD per GPU-hour\)"),
+    ({"gpu_hour_usd": float("inf")}, r"gpu_hour_usd=inf must be a number >= 0"),
+    ({"gpu_hour_usd": 10**400}, r"gpu_hour_usd=1000.* must be a number >= 0"),
+    ({"buffer_records": True}, r"buffer_records=True must be an integer >= 1"),
+    ({"buffer_records": 10**400}, r"buffer_records=1000.* must be an integer >= 1"),
+    ({"batch_records": 1.5}, r"batch_records=1.5 must be an integer >= 1"),
+    ({"spill_bytes": 0}, r"spill_bytes=0 must be an integer >= 1 \(bytes\)"),
+    ({"host": 7}, r"host=7 must be a string"),
+    ({"spill_dir": 7}, r"spill_dir=7 must be a path, True or False"),
+    ({"client": "redis://x"}, r"client='redis://x' is not a redis-py client"),
+])
+def test_bad_constructor_arguments_raise_config_error_naming_field_and_value(
+    redis_url: str, kwargs: dict, message: str
+) -> None:
+    import threading
+
+    before = threading.active_count()
+    with pytest.raises(ConfigError, match=message):
+        Monitor("x", redis_url=redis_url, **kwargs)
+    assert threading.active_count() == before  # raised before any sender started
+
+
+def test_spill_over_warning_is_rate_limited_and_the_count_exact(
+    tmp_path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from collectors import spill as spill_mod
+
+    caplog.set_level(logging.WARNING)
+    sp = spill_mod.Spill(tmp_path, "p", max_bytes=2_000, segment_records=10)
+    for i in range(0, 2000, 10):  # Redis away: the sender spills a few records at a time
+        sp.write([("steps", {"step": s}) for s in range(i, i + 10)])
+    assert sp.dropped == 2000 - len(sp) and sp.dropped > 1500
+    first = 10  # the first write beyond the bound drops one 10-record segment
+    msgs = [m.getMessage() for m in caplog.records]
+    assert msgs == [f"trainhealth collector: spill over 2000 bytes; dropped {first} oldest records ({first} in all "
+                    "so far)"]
+    monkeypatch.setattr(spill_mod, "DROP_WARN_INTERVAL_S", 0.0)
+    sp.write([("steps", {"step": s}) for s in range(2000, 2010)])
+    msgs = [m.getMessage() for m in caplog.records]
+    assert len(msgs) == 2 and msgs[1] == (f"trainhealth collector: spill over 2000 bytes; dropped "
+                                          f"{sp.dropped - first} oldest records ({sp.dropped} in all so far)")
+    assert sp.dropped == 2010 - len(sp)
+
+
+def test_close_counts_every_undelivered_record_in_buffer_flight_and_spill(
+    own_redis, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    own_redis.stop()
+    mon = Monitor("run-cl", redis_url=own_redis.url, rank=0, world_size=1, buffer_records=10, flush_interval=0.005,
+                  spill_dir=tmp_path, close_timeout=0.3)
+    for s in range(113):
+        mon.log_step(s, loss=1.0)
+        time.sleep(0.001)
+    deadline = time.monotonic() + 5
+    while len(mon._sender._spill) < 110 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert mon.buffered == 114 and len(mon._sender._spill) >= 110  # run_start and 113 steps, mostly on disk
+    assert mon.close() is False
+    n_spill = len(mon._sender._spill)
+    msgs = [m.getMessage() for m in caplog.records if "not delivered at close" in m.getMessage()]
+    assert msgs == [f"trainhealth collector: 115 records not delivered at close ({n_spill} kept in the spill at "
+                    f"{tmp_path})"]  # with run_end
+    # the segments holding them stay on disk, every undelivered record in them
+    mon._sender.join(5)
+    lines = [ln for p in tmp_path.iterdir() for ln in p.read_text().splitlines()]
+    assert len(lines) == n_spill
+
+
+def test_close_with_one_record_left_says_record(own_redis, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    own_redis.stop()
+    mon = Monitor("run-one", redis_url=own_redis.url, rank=0, world_size=1, buffer_records=1, spill_dir=False,
+                  close_timeout=0.2)
+    assert mon.close() is False  # run_end pushed run_start out of the one-record buffer
+    assert [m.getMessage() for m in caplog.records if "at close" in m.getMessage()] == [
+        "trainhealth collector: 1 record not delivered at close"]
+
+
+def test_spill_batch_in_flight_when_its_segment_is_dropped_is_delivered_once_and_not_counted(tmp_path) -> None:
+    from collectors.spill import Spill
+
+    sp = Spill(tmp_path, "p", max_bytes=3_000, segment_records=10)
+    sp.write([("steps", {"step": i}) for i in range(30)])
+    flight = sp.peek(4)  # sent to Redis, which fails: kept in memory for a retry
+    assert sp.peeked == 4
+    sp.write([("steps", {"step": i}) for i in range(30, 200)])  # still away: the oldest segments go
+    assert len(sp) + sp.dropped == 200 - 4  # the 4 in flight are neither on disk nor lost
+    sp.commit(len(flight))  # the retry delivered them
+    got = [f["step"] for _, f in flight]
+    while len(sp):
+        batch = sp.peek(7)
+        got += [f["step"] for _, f in batch]
+        sp.commit(len(batch))
+    assert got == [0, 1, 2, 3, *range(200 - len(got) + 4, 200)]  # every record once, in order
+    assert len(got) + sp.dropped == 200
+    sp.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_spill_close_removes_delivered_segments_and_keeps_undelivered_ones(tmp_path) -> None:
+    from collectors.spill import Spill
+
+    sp = Spill(tmp_path, "p", max_bytes=1_000_000, segment_records=10)
+    sp.write([("steps", {"step": i}) for i in range(25)])
+    for _ in range(2):  # the first segment delivered, the second half of it
+        batch = sp.peek(5)
+        sp.commit(len(batch))
+    sp.peek(10)
+    sp.commit(5)
+    (tmp_path / "p-99999999.jsonl").write_text("")  # an empty segment of ours (a write that failed)
+    (tmp_path / "other-00000000.jsonl").write_text("x\n")  # another process's: not ours to touch
+    sp.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-00000000.jsonl", "p-00000001.jsonl",
+                                                          "p-00000002.jsonl"]
+    while len(sp):
+        sp.commit(len(sp.peek(10)))
+    sp.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-00000000.jsonl"]
