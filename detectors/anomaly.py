@@ -7,7 +7,7 @@ and must not be renamed.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 #: Stable snake_case kinds.
@@ -83,3 +83,14 @@ class Anomaly:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, allow_nan=True)
+
+
+def run_ended(a: Anomaly, step: int) -> Anomaly:
+    """``a`` resolved because every rank of the run ended (at ``step``, the last step seen).
+
+    For conditions of a live job (a straggler, a slow node, a throughput drop): once the job is over
+    they can no longer be observed, and left active they would keep firing alerts for a finished
+    run. ``evidence["run_ended"]`` is set; ``end_step`` is ``step`` (not before the onset).
+    """
+    return replace(a, status=RESOLVED, end_step=max(step, a.step), evidence={**a.evidence, "run_ended": True},
+                   message=f"{a.message}; still so when the run ended at step {step}")

@@ -82,12 +82,13 @@ class RunPipeline:
         self.straggler = StragglerDetector(exclude=self.slow_node.covered_ranks)
         self.rank_outlier = RankOutlierDetector(
             exclude=lambda: self.slow_node.covered_ranks() | self.straggler.open_ranks)
+        self.throughput = ThroughputDropDetector()
         self.dead_rank = DeadRankDetector(self.hang.checkpoint_s, self.hang.heartbeat_interval,
                                           self.hang.missed_intervals)
         self.step_detectors = [NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(),
                                DivergenceDetector(), GradNormExplosionDetector(), SkippedStepsDetector(),
                                self.slow_node, self.straggler, self.rank_outlier, RestartStormDetector(),
-                               ThroughputDropDetector(), SlowStepDetector()]
+                               self.throughput, SlowStepDetector()]
         self.ended_ranks: set[int] = set()
         self.run = run
         self.advisor = RollbackAdvisor()
@@ -165,11 +166,30 @@ class RunPipeline:
             self.ended_ranks.discard(ev.rank)
         elif ev.kind == "run_end":
             self.ended_ranks.add(ev.rank)
+            if self.ended_ranks >= set(range(self.world_size)):
+                self.ledger.add_event(ev)
+                return self._run_ended()
         elif ev.kind == "checkpoint_save" and ev.step is not None and ev.step not in self.checkpoints:
             pos = self.positions.get(ev.step, (None, None))
             self.checkpoints[ev.step] = Checkpoint(ev.step, *pos)
         self.ledger.add_event(ev)
         return Output()
+
+    def _run_ended(self) -> Output:
+        # Conditions of a live job (slowness) cannot be observed once every rank has ended: left active they
+        # would keep firing for a finished run. Loss findings (divergence, NaN) stay: they describe the model.
+        out = Output()
+        for det in (self.slow_node, self.straggler, self.rank_outlier, self.throughput):
+            try:
+                found = det.finish(self.current_step)
+            except Exception:
+                self._failed(det, self.current_step)
+                continue
+            for a in found:
+                a = self._with_hosts(a)
+                self.anomalies[a.id] = a
+                out.anomalies.append(a)
+        return out
 
     def flush_stale(self, now: float) -> Output:
         """Close steps still missing ranks after the aggregator's stale timeout."""

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly
+from detectors.anomaly import RESOLVED, Anomaly, run_ended
 from detectors.slow_node import busy_matrix, column_quantiles
 from trainhealth import defaults
 from trainhealth.events import StepRecord
@@ -203,6 +203,18 @@ class RankOutlierDetector:
         self._cooldown = 0
         #: Windows in which the forest was fitted (a cost figure for benchmarks).
         self.forest_fits = 0
+
+    def finish(self, step: int) -> list[Anomaly]:
+        """Every rank ended at ``step``: resolve the open rank outliers (:func:`detectors.anomaly.run_ended`)
+        and start afresh."""
+        out = [run_ended(a, step) for a in self._open.values()]
+        self._open.clear()
+        self._count.clear()
+        self._first.clear()
+        self._confirmed.clear()
+        self._rows.clear()
+        self._data.clear()
+        return out
 
     def observe(self, rec: StepRecord) -> None:
         """Add one rank's record's data-loading seconds (the aggregate keeps only the max over ranks)."""

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 
 from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly
+from detectors.anomaly import RESOLVED, Anomaly, run_ended
 from trainhealth import defaults
 
 
@@ -172,6 +172,16 @@ class SlowNodeDetector:
         self._slow_windows: dict[str, int] = {}
         self._first_slow_step: dict[str, int] = {}
         self._open: dict[str, Anomaly] = {}
+
+    def finish(self, step: int) -> list[Anomaly]:
+        """Every rank ended at ``step``: resolve the open slow nodes (:func:`detectors.anomaly.run_ended`)
+        and start afresh."""
+        out = [run_ended(a, step) for a in self._open.values()]
+        self._open.clear()
+        self._slow_windows.clear()
+        self._first_slow_step.clear()
+        self._rows.clear()
+        return out
 
     def covered_ranks(self) -> frozenset[int]:
         """Ranks of the hosts with an open slow-node anomaly (for the straggler detector to skip)."""

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection
 from dataclasses import replace
 
 from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly
+from detectors.anomaly import RESOLVED, Anomaly, run_ended
 from trainhealth import defaults
 
 
@@ -116,6 +116,17 @@ class StragglerDetector:
         for d in self._busy:
             d.clear()
         self._last_step_prev_window = agg.step
+        return out
+
+    def finish(self, step: int) -> list[Anomaly]:
+        """Every rank ended at ``step``: resolve the open stragglers (:func:`detectors.anomaly.run_ended`)
+        and start afresh."""
+        out = [run_ended(a, step) for a in self._open.values()]
+        self._open.clear()
+        self._slow_windows.clear()
+        self._first_slow_step.clear()
+        for d in self._busy:
+            d.clear()
         return out
 
     @property

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly
+from detectors.anomaly import RESOLVED, Anomaly, run_ended
 from detectors.loss_spike import SortedWindow
 from trainhealth import defaults
 
@@ -215,6 +215,17 @@ class ThroughputDropDetector:
         self._shifted = SortedWindow(window, _y)
         self._d = 0.0
         self._back: list[_Point] = []  # the current return excursion while open
+
+    def finish(self, step: int) -> list[Anomaly]:
+        """Every rank ended at ``step``: resolve an open drop (:func:`detectors.anomaly.run_ended`); the next
+        step, of a relaunch, is judged afresh as after a restart."""
+        out = [run_ended(self._open, step)] if self._open is not None else []
+        self._open = None
+        self._shifted.clear()
+        self._back.clear()
+        self._d = 0.0
+        self._gen = None
+        return out
 
     def update(self, agg: StepAggregate) -> list[Anomaly]:
         """Feed one step; return the anomaly states that changed."""

@@ -79,6 +79,26 @@ def test_straggler_appears_and_disappears_and_nothing_else() -> None:
     assert got[0].evidence["windows"] == 2 and got[0].evidence["score"] < 0.7
 
 
+def test_a_straggler_still_open_when_every_rank_ends_is_resolved_by_the_run_end() -> None:
+    pipe = RunPipeline(16)
+    launch(pipe, 16, host_of(8))
+    base = healthy(16, seed=11)
+
+    def busy(s: int, r: int) -> tuple[float, float]:
+        fwd, data = base(s, r)
+        return (fwd * 1.6 if r == 5 and s >= 100 else fwd), data
+    got = run_steps(pipe, 16, range(200), busy)
+    assert summary(got) == [("straggler:5:100:0", "active", 100, None, (5,), ("node-a",))]
+    # One rank ending is not the run ending; all of them is.
+    assert pipe.feed_event(Event("run_end", 3, T0, T0 + 300, extra={"status": "finished"})).anomalies == []
+    ended = [a for r in range(16) if r != 3
+             for a in pipe.feed_event(Event("run_end", r, T0, T0 + 300, extra={"status": "finished"})).anomalies]
+    assert summary(ended) == [("straggler:5:100:0", "resolved", 100, 199, (5,), ("node-a",))]
+    assert ended[0].evidence["run_ended"] is True
+    assert ended[0].message.endswith("; still so when the run ended at step 199")
+    assert pipe.straggler.open_ranks == frozenset()
+
+
 def test_slow_node_is_one_anomaly_naming_the_host_not_eight_stragglers() -> None:
     pipe = RunPipeline(32)
     launch(pipe, 32, host_of(8))                          # node-a 0-7, node-b 8-15, node-c 16-23, node-d 24-31

@@ -285,9 +285,11 @@ def test_replayed_bloom_log_shows_the_drop_in_the_anomalies_hash(r: redis.Redis,
     timing = {k: v for k, v in found.items() if v["kind"] in TIMING}
     assert sorted(timing) == ["throughput_drop:*:42783:0"]
     a = timing["throughput_drop:*:42783:0"]
-    assert (a["status"], a["severity"], a["evidence"]["after_s"]) == ("active", "warning", 111.0)
+    # Open at the log's end; the replay then ends every rank, which resolves it (a finished run does not fire).
+    assert (a["status"], a["severity"], a["evidence"]["after_s"], a["evidence"]["run_ended"], a["end_step"]) == (
+        "resolved", "warning", 111.0, True, 45000)
     log = [json.loads(f[b"json"]) for _, f in r.xrange("th:{bloom}:anomaly_log") if f[b"kind"] == b"throughput_drop"]
-    assert [x["status"] for x in log] == ["active"]
+    assert [x["status"] for x in log] == ["active", "resolved"]
     # The job's own step time reaches the aggregate stream, for the dashboard and other readers.
     agg = [(int(f[b"step"]), float(f[b"step_s"])) for _, f in r.xrange("th:{bloom}:agg")]
     assert agg[-3:] == [(42783, 110.17), (42784, 111.14), (45000, 111.0)]
