@@ -761,8 +761,10 @@ class LossSpikeDetector:
             self._back = agg.step
             return []
         rec = self._back - spike.step
-        if rec <= self.fast_steps or self._elevated_points == 1:
+        if rec <= self.fast_steps:
             cls, note = FAST, f"recovered after {plural(rec, 'step')} (fast)"
+        elif self._elevated_points == 1:  # a sparse log: back at the very next logged point
+            cls, note = FAST, f"recovered at the next logged point, {plural(rec, 'step')} later (fast: one point up)"
         else:
             cls, note = SLOW, f"recovered after {plural(rec, 'step')} (slow: more than {self.fast_steps})"
         done = self._settle(spike, cls, agg.step, note, recovery_steps=rec)
