@@ -54,7 +54,8 @@ def test_resolve_url_prefers_environment(monkeypatch: pytest.MonkeyPatch, redis_
 
 
 def test_resolve_without_start_and_nothing_running_says_what_to_do() -> None:
-    with pytest.raises(RedisUnavailableError, match="set TRAINHEALTH_REDIS_URL or start one with `trainhealth serve`"):
+    with pytest.raises(RedisUnavailableError, match="set TRAINHEALTH_REDIS_URL, or start the embedded one with "
+                       "`trainhealth redis start`"):
         server.resolve_url(start=False)
 
 

@@ -171,7 +171,8 @@ def resolve_url(explicit: str | None = None, *, start: bool = True) -> tuple[str
         url = embedded.running_url()
         if not url:
             raise RedisUnavailableError(
-                "no Redis configured: set TRAINHEALTH_REDIS_URL or start one with `trainhealth serve`"
+                "no Redis configured: set TRAINHEALTH_REDIS_URL, or start the embedded one with "
+                "`trainhealth redis start` (`trainhealth serve` and `trainhealth demo` start it too)"
             )
         return url, embedded
     return embedded.ensure_running(), embedded
