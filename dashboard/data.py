@@ -742,3 +742,29 @@ def unprocessed_lag(state: Mapping[str, Any], min_lag_s: float = PROCESSING_LAG_
         return None
     lag = float(hb_t) - float(ref)
     return lag if lag > min_lag_s else None
+
+
+# --- how a replayed run was timed --------------------------------------------------------
+
+#: ``timeline`` values ``trainhealth replay`` stores in the meta (``trainhealth.replay.TIMELINES``).
+REPLAY_TIMELINES = ("logged", "partly assumed", "assumed")
+
+
+def replay_info(client: redis.Redis, run: str) -> dict[str, Any] | None:
+    """How ``trainhealth replay`` paced and timed the run, from its meta; None for a live run (or a
+    replay made before these fields were written).
+
+    Returns ``source`` (the file name(s), without ``replay:``), ``speed`` (the pace factor, float;
+    0 = pushed at once), ``timeline`` (one of :data:`REPLAY_TIMELINES`, None when absent or unknown)
+    and ``assumed_step_s`` (the assumed seconds per step, float or None). One ``HMGET``.
+    """
+    source, speed, timeline, step_s = (
+        None if v is None else _s(v)
+        for v in client.hmget(run_keys(run).meta, ["source", "replay_speed", "timeline", "assumed_step_s"]))
+    if not (source or "").startswith("replay:") or (speed is None and timeline is None):
+        return None
+    pace = _opt_num(speed)
+    return {"source": source.removeprefix("replay:"),  # type: ignore[union-attr]
+            "speed": pace if pace is not None and math.isfinite(pace) and pace >= 0 else 0.0,
+            "timeline": timeline if timeline in REPLAY_TIMELINES else None,
+            "assumed_step_s": _opt_num(step_s)}

@@ -73,7 +73,8 @@ def run_page(page: StreamlitPage) -> None:
 def page_run() -> str | None:
     """First call of every page file: the selected run, or None when there is nothing to show.
 
-    Also draws the detector-service banner (:func:`service_banner`) at the top of the page.
+    Also draws the detector-service banner (:func:`service_banner`) at the top of the page, and for a
+    replayed run whose rates or timeline are not the log's measured ones the caveat of :func:`replay_banner`.
     """
     if st.session_state.pop(_FRAMED, False):
         run = current_run()
@@ -85,6 +86,7 @@ def page_run() -> str | None:
         run = current_run() if sidebar() else None
     if run:
         service_banner(run)
+        replay_banner(run)
     return run
 
 
@@ -150,6 +152,47 @@ def service_banner(run: str) -> None:
     text = service_problem(beats, state, time.time(), run)
     if text:
         st.warning(text, icon=":material/sensors_off:")
+
+
+@st.cache_data(ttl=SERVICE_CHECK_S, show_spinner=False)
+def _replay_info(url: str, run: str) -> dict | None:
+    return data.replay_info(get_client(url), run)
+
+
+def replay_caveat(info: dict | None) -> str | None:
+    """The caveat for a replayed run (:func:`dashboard.data.replay_info`), None when its figures are the log's.
+
+    A paced replay (``speed`` k > 0, k != 1) stamps records with the real clock, so every rate is k times
+    the log's; an assumed timeline (no step times in the log) makes goodput and rates an assumption.
+    """
+    if not info:
+        return None
+    src, k, tl = info["source"], info["speed"] or 0.0, info.get("timeline")
+    parts = []
+    if k > 0 and k != 1:
+        own = f"{k:g}x lower" if k > 1 else f"{1 / k:.3g}x higher"
+        parts.append(f"Replayed from `{src}` at {k:g}x: rates are per second of replay (the log's own rates are "
+                     f"{own}).")
+    step = info.get("assumed_step_s")
+    pace = f"{step:g} s per step" if step else "an assumed time per step"
+    if tl in ("assumed", "partly assumed"):
+        what = (f"the log has no step times: the timeline assumes {pace}, so goodput and rates are not measured."
+                if tl == "assumed" else
+                f"some of the log's steps have no step time: those assume {pace}, so goodput and rates are only "
+                "partly measured.")
+        parts.append(what[0].upper() + what[1:] if parts else f"Replayed from `{src}`; {what}")
+    return " ".join(parts) or None
+
+
+def replay_banner(run: str) -> None:
+    """An info on top of every page when ``run`` is a replay whose rates or timeline are not the log's own."""
+    try:
+        info = _replay_info(st.session_state.get(URL_KEY, ""), run)
+    except redis.RedisError:
+        return  # the page's own reads say that Redis is unreachable
+    text = replay_caveat(info)
+    if text:
+        st.info(text, icon=":material/history:")
 
 
 def _picked() -> None:

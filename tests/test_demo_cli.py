@@ -40,6 +40,7 @@ def test_demo_starts_everything_and_ctrl_c_stops_it(tmp_path: Path) -> None:
         out = "".join(lines)
         m = re.search(r"Redis: started embedded redis-server at (redis://127\.0\.0\.1:\d+/0)", out)
         assert m, out
+        assert out.count("Redis: ") == 1, out  # said once, not again by each child process
         url = m.group(1)
         assert f"Dashboard: http://127.0.0.1:{port}/?run=cli-demo" in out
         assert "Demo job finished (0 restarts)" in out

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import pty
+import re
+import signal
+import struct
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
+from collectors.importers.base import LogPoint
 from detectors.hang import HangDetector
 from detectors.service import DetectorService
 from trainhealth.exceptions import ConfigError, InputFormatError
-from trainhealth.replay import replay
+from trainhealth.replay import ReplayInterrupted, plan, plan_line, read_points, replay
 
 ROOT = Path(__file__).resolve().parent.parent
 TROCR = "hf_trocr_large_gradnorm.trainer_state.json"
@@ -169,3 +177,137 @@ def test_replay_api_refuses_a_pace_of_over_a_year_and_an_empty_run(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"^run='' is not a valid run id"):
         replay(ok, r, run="")
     assert r.keys("*") == []
+
+
+# --- paced replays: what happens, progress, Ctrl-C, and what the run's meta says --------------------------------
+
+def _untimed_csv(path: Path, steps: int) -> Path:
+    """A loss log with no step times: the replay's timeline is assumed (1 s per step)."""
+    path.write_text("step,loss\n" + "".join(f"{i},{3 - i / 10_000}\n" for i in range(1, steps + 1)))
+    return path
+
+
+def test_cli_paced_replay_says_what_happens_and_ctrl_c_ends_it_as_interrupted(
+        tmp_path: Path, r: redis.Redis, redis_url: str) -> None:
+    log = _untimed_csv(tmp_path / "slow.csv", 1000)
+    env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
+    proc = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "replay", str(log), "--run", "paced",
+                             "--speed", "10"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while r.xlen("th:{paced}:steps") < 3:  # a few steps pushed (at 10 per second): then Ctrl-C
+            assert time.monotonic() < deadline and proc.poll() is None, "the replay did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert out.splitlines()[1] == (
+        f"replaying 1,000 steps of {log} as run 'paced': the log spans 16.7 min (no step times in the log: timeline "
+        "assumed at 1 s per step); at 10x that takes 100 s (Ctrl-C stops it; --speed 0 replays at once)")
+    assert "%|" not in err  # stderr is no terminal here: no progress bar
+    said = [line for line in err.splitlines() if line.startswith("trainhealth:")]
+    assert len(said) == 1
+    m = re.fullmatch(r"trainhealth: interrupted after (\d+) of 1,000 steps of run 'paced' \((\d+) s of the log's "
+                     r"16.7 min\); run marked 'interrupted'", said[0])
+    assert m, said
+    pushed = [rec["step"] for _, f in r.xrange("th:{paced}:steps") for rec in json.loads(f[b"recs"])]
+    assert pushed == list(range(1, int(m[1]) + 1)) and int(m[2]) == int(m[1])  # step s ends at s seconds
+    meta = {k.decode(): v.decode() for k, v in r.hgetall("th:{paced}:meta").items()}
+    assert (meta["status"], meta["replay_speed"], meta["timeline"], meta["assumed_step_s"]) == (
+        "interrupted", "10.0", "assumed", "1.0")
+
+
+def test_an_interrupted_replay_stops_the_ledger_at_its_last_step(tmp_path: Path, r: redis.Redis) -> None:
+    # A Ctrl-C in the 4th wait: three steps pushed, then the run must not stay "running" (charged as a hang).
+    log = _untimed_csv(tmp_path / "slow.csv", 10)
+    now = [1_000.0]
+
+    def sleep(s: float) -> None:
+        if now[0] > 1_000.25:
+            raise KeyboardInterrupt
+        now[0] += s
+
+    with pytest.raises(ReplayInterrupted) as info:
+        replay(log, r, run="cut", speed=10, clock=lambda: now[0], sleep=sleep)
+    assert isinstance(info.value, KeyboardInterrupt)
+    res = info.value.result
+    assert (res.points, res.total, res.offset_s, res.interrupted, res.delivered) == (3, 10, 3.0, True, True)
+    assert r.hget("th:{cut}:meta", "status") == b"interrupted"
+    last_t = max(rec["t"] for _, f in r.xrange("th:{cut}:steps") for rec in json.loads(f[b"recs"]))
+    assert last_t == pytest.approx(1_000.3)
+    svc = drain(r)
+    svc._tick(time.time() + 600)  # ten minutes on: the ledger must not charge the time since as a hang
+    snap = json.loads(r.get("th:{cut}:ledger:latest"))
+    assert snap["t"] == pytest.approx(last_t)
+    assert snap["seconds"].get("hang", 0.0) == 0.0
+    assert anomalies(r, "cut") == {}
+
+
+def test_paced_replay_reports_progress_while_it_waits(tmp_path: Path, r: redis.Redis) -> None:
+    log = tmp_path / "gap.csv"
+    log.write_text("step,loss\n1,3.0\n2,2.9\n100,2.5\n")  # steps 1, 2 and 100 end at 1, 2 and 100 s (assumed)
+    now = [0.0]  # multiples of 1/8 s: exact in binary, so the ticks below are exact
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    calls: list[tuple[int, float]] = []
+    res = replay(log, r, run="ticks", speed=8, clock=lambda: now[0], sleep=sleep,
+                 progress=lambda n, off: calls.append((n, off)))
+    assert (res.points, res.total, res.offset_s, res.interrupted) == (3, 3, 100.0, False)
+    # after each wait and each point; the 98 s gap (12.25 s at 8x) reports every second of real time
+    assert calls == [(0, 1.0), (1, 1.0), (1, 2.0), (2, 2.0), *[(2, 2.0 + 8 * i) for i in range(1, 13)],
+                     (2, 100.0), (3, 100.0)]
+
+
+def test_paced_replay_shows_a_progress_bar_on_a_terminal(tmp_path: Path, r: redis.Redis, redis_url: str) -> None:
+    log = _untimed_csv(tmp_path / "short.csv", 20)
+    env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty has 0 columns
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "replay", str(log), "--run", "bar",
+                                 "--speed", "10"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=slave, text=True)
+        os.close(slave)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the process closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        os.close(master)
+    assert proc.returncode == 0
+    assert "replayed 20 steps and 0 evaluations" in out
+    bar = re.findall(r"\rbar: (\d+)/20 steps +(\d+)%\|[^|]*\| \[00:0\d<00:0\d\]", seen.decode())
+    # step n ends at n of the log's 20 s: the bar (over the log's seconds) is between steps n and n + 1
+    assert len(bar) >= 2 and all(int(n) * 5 <= int(pct) <= int(n) * 5 + 5 for n, pct in bar), seen
+
+
+def test_replay_records_its_pace_and_timeline_in_the_run_meta(r: redis.Redis, real_logs: Path) -> None:
+    mega = real_logs / "megatron_deepspeed_104b_overflow_excerpt.log"
+    replay(mega, r, run="mega")  # Megatron logs its elapsed time per iteration: every step's time is the log's
+    meta = r.hgetall("th:{mega}:meta")
+    assert (meta[b"replay_speed"], meta[b"timeline"], meta.get(b"assumed_step_s")) == (b"0.0", b"logged", None)
+    assert plan(read_points(mega)).timeline == "logged"
+    partly = [LogPoint(1, loss=2.0, step_seconds=2.0), LogPoint(2, loss=1.9)]
+    res = replay(mega, r, run="partly", points=partly, step_seconds=3.0)
+    assert res.timeline == "partly assumed"
+    meta = r.hgetall("th:{partly}:meta")
+    assert (meta[b"replay_speed"], meta[b"timeline"], meta[b"assumed_step_s"]) == (b"0.0", b"partly assumed", b"3.0")
+
+
+def test_plan_line_of_the_104b_excerpt_at_100x(real_logs: Path) -> None:
+    mega = real_logs / "megatron_deepspeed_104b_overflow_excerpt.log"
+    assert plan_line(plan(read_points(mega)), mega.name, "mega104", 100) == (
+        "replaying 19 steps of megatron_deepspeed_104b_overflow_excerpt.log as run 'mega104': the log spans 29.4 "
+        "days; at 100x that takes 7.1 h (Ctrl-C stops it; --speed 0 replays at once)")

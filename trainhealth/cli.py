@@ -41,7 +41,9 @@ def _resolve(args: argparse.Namespace, start: bool = True):
     from trainhealth.server import resolve_url
 
     url, embedded = resolve_url(getattr(args, "redis_url", None), start=start)
-    if embedded is not None:
+    if os.environ.get(_CHILD_ENV):
+        pass  # a child of `trainhealth demo`, which has said where Redis is
+    elif embedded is not None:
         state = "started" if embedded.started else "reusing"
         print(f"Redis: {state} embedded redis-server at {url} (data in {embedded.directory})", flush=True)
     else:
@@ -56,9 +58,14 @@ def dashboard_command(url: str, port: int, headless: bool = True) -> list[str]:
             "--server.address", "127.0.0.1", "--theme.base", "light"]
 
 
+#: Set in the environment of the processes a command starts (they need not say again where Redis is).
+_CHILD_ENV = "TRAINHEALTH_CHILD"
+
+
 def _child_env(url: str) -> dict[str, str]:
     env = dict(os.environ)
     env[defaults.REDIS_URL_ENV] = url
+    env[_CHILD_ENV] = "1"
     return env
 
 
@@ -124,9 +131,23 @@ def _release_embedded(embedded: EmbeddedRedis | None, url: str, own_run: str = "
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from typing import Any
+
     from detectors.offline import step_seconds_error
     from trainhealth.keys import validate_run_id
-    from trainhealth.replay import check_pace, check_speed, read_points, read_run, replay, replay_span
+    from trainhealth.replay import (
+        INTERRUPTED,
+        ReplayInterrupted,
+        check_pace,
+        check_speed,
+        default_run_id,
+        fmt_seconds,
+        plan,
+        plan_line,
+        read_points,
+        read_run,
+        replay,
+    )
     from trainhealth.server import connect
 
     check_speed(args.speed, "--speed")
@@ -142,25 +163,72 @@ def cmd_replay(args: argparse.Namespace) -> int:
             validate_run_id(args.run)
         except ConfigError as exc:
             raise ConfigError("--run " + str(exc).removeprefix("run=")) from None
-    # Parse every file before touching Redis: a typo must not start a server or half-write a run.
-    mapping = parse_map(args.map)
-    if one_run:
-        parsed = [(args.paths, read_run(args.paths, args.format, mapping)[0])]
-    else:
-        parsed = [(path, read_points(path, args.format, mapping)) for path in args.paths]
-    for _, points in parsed:  # a --speed that paces some file over years: refuse before replaying any
-        check_pace(replay_span(points, args.step_seconds), args.speed, "--speed")
-    url, _ = _resolve(args)
-    client = connect(url)
-    for path, points in parsed:
-        res = replay(path, client, run=args.run if len(parsed) == 1 else None, speed=args.speed,
-                     step_seconds=args.step_seconds, points=points)
-        what = (f"{res.points} per-rank records of {len(res.ranks)} ranks" if res.ranks else f"{res.points} steps")
-        name = " + ".join(path) if isinstance(path, list) else path
-        print(f"replayed {what} and {res.evals} evaluations of {name} as run {res.run!r} "
-              f"(synthetic span {res.span_s:.0f} s)" + ("" if res.delivered else " — NOT all delivered"))
-    if not _live_services(client):
-        print("No detector service is running: start `trainhealth serve` to analyse the replayed run(s).")
+
+    def progress_bar(span_s: float, total: int, what: str, run: str) -> tuple[Any, Any] | None:
+        # Over the log's seconds, so tqdm's ETA is the real time left (steps may be unevenly spaced).
+        try:
+            from tqdm import tqdm
+        except ImportError:  # the server extra brings tqdm; without it, no bar
+            return None
+        bar = tqdm(total=span_s, desc=f"{run[:40]}: 0/{total:,} {what}", file=sys.stderr, leave=False,
+                   dynamic_ncols=True, mininterval=0.25, delay=0.5,
+                   bar_format="{desc} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]")
+
+        def update(pushed: int, offset_s: float) -> None:
+            bar.set_description_str(f"{run[:40]}: {pushed:,}/{total:,} {what}", refresh=False)
+            bar.update(offset_s - bar.n)
+
+        return bar, update
+
+    runs = 1 if one_run else len(args.paths)
+    done = 0  # runs replayed completely, for the Ctrl-C message
+    try:
+        # Parse every file before touching Redis: a typo must not start a server or half-write a run.
+        mapping = parse_map(args.map)
+        if one_run:
+            parsed = [(args.paths, read_run(args.paths, args.format, mapping)[0])]
+        else:
+            parsed = [(path, read_points(path, args.format, mapping)) for path in args.paths]
+        plans = [plan(points, args.step_seconds) for _, points in parsed]
+        for pl in plans:  # a --speed that paces some file over years: refuse before replaying any
+            check_pace(pl.span_s, args.speed, "--speed")
+        url, _ = _resolve(args)
+        client = connect(url)
+        # A bar only where someone watches (as analyze does): a paced replay may wait hours between two steps.
+        show = args.speed > 0 and sys.stderr.isatty()
+        for (path, points), pl in zip(parsed, plans, strict=True):
+            name = " + ".join(path) if isinstance(path, list) else path
+            run = (args.run if args.run is not None
+                   else default_run_id([Path(p) for p in path] if isinstance(path, list) else Path(path)))
+            print(plan_line(pl, name, run, args.speed, args.step_seconds), flush=True)
+            bar = progress_bar(pl.span_s, pl.points, "records" if pl.ranks else "steps", run) if show else None
+            try:
+                res = replay(path, client, run=run, speed=args.speed, step_seconds=args.step_seconds, points=points,
+                             progress=bar[1] if bar else None)
+            finally:
+                if bar:
+                    bar[0].close()
+            what = (f"{res.points} per-rank records of {len(res.ranks)} ranks" if res.ranks else f"{res.points} steps")
+            print(f"replayed {what} and {res.evals} evaluations of {name} as run {res.run!r} "
+                  f"(synthetic span {res.span_s:.0f} s)" + ("" if res.delivered else " — NOT all delivered"),
+                  flush=True)
+            done += 1
+        if not _live_services(client):
+            print("No detector service is running: start `trainhealth serve` to analyse the replayed run(s).")
+    except ReplayInterrupted as exc:  # replay() closed the run as INTERRUPTED: say how far it got, no traceback
+        res = exc.result
+        left = runs - done - 1
+        print(f"trainhealth: interrupted after {res.points:,} of {res.total:,} "
+              f"{'per-rank records' if res.ranks else 'steps'} of run {res.run!r} ({fmt_seconds(res.offset_s)} of "
+              f"the log's {fmt_seconds(res.span_s)}); run marked {INTERRUPTED!r}"
+              + ("" if res.delivered else " (NOT all delivered)")
+              + (f"; {left} more file{'s' if left > 1 else ''} not replayed" if left > 0 else ""),
+              file=sys.stderr, flush=True)
+        return 130
+    except KeyboardInterrupt:  # while parsing, or between two runs
+        print(f"trainhealth: interrupted after replaying {done} of {runs} run{'s' if runs > 1 else ''}",
+              file=sys.stderr, flush=True)
+        return 130
     return 0
 
 
@@ -465,9 +533,14 @@ def build_parser() -> argparse.ArgumentParser:
                                + ", ".join(FORMATS) + "."))
     log_options(r)
     r.add_argument("--run", help="run id (default replay-<file name>; only with one PATH or --one-run)")
-    r.add_argument("--speed", type=float, default=0.0, help="pace factor; 0 = as fast as possible (default)")
+    r.add_argument("--speed", type=float, default=0.0, metavar="K",
+                   help="0 (default): push the whole log at once, its records stamped on the log's own timeline "
+                        "(ending now). K > 0: replay in real time at K times the log's pace, e.g. a log spanning "
+                        "30 days takes 7.2 h at --speed 100; records then carry the real clock, so the dashboard's "
+                        "rates are K times the log's. The line printed before pushing says how long it will take; "
+                        "Ctrl-C stops it (the run is marked 'interrupted')")
     r.add_argument("--step-seconds", type=float, default=1.0,
-                   help="assumed seconds per step, as logs carry no times (default 1.0)")
+                   help="assumed seconds per step for steps the log gives no time for (default 1.0)")
     r.set_defaults(func=cmd_replay)
 
     n = cmd("analyze", "Post-mortem of training logs, offline (no Redis): the live detectors, goodput ledger and "

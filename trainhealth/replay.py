@@ -23,10 +23,23 @@ from trainhealth.keys import validate_run_id
 log = logging.getLogger(__name__)
 
 
+#: Run status a replay stopped by Ctrl-C leaves (not "running": the service then stops the ledger's clock
+#: at the last replayed step and skips the hang check; the dashboard shows the status as it is).
+INTERRUPTED = "interrupted"
+#: Longest real sleep between progress callbacks of a paced replay (s): a log's steps may be hours apart.
+PROGRESS_TICK_S = 1.0
+#: ``timeline`` meta values: every train point's step time from the log, some, or none.
+TIMELINES = ("logged", "partly assumed", "assumed")
+
+
 @dataclass(frozen=True)
 class ReplayResult:
     """What a replay pushed: run id, train points (per-rank records of a per-rank log), eval intervals,
-    the synthetic span (s), whether everything was delivered, and the ranks of a per-rank log (else empty)."""
+    the synthetic span (s), whether everything was delivered, and the ranks of a per-rank log (else empty).
+
+    ``total`` is the train points the log holds (``points`` of them were pushed), ``offset_s`` the seconds
+    of the log's timeline replayed, ``timeline`` one of :data:`TIMELINES`, ``interrupted`` whether Ctrl-C
+    stopped the replay."""
 
     run: str
     points: int
@@ -34,6 +47,94 @@ class ReplayResult:
     span_s: float
     delivered: bool
     ranks: tuple[int, ...] = ()
+    total: int = 0
+    offset_s: float = 0.0
+    timeline: str = "logged"
+    interrupted: bool = False
+
+
+class ReplayInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`replay`; its Monitors were closed with status :data:`INTERRUPTED`.
+
+    A :class:`KeyboardInterrupt`, so a caller that does not handle it still stops; ``result`` says how far
+    the replay got."""
+
+    def __init__(self, result: ReplayResult) -> None:
+        super().__init__(f"replay of run {result.run!r} interrupted after {result.points} of {result.total}")
+        self.result = result
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What :func:`replay` will push for a parsed log: train points (per-rank records of a per-rank log),
+    evaluations, the ranks of a per-rank log, the timeline's span (s) and :data:`TIMELINES` value."""
+
+    points: int
+    evals: int
+    ranks: tuple[int, ...]
+    span_s: float
+    timeline: str
+
+
+def timeline_kind(timed: int, points: int) -> str:
+    """``logged`` when all ``points`` train points have the log's step time, ``assumed`` when none,
+    else ``partly assumed`` (as ``trainhealth analyze`` words its "timings" line).
+
+    >>> timeline_kind(19, 19), timeline_kind(3, 19), timeline_kind(0, 19)
+    ('logged', 'partly assumed', 'assumed')
+    """
+    if points and timed >= points:
+        return "logged"
+    return "partly assumed" if timed else "assumed"
+
+
+def plan(points: Sequence[LogPoint], step_seconds: float = 1.0) -> ReplayPlan:
+    """The :class:`ReplayPlan` of parsed ``points`` (placed as :func:`replay` places them)."""
+    arranged = arrange(points, step_seconds)
+    placed = list(arranged.points)
+    train = [tp for tp in placed if not tp.point.is_eval]
+    return ReplayPlan(points=len(train), evals=len(placed) - len(train), ranks=arranged.ranks,
+                      span_s=max((tp.offset for tp in placed), default=0.0),
+                      timeline=timeline_kind(sum(tp.timed for tp in train), len(train)))
+
+
+def fmt_seconds(seconds: float) -> str:
+    """A span for a person: ``42 s``, ``12.5 min``, ``7.1 h``, ``29.4 days``.
+
+    >>> fmt_seconds(42.2), fmt_seconds(750), fmt_seconds(25427.07), fmt_seconds(2542707.4)
+    ('42 s', '12.5 min', '7.1 h', '29.4 days')
+    """
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def plan_line(pl: ReplayPlan, name: str, run: str, speed: float, step_seconds: float = 1.0) -> str:
+    """The one line ``trainhealth replay`` prints before pushing a file: what, the log's span, the pace
+    and the real time it takes.
+
+    >>> print(plan_line(ReplayPlan(19, 0, (), 2542707.4, "logged"), "x.log", "mega104", 100))
+    replaying 19 steps of x.log as run 'mega104': the log spans 29.4 days; at 100x that takes 7.1 h (Ctrl-C stops \
+it; --speed 0 replays at once)
+    >>> print(plan_line(ReplayPlan(700, 7, (), 1512.8, "assumed"), "t.json", "t", 0))
+    replaying 700 steps and 7 evaluations of t.json as run 't': the log spans 25.2 min (no step times in the log: \
+timeline assumed at 1 s per step); pushed at once (--speed 0)
+    """
+    what = f"{pl.points:,} per-rank records of {len(pl.ranks)} ranks" if pl.ranks else f"{pl.points:,} steps"
+    if pl.evals:
+        what += f" and {pl.evals:,} evaluations"
+    span = f"the log spans {fmt_seconds(pl.span_s)}"
+    if pl.timeline == "assumed":
+        span += f" (no step times in the log: timeline assumed at {step_seconds:g} s per step)"
+    elif pl.timeline == "partly assumed":
+        span += f" (some steps without step times: assumed at {step_seconds:g} s per step)"
+    pace = (f"at {speed:g}x that takes {fmt_seconds(pl.span_s / speed)} (Ctrl-C stops it; --speed 0 replays at "
+            "once)" if speed > 0 else "pushed at once (--speed 0)")
+    return f"replaying {what} of {name} as run {run!r}: {span}; {pace}"
 
 
 def log_stem(paths: Path | Sequence[Path]) -> str:
@@ -145,6 +246,7 @@ def replay(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
     points: list[LogPoint] | None = None,
+    progress: Callable[[int, float], None] | None = None,
 ) -> ReplayResult:
     """Replay ``path`` into Redis as run ``run`` through :class:`collectors.Monitor` (rank 0 of 1).
 
@@ -164,6 +266,15 @@ def replay(
     order their steps end (:func:`detectors.offline.arrange`); a point's ``sections`` are that
     rank's section times of the step (``sec.<name>``), so the service compares the ranks.
 
+    The run's meta gets ``source``, ``replay_speed`` (``speed``) and ``timeline`` (:func:`timeline_kind`;
+    with ``assumed_step_s`` unless every step time is the log's): a paced replay stamps records with the
+    real clock, so its rates are ``speed`` x the log's, and an assumed timeline measures nothing; the
+    dashboard says so. ``progress(pushed, offset_s)`` is called after each point and, while a paced
+    replay waits, at least every :data:`PROGRESS_TICK_S` s (``offset_s``: seconds of the log replayed).
+
+    Ctrl-C closes the Monitors with status :data:`INTERRUPTED` (another exception: ``failed``), not
+    leaving the run "running" forever, and raises :class:`ReplayInterrupted` with how far it got.
+
     Raises
     ------
     ConfigError
@@ -171,6 +282,8 @@ def replay(
         (:data:`MAX_PACED_SECONDS`); a ``step_seconds`` outside (0, one day]; an invalid ``run`` id.
     InputFormatError
         When the file cannot be parsed (naming file, entry and field).
+    ReplayInterrupted
+        On Ctrl-C (a :class:`KeyboardInterrupt`), after closing the run as :data:`INTERRUPTED`.
     """
     check_speed(speed)
     err = step_seconds_error(step_seconds)
@@ -186,6 +299,8 @@ def replay(
     placed = list(arranged.points)
     span = max((tp.offset for tp in placed), default=0.0)
     check_pace(span, speed)  # before any Monitor writes to Redis
+    train = [tp for tp in placed if not tp.point.is_eval]
+    timeline = timeline_kind(sum(tp.timed for tp in train), len(train))
     live = speed > 0
     start = clock() if live else clock() - span
     if arranged.ranks:
@@ -196,26 +311,49 @@ def replay(
     for m in mons.values():
         m._phase = "replay"  # the hang detector skips a replayed timeline
     mon = next(iter(mons.values()))
-    client.hset(mon.keys.meta, "source", "replay:" + "+".join(p.name for p in paths))
+    meta = {"source": "replay:" + "+".join(p.name for p in paths), "replay_speed": repr(float(speed)),
+            "timeline": timeline}
+    if timeline != "logged":
+        meta["assumed_step_s"] = repr(float(step_seconds))
+    client.hset(mon.keys.meta, mapping=meta)
+    if timeline == "logged":
+        client.hdel(mon.keys.meta, "assumed_step_s")  # a run id replayed before from another log
     evals = n = 0
-    for tp in placed:
-        p, off, skip = tp.point, tp.offset, tp.skipped
-        mon = mons[p.rank or 0]
-        if live:
-            wait = start + off / speed - clock()
-            if wait > 0:
-                sleep(wait)
-        ts = clock() if live else start + off
-        if p.is_eval:
-            mon.badput("evaluation", p.eval_seconds or 0.0, step=p.step, timestamp=ts)
-            evals += 1
-        else:
-            if p.sections:
-                mon._sections = dict(p.sections)  # what section() would have timed: log_step attaches them
-            # step_s: the log's own time per step, never the assumed pace (see TimedPoint.step_s).
-            mon.log_step(p.step, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr, tokens=p.tokens,
-                         consumed_samples=p.consumed_samples, skipped=skip, timestamp=ts, step_s=tp.step_s)
-            n += 1
+    off = 0.0
+    try:
+        for tp in placed:
+            p, skip = tp.point, tp.skipped
+            mon = mons[p.rank or 0]
+            if live:
+                # Sleep in ticks: a log's steps may be hours apart at this pace; report progress meanwhile.
+                while (wait := start + tp.offset / speed - clock()) > 0:
+                    sleep(min(wait, PROGRESS_TICK_S) if progress is not None else wait)
+                    if progress is not None:
+                        progress(n, min(tp.offset, max(off, (clock() - start) * speed)))
+            off = tp.offset
+            ts = clock() if live else start + off
+            if p.is_eval:
+                mon.badput("evaluation", p.eval_seconds or 0.0, step=p.step, timestamp=ts)
+                evals += 1
+            else:
+                if p.sections:
+                    mon._sections = dict(p.sections)  # what section() would have timed: log_step attaches them
+                # step_s: the log's own time per step, never the assumed pace (see TimedPoint.step_s).
+                mon.log_step(p.step, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr, tokens=p.tokens,
+                             consumed_samples=p.consumed_samples, skipped=skip, timestamp=ts, step_s=tp.step_s)
+                n += 1
+            if progress is not None:
+                progress(n, off)
+    except KeyboardInterrupt:
+        ok = all([m.close(INTERRUPTED) for m in mons.values()])  # a list: close every rank
+        res = ReplayResult(run=run, points=n, evals=evals, span_s=span, delivered=ok, ranks=arranged.ranks,
+                           total=len(train), offset_s=off, timeline=timeline, interrupted=True)
+        raise ReplayInterrupted(res) from None
+    except Exception:
+        for m in mons.values():
+            m.close("failed")
+        raise
     ok = all([m.close("finished") for m in mons.values()])  # a list: close every rank
     log.debug("replayed %d steps and %d evaluations of %s as run %s", n, evals, path, run)
-    return ReplayResult(run=run, points=n, evals=evals, span_s=span, delivered=ok, ranks=arranged.ranks)
+    return ReplayResult(run=run, points=n, evals=evals, span_s=span, delivered=ok, ranks=arranged.ranks,
+                        total=len(train), offset_s=off, timeline=timeline)
