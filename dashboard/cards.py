@@ -25,7 +25,7 @@ import streamlit as st
 from dashboard import data
 from dashboard.common import client, fmt_age, fmt_gpu_hours, fmt_int, fmt_usd, to_datetime, viewer_tz
 from detectors import recommendations as recommendation_store
-from detectors.advisor import Recommendation
+from detectors.advisor import Recommendation, fmt_cost
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.exceptions import ConfigError
 
@@ -60,8 +60,8 @@ def _cost_line(cost: Mapping[str, Any]) -> str:
     """``26.8 GPU-h · $67.11`` (GPU-hours only without a price; "step time unknown" without them)."""
     if cost.get("gpu_hours") is None:
         return "step time unknown"
-    usd = cost.get("usd")
-    return f"{fmt_gpu_hours(cost['gpu_hours'])} GPU-h" + (f" · {fmt_usd(usd)}" if usd is not None else "")
+    # The advisor's own formatter: the same figures as in the card's headline (its summary).
+    return fmt_cost(cost, unit="GPU-h", sep=" · ")
 
 
 def _per_hour(gpu_hours: float, usd: float | None) -> str:
@@ -100,7 +100,7 @@ def facts(rec: Mapping[str, Any]) -> list[str]:
     head = "**If rolled back**" if action == "wait" else "**Rolling back costs**"
     rollback = [head, f"{fmt_int(rec.get('recompute_steps', 0))} steps recomputed", _cost_line(cost)]
     if cost.get("wall_hours") is not None:
-        rollback.append(f"{cost['wall_hours']:.2f} h of the run's time")
+        rollback.append(f"{fmt_gpu_hours(cost['wall_hours'])} h of the run's time")  # as in the headline
 
     cont = rec.get("continue_cost") or {}
     keep = ["**Continuing costs**", f"{fmt_int(cont.get('wasted_steps_so_far', 0))} steps wasted so far",

@@ -18,8 +18,10 @@ HEATMAP_MAX_CELLS = 250_000
 #: Anomalies about the curves themselves: their step range is shaded on the loss/grad-norm panels.
 SHADED_KINDS = frozenset({"nan_inf", "loss_spike", "divergence"})
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
-#: The throughput-goodput band (badput) on the goodput chart.
+#: The shaded throughput-goodput gap on the goodput chart.
 BADPUT_FILL = "rgba(214,39,40,0.18)"
+#: Its legend entry: what the gap between the token curves is (docs/goodput.md, Rates).
+GAP_LEGEND = "gap = discarded tokens + pauses"
 #: A fixed colour per goodput ledger category, the same on every chart: productive green, every
 #: badput category its own hue (none green), so a band or bar keeps its colour as others come and go.
 CATEGORY_COLORS = {
@@ -188,10 +190,11 @@ def goodput_over_time(history: pd.DataFrame, tz: str | None = None, rate_window:
 
     From ``ledger_history``. Throughput = all tokens / seconds spent inside steps (what the
     framework prints); goodput = tokens of the steps that count / wall seconds. The shaded
-    gap between them is badput (pauses, start-up, checkpoints, recomputed steps), so goodput
-    is at most throughput. Goodput is drawn last and narrower, so where the two coincide
-    (no badput yet) it shows on top of the wider throughput line instead of under it. The
-    time axis is in ``tz`` (IANA name; UTC if None).
+    gap between them is tokens recomputed or discarded plus time outside steps (start-up,
+    checkpoints, restarts, hangs, idle), so goodput is at most throughput; badput inside steps
+    (straggler wait, data loading) lowers both alike and is not in the gap. Goodput is drawn
+    last and narrower, so where the two coincide (no gap yet) it shows on top of the wider
+    throughput line instead of under it. The time axis is in ``tz`` (IANA name; UTC if None).
 
     With ``rate_window`` (``"60s"``, ``"600s"``, ``"3600s"``) the ledger's rolling rates over
     that window are drawn too, as thin dotted lines in the same colours (what the job does
@@ -209,8 +212,9 @@ def goodput_over_time(history: pd.DataFrame, tz: str | None = None, rate_window:
         fig.add_trace(go.Scatter(x=x, y=history["goodput_tok_s"], name="goodput" + since, mode=mode,
                                  fill="tonexty", fillcolor=BADPUT_FILL, line={"color": "#2ca02c", "width": 2},
                                  hovertemplate="%{y:,.0f} tokens/s<extra>goodput" + since + "</extra>"))
-        # Legend entry for the shaded band only (no data of its own).
-        fig.add_trace(go.Scatter(x=[None], y=[None], name="gap = badput", mode="lines", fill="toself",
+        # Legend entry for the shaded band only (no data of its own). Not "badput": straggler wait,
+        # often the largest, slows both curves and never shows in this gap.
+        fig.add_trace(go.Scatter(x=[None], y=[None], name=GAP_LEGEND, mode="lines", fill="toself",
                                  fillcolor=BADPUT_FILL, line={"width": 0}, hoverinfo="skip"))
         if rate_col and f"{rate_col}throughput_tok_s" in history:
             span = WINDOW_NAMES.get(str(rate_window), str(rate_window))

@@ -10,13 +10,21 @@ import pandas as pd
 import redis
 import streamlit as st
 
+from dashboard import data
+
+# Costs are formatted by the advisor's functions, so the card's figures and the headline the
+# service wrote (detectors.advisor._fmt_cost) always agree.
+from detectors.advisor import fmt_gpu_hours, fmt_usd  # noqa: F401 - re-exported: the pages import them
 from trainhealth import config
+from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.text import plural  # noqa: F401 - re-exported: the pages import it from here
 
 #: Session-state key of the selected run id (set by ``app.py``, read by every page).
 RUN_KEY = "th_run"
 #: Session-state key of the resolved Redis URL (set by ``app.py``).
 URL_KEY = "th_redis_url"
+#: Session-state key: ``(run, status)`` as :func:`follow_run_status` last read it.
+STATUS_SEEN_KEY = "th_status_seen"
 
 NO_RUNS = ("No runs yet — start `trainhealth demo` or instrument a job with `collectors.Monitor` "
            "(and run `trainhealth serve` to aggregate it).")
@@ -114,30 +122,6 @@ def fmt_pct(x: Any) -> str:
     return "100%" if float(x) >= 99.95 else f"{float(x):.1f}%"
 
 
-def fmt_usd(x: Any) -> str:
-    """``12.3`` → ``$12.30``; from $1,000 without cents (``$1,235``), from $100k as ``$123k``."""
-    if x is None or not math.isfinite(float(x)):
-        return "—"
-    x = float(x)
-    if abs(x) >= 1e5:
-        return f"${x / 1e3:,.0f}k"
-    if abs(x) >= 1e3:
-        return f"${x:,.0f}"
-    return f"${x:,.2f}"
-
-
-def fmt_gpu_hours(x: Any) -> str:
-    """GPU-hours, compact: ``0.0312`` → ``0.03``, ``12.34`` → ``12.3``, ``1234.5`` → ``1,235``; missing → ``—``."""
-    if x is None or not math.isfinite(float(x)):
-        return "—"
-    x = float(x)
-    if abs(x) >= 1e3:
-        return f"{x:,.0f}"
-    if abs(x) >= 10:
-        return f"{x:,.1f}"
-    return f"{x:,.2f}"
-
-
 def fmt_age(seconds: float) -> str:
     """Seconds → ``42 s`` / ``3.5 min`` / ``2.0 h`` / ``3.1 d``."""
     if not math.isfinite(seconds):
@@ -173,6 +157,27 @@ def redis_trouble(exc: Exception) -> None:
                icon=":material/cloud_off:")
 
 
+# Three numbers answer "how good is this run" and on-call compared them as if they were one: the
+# KPI labels, tooltips and the token chart say which is which (definitions: docs/goodput.md).
+#: KPI label of ``goodput_pct``: the time-based goodput of Google's ML goodput.
+GOODPUT_TIME = "Goodput (time)"
+#: KPI label of ``goodput_tok_s`` (its delta slot says tokens/s).
+GOODPUT_TOKENS = "Goodput (tokens)"
+GOODPUT_TIME_HELP = ("Goodput (time) = productive seconds ÷ wall seconds since the run started: the productive "
+                     "share of wall time, as Google's ML goodput counts it. Every kind of badput lowers it, waits "
+                     "inside steps (straggler wait, data loading) included; the breakdown of wall time shows which.")
+GOODPUT_TOKENS_HELP = ("Goodput tokens/s = tokens of the steps the model keeps ÷ wall seconds since the run started. "
+                       "Throughput − goodput is tokens recomputed or discarded (redone, rolled-back or skipped steps) "
+                       "plus time outside steps (start-up, checkpoints, restarts, hangs, idle). Badput inside steps "
+                       "(straggler wait, data loading) slows throughput and goodput alike, so it is not in that gap: "
+                       "it shows in Goodput (time) and the breakdown of wall time.")
+THROUGHPUT_HELP = ("Throughput tokens/s = all tokens processed ÷ seconds spent inside steps (straggler and data "
+                   "waits, skipped steps and steps later redone included): the tokens/s a framework prints.")
+#: Under the throughput-vs-goodput chart: what its shaded gap is, and what it leaves out.
+TOKEN_GAP_NOTE = ("Shaded gap = tokens recomputed or discarded (redone, rolled-back, skipped steps) and time "
+                  "outside steps (start-up, checkpoints, restarts, hangs, idle). Straggler wait and data loading "
+                  "slow both curves alike, so they are not in the gap: see Goodput (time) and the badput by cause.")
+
 RATE_ROWS = {"throughput": "throughput_tok_s", "goodput": "goodput_tok_s"}
 RATE_HEADERS = {"60s": "last 1 min", "600s": "last 10 min", "3600s": "last 1 h"}
 
@@ -191,3 +196,36 @@ def rates_table(snap: dict) -> pd.DataFrame:
             row[header] = fmt_rate((rates.get(w) or {}).get(key))
         rows[label] = row
     return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def status_moved(seen: tuple[str, str] | None, run: str, status: str) -> bool:
+    """True when ``run``'s status differs from the one ``seen`` since the last full run (same run)."""
+    return seen is not None and seen[0] == run and seen[1] != status
+
+
+@st.fragment(run_every=DASHBOARD_REFRESH_S)
+def _watch_run_status(run: str) -> None:
+    try:
+        status = data.run_meta(client(), run).get("status") or "unknown"
+    except redis.RedisError:
+        return  # the page's own reads say that Redis is unreachable
+    moved = status_moved(st.session_state.get(STATUS_SEEN_KEY), run, status)
+    st.session_state[STATUS_SEEN_KEY] = (run, status)
+    if moved:
+        st.rerun(scope="app")
+
+
+def follow_run_status(run: str) -> None:
+    """Keep the sidebar's run picker in step with the status the page shows.
+
+    The picker's labels (``run · running · 8 ranks``) are drawn by the frame on full runs only,
+    while the pages' live fragments (and the sidebar's status line) re-read the run's meta every
+    ``DASHBOARD_REFRESH_S``: a run that ended while watched read ``finished`` on the page next
+    to ``running`` in the picker. This re-reads the same status as often and reruns the whole
+    app (so the frame redraws the picker from fresh meta) when it changes. Call it from page
+    code outside any fragment, so that it runs with the frame.
+    """
+    # A full run: the frame has just drawn the picker from fresh meta; the fragment's first read
+    # is the baseline, so a page switch or a click never triggers an extra rerun.
+    st.session_state.pop(STATUS_SEEN_KEY, None)
+    _watch_run_status(run)

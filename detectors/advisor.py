@@ -9,6 +9,7 @@ dashboard and exported by ``trainhealth advise``).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -196,12 +197,15 @@ class RollbackAdvisor:
         gpu_hour_usd: float | None,
         data_positions: Mapping[int, tuple[int | None, int | None]],
         history: Iterable[Anomaly],
+        first_step: int | None = None,
     ) -> Recommendation | None:
         """The recommendation for ``anomaly`` now, or None when it needs none.
 
         ``data_positions`` maps a step to ``(consumed_samples, batch_index)`` after it;
         ``history`` is every anomaly of the run (for healthy windows and repeated spikes);
-        ``step_s`` the median step time in seconds.
+        ``step_s`` the median step time in seconds; ``first_step`` the run's first step seen: a
+        condition there from the start had no healthy state and no data to blame, so the advice is
+        to fix the configuration, not to skip batches.
         """
         if not self.concerns(anomaly):
             return None
@@ -236,7 +240,14 @@ class RollbackAdvisor:
             + (f" (${world_size * gpu_hour_usd:,.0f}/h)" if gpu_hour_usd is not None else ""))
         options = self._options(anomaly, loss_trouble, current_step)
         waiting = anomaly.kind == "loss_spike" and anomaly.active and current_step - onset < self.recheck_steps
-        if chosen is None:
+        if first_step is not None and onset <= first_step and chosen is None:
+            action, summary = "none_possible", (
+                f"{anomaly.kind} from the run's first logged step ({onset}): there is no healthy state to roll back "
+                "to and no data to skip; fix the configuration (learning rate, initialisation, loss scaling, data "
+                "preprocessing) and restart from scratch")
+            reasoning.append("the condition was there from the first step seen, before any data could have caused "
+                             "it: skipping batches would not help")
+        elif chosen is None:
             action, summary = "none_possible", (
                 f"No checkpoint before step {onset}: restart from scratch or from the earliest checkpoint, "
                 f"skipping steps {skip_from}-{skip_to}")
@@ -324,8 +335,49 @@ class RollbackAdvisor:
         ]
 
 
+def _small(x: float, prefix: str = "") -> str:
+    """Below 10: two decimals, or two significant digits where those would round to 0 (0.0042)."""
+    if x == 0 or abs(x) >= 0.01:
+        return f"{prefix}{x:,.2f}"
+    return f"{prefix}{x:.{1 - math.floor(math.log10(abs(x)))}f}"
+
+
+def fmt_gpu_hours(x: Any) -> str:
+    """GPU-hours, compact: ``0.0042`` → ``0.0042``, ``0.0375`` → ``0.04``, ``12.34`` → ``12.3``,
+    ``1234.6`` → ``1,235``; missing → ``—``. The one format of GPU-hours everywhere (headline,
+    card, dashboard), so a tiny cost never reads as ``0.0`` next to ``0.04`` on the same card."""
+    if x is None or not math.isfinite(float(x)):
+        return "—"
+    x = float(x)
+    if abs(x) >= 1e3:
+        return f"{x:,.0f}"
+    if abs(x) >= 10:
+        return f"{x:,.1f}"
+    return _small(x)
+
+
+def fmt_usd(x: Any) -> str:
+    """USD, compact: ``0.004`` → ``$0.004``, ``0.09375`` → ``$0.09``, ``12.3`` → ``$12.30``, from $1,000
+    without cents (``$1,235``), from $100k as ``$123k``; missing → ``—``."""
+    if x is None or not math.isfinite(float(x)):
+        return "—"
+    x = float(x)
+    if abs(x) >= 1e5:
+        return f"${x / 1e3:,.0f}k"
+    if abs(x) >= 1e3:
+        return f"${x:,.0f}"
+    return _small(x, "$")
+
+
+def fmt_cost(c: Mapping[str, Any], unit: str = "GPU-hours", sep: str = ", ") -> str:
+    """GPU-hours and USD of a cost dict: ``0.04 GPU-hours, $0.09`` (``unit="GPU-h", sep=" · "`` on the
+    dashboard card); GPU-hours only without a price. Needs ``gpu_hours`` (not None)."""
+    usd = c.get("usd")
+    return f"{fmt_gpu_hours(c['gpu_hours'])} {unit}" + (f"{sep}{fmt_usd(usd)}" if usd is not None else "")
+
+
 def _fmt_cost(c: Mapping[str, Any]) -> str:
     if c.get("gpu_hours") is None:
         return f"{c.get('steps', 0)} steps (step time unknown)"
-    money = f", ${c['usd']:,.0f}" if c.get("usd") is not None else ""
-    return f"{c['gpu_hours']:,.1f} GPU-hours{money}, {c['wall_hours']:.2f} h of the run's time"
+    # Wall hours in the same compact hours format: a short recompute is 0.0047 h, not 0.00 h.
+    return f"{fmt_cost(c)}, {fmt_gpu_hours(c['wall_hours'])} h of the run's time"

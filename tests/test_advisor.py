@@ -9,7 +9,7 @@ import redis
 
 from collectors import Monitor
 from detectors import recommendations
-from detectors.advisor import Checkpoint, RollbackAdvisor
+from detectors.advisor import Checkpoint, RollbackAdvisor, fmt_cost, fmt_gpu_hours, fmt_usd
 from detectors.anomaly import Anomaly
 from detectors.hang import HangDetector
 from detectors.service import DetectorService
@@ -37,6 +37,23 @@ def test_young_open_spike_waits_then_rolls_back() -> None:
     assert late.continue_cost["wasted_steps_so_far"] == 51 and late.continue_cost["usd_per_hour"] == 2560.0
     # data positions: samples after step 2409 and after step 2710, extrapolated from the checkpoints
     assert late.skip_samples == (2410 * 256, 2711 * 256) and late.skip_batches == (2410, 2711)
+
+
+def test_cost_texts_use_one_format_for_small_and_large_costs() -> None:
+    # 1 GPU at $2/h, 1 s steps: 251 steps = 0.0697 GPU-hours = $0.139 (was "0.1 GPU-hours, $0").
+    rec = RollbackAdvisor().advise(Anomaly("divergence", "critical", 400, "d"), run="r",
+                                   checkpoints=[Checkpoint(299)], current_step=550, step_s=1.0, world_size=1,
+                                   gpu_hour_usd=2.0, data_positions={}, history=[])
+    assert rec.summary.endswith("recomputes 251 steps (0.07 GPU-hours, $0.14, 0.07 h of the run's time)")
+    assert rec.reasoning[-1].startswith("rollback recomputes 251 steps (1 s/step, 1 GPUs): 0.07 GPU-hours, $0.14, "
+                                        "0.07 h of the run's time; continuing wastes every step from 400 on (151 so "
+                                        "far, 0.04 GPU-hours, $0.08, 0.04 h of the run's time)")
+    assert [fmt_gpu_hours(x) for x in (0.0, 0.00022, 0.0042, 0.0375, 0.5, 9.071, 12.34, 1234.6, None)] == [
+        "0.00", "0.00022", "0.0042", "0.04", "0.50", "9.07", "12.3", "1,235", "—"]
+    assert [fmt_usd(x) for x in (0.00056, 0.0939, 12.3, 1234.5, 123_456.0, float("nan"))] == [
+        "$0.00056", "$0.09", "$12.30", "$1,234", "$123k", "—"]
+    assert fmt_cost({"gpu_hours": 183.2, "usd": 458.0}) == "183.2 GPU-hours, $458.00"
+    assert fmt_cost({"gpu_hours": 0.0375, "usd": None}, unit="GPU-h", sep=" · ") == "0.04 GPU-h"
 
 
 def test_checkpoint_near_an_earlier_spike_is_passed_over() -> None:

@@ -418,7 +418,7 @@ def test_downsample_keeps_small_matrix_and_ignores_nan() -> None:
 
 def test_goodput_chart_goodput_on_top_of_throughput(seeded: redis.Redis) -> None:
     fig = charts.goodput_over_time(data.ledger_history(seeded, RUN), "UTC")
-    assert [t.name for t in fig.data] == ["throughput", "goodput", "gap = badput"]
+    assert [t.name for t in fig.data] == ["throughput", "goodput", "gap = discarded tokens + pauses"]
     thr, good, band = fig.data
     # Goodput is drawn after (over) the wider throughput line and fills the gap down from it.
     assert (thr.line.width, good.line.width) == (4, 2) and good.fill == "tonexty" and thr.fill is None
@@ -461,19 +461,24 @@ def test_overview_kpis_and_charts(seeded: redis.Redis, redis_url: str) -> None:
     assert at.session_state["th_run"] == RUN
     assert at.query_params["run"] == RUN
     assert metrics(at) == {
-        "Step": ("12", "restart gen 1"),
         "Throughput": ("679", "tokens/s"),  # 14 × 4,096 tokens / 84.5 s inside steps
-        "Goodput": ("492", "tokens/s"),  # 12 × 4,096 kept tokens / 100 s wall
-        "Goodput %": ("71.5%", "productive time"),
+        "Goodput (tokens)": ("492", "tokens/s"),  # 12 × 4,096 kept tokens / 100 s wall
+        "Goodput (time)": ("71.5%", "productive time"),
         "Active anomalies": ("2", "of 4 · 1 critical"),
         "Badput cost": ("$0.08", "at $2.5/GPU-h"),
     }
+    helps = {m.label: m.help for m in at.metric}
+    assert helps["Goodput (time)"].startswith("Goodput (time) = productive seconds ÷ wall seconds since the run "
+                                              "started: the productive share of wall time")
+    assert helps["Goodput (tokens)"].startswith("Goodput tokens/s = tokens of the steps the model keeps ÷ wall "
+                                                "seconds since the run started. Throughput − goodput is tokens "
+                                                "recomputed or discarded")
     assert not at.warning  # the service heartbeat is fresh and every step is aggregated: no banner
     figs = figures(at)
     assert len(figs) == 3
     curves, goodput, badput = figs
     assert [t["name"] for t in curves["data"]][-2:] == ["checkpoint save", "checkpoint load"]
-    assert [t["name"] for t in goodput["data"]] == ["throughput", "goodput", "gap = badput"]
+    assert [t["name"] for t in goodput["data"]] == ["throughput", "goodput", "gap = discarded tokens + pauses"]
     assert arr(goodput["data"][0]["y"]) == THROUGHPUT
     assert arr(goodput["data"][1]["y"]) == GOODPUT
     assert goodput["data"][1]["x"][-1] == "2026-11-30T00:55:00.000000"  # T0 + 100 s, UTC in AppTest
@@ -487,6 +492,10 @@ def test_overview_kpis_and_charts(seeded: redis.Redis, redis_url: str) -> None:
     assert [c.value for c in at.main.caption] == [
         "status **running** · step 12 ended " + at.main.caption[0].value.split(" ended ")[1].split(" ago")[0]
         + " ago · 4/4 ranks reported it · restart generation 1 · $2.5/GPU-hour · refreshes every 2 s",
+        # Under the token chart: its gap is not all badput (straggler wait never shows in it).
+        "Shaded gap = tokens recomputed or discarded (redone, rolled-back, skipped steps) and time outside steps "
+        "(start-up, checkpoints, restarts, hangs, idle). Straggler wait and data loading slow both curves alike, "
+        "so they are not in the gap: see Goodput (time) and the badput by cause.",
         "Productive: 71.5 s of 100.0 s wall time · 1 restart · 12 logged steps kept of 14 done",
         "0.0 s: straggler wait, skipped steps, wasted progress from rollback, hang, idle"]
     sidebar = [c.value for c in at.sidebar.caption]
@@ -591,7 +600,7 @@ def test_run_link_picker_and_page_switch_keep_the_run(seeded: redis.Redis) -> No
     assert any("No aggregated steps yet" in i.value for i in at.info)
     at.sidebar.selectbox[0].select("empty-run").run()
     assert at.session_state["th_run"] == "empty-run" and at.query_params["run"] == "empty-run"
-    assert metrics(at)["Step"] == ("—", None)
+    assert "Step" not in metrics(at)  # the status line names the step: the room goes to the goodput labels
     assert metrics(at)["Badput time"] == ("—", "no price set")
     at.query_params.clear()  # a sidebar page switch clears the URL's query string
     at.switch_page("pages/anomalies.py").run()
@@ -788,16 +797,15 @@ def test_replayed_run_overview(seeded: redis.Redis) -> None:
     at = app(run=REPLAY)
     assert not at.exception
     assert metrics(at) == {
-        "Step": ("1,400", None),
         "Throughput": ("n/a", "no token counts"),
-        "Goodput": ("n/a", "no token counts"),
-        "Goodput %": ("92.4%", "productive time"),
+        "Goodput (tokens)": ("n/a", "no token counts"),
+        "Goodput (time)": ("92.4%", "productive time"),
         "Active anomalies": ("0", "of 0 total"),
         "Badput time": ("115 s", "no price set"),  # 1,512.8 - 1,398 s
     }
     assert [i.value for i in at.info] == [
         "No token counts in this run (e.g. a replayed log without them), so there is no throughput or goodput "
-        "in tokens/s. Goodput % and the badput breakdown still apply."]
+        "in tokens/s. Goodput (time) and the badput breakdown still apply."]
     assert not at.warning  # the service is up and a replay's heartbeat names no step to compare
     figs = figures(at)
     assert len(figs) == 2  # curves and badput: no tokens/s chart of zeros
@@ -899,3 +907,74 @@ def test_anomalies_kpi_counts_resolved_restarts(seeded: redis.Redis) -> None:
     assert not at.exception
     assert metrics(at)["Active anomalies"] == ("0", "of 3 total")
     assert at.sidebar.selectbox[0].options[1] == "empty-run · running · 8 ranks"
+
+
+# --- the caveat of a paced replay or an assumed timeline ------------------------------------------------
+
+PACED = ("Replayed from `megatron_deepspeed_104b_overflow_excerpt.log` at 100x: rates are per second of replay "
+         "(the log's own rates are 100x lower).")
+
+
+def test_replay_info_reads_pace_and_timeline(seeded: redis.Redis, dr: redis.Redis) -> None:
+    seed_replay(seeded)
+    assert data.replay_info(seeded, REPLAY) is None  # a replay from before these fields: nothing claimed
+    assert data.replay_info(seeded, RUN) is None  # a live job
+    seeded.hset(run_keys(REPLAY).meta, mapping={"replay_speed": "100.0", "timeline": "assumed",
+                                                "assumed_step_s": "2.5"})
+    expected = {"source": "hf_trocr_large_gradnorm.trainer_state.json", "speed": 100.0, "timeline": "assumed",
+                "assumed_step_s": 2.5}
+    assert data.replay_info(seeded, REPLAY) == expected
+    assert data.replay_info(dr, REPLAY) == expected
+
+
+def test_replay_caveat_texts() -> None:
+    def info(speed: float, timeline: str, step: float | None = 1.0) -> dict:
+        return {"source": "x.log", "speed": speed, "timeline": timeline, "assumed_step_s": step}
+
+    assert frame.replay_caveat(None) is None
+    assert frame.replay_caveat(info(0.0, "logged")) is None  # at once on the log's own timeline: its own rates
+    assert frame.replay_caveat(info(1.0, "logged")) is None  # real time: the log's own rates too
+    assert frame.replay_caveat(info(0.5, "logged")) == (
+        "Replayed from `x.log` at 0.5x: rates are per second of replay (the log's own rates are 2x higher).")
+    assert frame.replay_caveat(info(0.0, "assumed")) == (
+        "Replayed from `x.log`; the log has no step times: the timeline assumes 1 s per step, so goodput and "
+        "rates are not measured.")
+    assert frame.replay_caveat(info(10.0, "partly assumed", 2.0)) == (
+        "Replayed from `x.log` at 10x: rates are per second of replay (the log's own rates are 10x lower). Some "
+        "of the log's steps have no step time: those assume 2 s per step, so goodput and rates are only partly "
+        "measured.")
+
+
+@pytest.mark.parametrize("page", ["app.py", "pages/goodput.py", "pages/ranks.py", "pages/anomalies.py",
+                                  "pages/alerts.py"])
+def test_paced_replay_caveat_on_every_page(seeded: redis.Redis, page: str) -> None:
+    # `trainhealth replay megatron_deepspeed_104b_overflow_excerpt.log --speed 100`: step times logged
+    seed_replay(seeded)
+    seeded.hset(run_keys(REPLAY).meta, mapping={"source": "replay:megatron_deepspeed_104b_overflow_excerpt.log",
+                                                "replay_speed": "100.0", "timeline": "logged"})
+    at = app(run=REPLAY)
+    if page != "app.py":
+        at.switch_page(page).run()
+    assert not at.exception
+    assert at.info[0].value == PACED
+    assert at.info[0].proto.icon == ":material/history:"
+    assert [i.value for i in at.info].count(PACED) == 1
+
+
+def test_assumed_timeline_caveat_and_none_for_a_logged_replay_at_once(seeded: redis.Redis) -> None:
+    seed_replay(seeded)
+    k = run_keys(REPLAY)
+    seeded.hset(k.meta, mapping={"replay_speed": "0.0", "timeline": "assumed", "assumed_step_s": "1.0"})
+    at = app(run=REPLAY)
+    assert not at.exception
+    caveats = [i.value for i in at.info if i.value.startswith("Replayed from")]
+    assert caveats == [
+        "Replayed from `hf_trocr_large_gradnorm.trainer_state.json`; the log has no step times: the timeline "
+        "assumes 1 s per step, so goodput and rates are not measured."]
+    assert at.info[0].value == caveats[0]  # on top, before the page's own notes
+    seeded.hset(k.meta, "timeline", "logged")
+    seeded.hdel(k.meta, "assumed_step_s")
+    st.cache_data.clear()
+    at = app(run=REPLAY)
+    assert not at.exception
+    assert not [i.value for i in at.info if i.value.startswith("Replayed from")]

@@ -150,21 +150,20 @@ def test_dashboard_in_chromium(dashboard: tuple[str, threading.Event], r: redis.
             page.goto(f"{base}/?run={RUN}")
 
             # KPIs: label → value, read from the rendered metric cards.
-            expect(page.locator('[data-testid="stMetricValue"]')).to_have_count(6)
-            assert _kpis(page) == {"Step": "12", "Throughput": "679", "Goodput": "492", "Goodput %": "71.5%",
+            expect(page.locator('[data-testid="stMetricValue"]')).to_have_count(5)
+            assert _kpis(page) == {"Throughput": "679", "Goodput (tokens)": "492", "Goodput (time)": "71.5%",
                                    "Active anomalies": "2", "Badput cost": "$0.08"}
             # Units and the counts sit in the cards' grey/red sub-line.
             deltas = [d.strip() for d in page.locator('[data-testid="stMetricDelta"]').all_inner_texts()]
-            assert deltas == ["restart gen 1", "tokens/s", "tokens/s", "productive time", "of 4 · 1 critical",
-                              "at $2.5/GPU-h"]
+            assert deltas == ["tokens/s", "tokens/s", "productive time", "of 4 · 1 critical", "at $2.5/GPU-h"]
             # Nothing in a KPI card is cut off with an ellipsis.
             assert _overflowing(page, '[data-testid="stMetricValue"] div, [data-testid="stMetricDelta"] div') == []
             expect(page.locator(".js-plotly-plot")).to_have_count(3)
             expect(page.get_by_text("Throughput vs goodput (tokens/s, since start)")).to_be_visible()
             # Legends: the goodput chart's three entries, the checkpoint markers' entries on the curves.
-            for name in ("throughput", "goodput", "gap = badput", "checkpoint save", "checkpoint load", "restart",
-                         "critical anomaly", "warning anomaly"):
-                entry = page.locator('text.legendtext, text.legend2text', has_text=re.compile(f"^{name}$"))
+            for name in ("throughput", "goodput", "gap = discarded tokens + pauses", "checkpoint save",
+                         "checkpoint load", "restart", "critical anomaly", "warning anomaly"):
+                entry = page.locator('text.legendtext, text.legend2text', has_text=re.compile(f"^{re.escape(name)}$"))
                 expect(entry).to_have_count(1)
             expect(page.get_by_text("Detector service not running")).to_have_count(0)
             assert f"run={RUN}" in page.url
@@ -214,8 +213,8 @@ def test_replayed_run_in_chromium(dashboard: tuple[str, threading.Event]) -> Non
             page = browser.new_page(viewport={"width": 1366, "height": 1400}, timezone_id="UTC")
             page.set_default_timeout(UI_TIMEOUT_MS)
             page.goto(f"{base}/?run={REPLAY}")
-            expect(page.locator('[data-testid="stMetricValue"]')).to_have_count(6)
-            assert _kpis(page) == {"Step": "1,400", "Throughput": "n/a", "Goodput": "n/a", "Goodput %": "92.4%",
+            expect(page.locator('[data-testid="stMetricValue"]')).to_have_count(5)
+            assert _kpis(page) == {"Throughput": "n/a", "Goodput (tokens)": "n/a", "Goodput (time)": "92.4%",
                                    "Active anomalies": "0", "Badput time": "115 s"}
             assert _overflowing(page, '[data-testid="stMetricValue"] div, [data-testid="stMetricDelta"] div') == []
             expect(page.get_by_text("700 logged steps kept of 700 done")).to_be_visible()
@@ -248,7 +247,7 @@ def test_live_refresh_survives_a_redis_restart(own_redis: Any, tmp_path: Path) -
             page = browser.new_page(viewport={"width": 1366, "height": 1000})
             page.set_default_timeout(UI_TIMEOUT_MS)
             page.goto(f"{base}/?run={RUN}")
-            expect(page.locator('[data-testid="stMetricValue"]').first).to_have_text("12")
+            expect(page.locator('[data-testid="stMetricValue"]').first).to_have_text("679")
             own_redis.stop()
             expect(page.get_by_text(re.compile(r"Redis is unreachable at .*Retrying on the next refresh"))
                    ).to_be_visible()
@@ -257,6 +256,6 @@ def test_live_refresh_survives_a_redis_restart(own_redis: Any, tmp_path: Path) -
             seed_run(client)
             client.close()
             expect(page.get_by_text("Redis is unreachable")).to_have_count(0)
-            expect(page.locator('[data-testid="stMetricValue"]').first).to_have_text("12")
+            expect(page.locator('[data-testid="stMetricValue"]').first).to_have_text("679")
         finally:
             browser.close()

@@ -223,6 +223,10 @@ def badput_s(i: int = 2) -> dict[str, float]:
     return {c: v for c, v in SECONDS[i].items() if c != "productive"}
 
 
+#: The caption under each throughput-vs-goodput chart.
+GAP_NOTE = ("Shaded gap = tokens recomputed or discarded (redone, rolled-back, skipped steps) and time outside "
+            "steps (start-up, checkpoints, restarts, hangs, idle). Straggler wait and data loading slow both curves "
+            "alike, so they are not in the gap: see Goodput (time) and the badput by cause.")
 GPU_H_PER_S = WORLD / 3600.0
 #: The final snapshot's causes of badput, most expensive first (custom split into its names).
 CAUSES = [("wasted_progress_from_rollback", "wasted_progress_from_rollback", 240.0),
@@ -348,6 +352,31 @@ def test_card_facts_status_line_and_exports(seeded: dict) -> None:
     assert cards._cost_line({"steps": 3, "gpu_hours": None}) == "step time unknown"
 
 
+def test_card_headline_and_facts_format_a_small_cost_alike(r: redis.Redis, redis_url: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A demo-sized rollback (8 GPUs, 0.1 s steps): the headline said 0.0 GPU-hours, $0 beside 0.04 GPU-h · $0.09."""
+    spike = Anomaly("divergence", "critical", 200, "diverging")
+    rec = RollbackAdvisor().advise(spike, run=RUN, checkpoints=[Checkpoint(99)], current_step=268, step_s=0.1,
+                                   world_size=8, gpu_hour_usd=PRICE, data_positions={}, history=[spike])
+    # 169 steps x 0.1 s x 8 GPUs / 3600 = 0.0376 GPU-hours, x $2.5 = $0.094; 69 wasted = 0.015 GPU-h = $0.038.
+    assert rec.summary == ("Roll back to the checkpoint of step 99 and skip the batches of steps 100-400: "
+                           "recomputes 169 steps (0.04 GPU-hours, $0.09, 0.0047 h of the run's time)")
+    facts = cards.facts(rec.to_dict())
+    assert facts[2] == ("**Rolling back costs**  \n169 steps recomputed  \n0.04 GPU-h · $0.09  \n"
+                        "0.0047 h of the run's time")
+    assert facts[3].split("  \n")[2] == "0.02 GPU-h · $0.04"
+    # Below a hundredth: two significant digits instead of 0.00 (1 step of 0.1 s on 8 GPUs).
+    assert cards._cost_line({"gpu_hours": 8 * 0.1 / 3600, "usd": 8 * 0.1 / 3600 * PRICE}) == "0.00022 GPU-h · $0.00056"
+    store(r, rec, "proposed", T0 + 3000, T0 + 3590)
+    r.zadd(RUNS, {RUN: T0})
+    r.hset(run_keys(RUN).meta, mapping={"name": RUN, "world_size": "8", "status": "running", "started_at": repr(T0)})
+    service_beat(r)
+    monkeypatch.setenv("TRAINHEALTH_REDIS_URL", redis_url)
+    at = goodput_page()
+    assert card_summaries(at) == [rec.summary]
+    assert facts[2] in markdowns(at) and facts[3] in markdowns(at)  # the card shows the same figures
+
+
 # --- the Goodput page (AppTest) ----------------------------------------------------------------
 
 def test_goodput_page_kpis_rates_and_summary(seeded: dict) -> None:
@@ -356,12 +385,27 @@ def test_goodput_page_kpis_rates_and_summary(seeded: dict) -> None:
     # 2,710 of 3,600 s productive; 313 steps x 524,288 tokens in 3,130 s of steps; 289 kept in 3,600 s;
     # 890 s of badput x 64 GPUs / 3600 = 15.8 GPU-h, x $2.5 = $39.56.
     assert metrics(at) == {
-        "Goodput %": ("75.3%", "productive time"),
-        "Goodput": ("42,089", "tokens/s · whole run"),
+        "Goodput (time)": ("75.3%", "productive time"),
+        "Goodput (tokens)": ("42,089", "tokens/s · whole run"),
         "Throughput": ("52,429", "tokens/s · whole run"),
         "Badput cost": ("$39.56", "at $2.5/GPU-h"),
         "Badput GPU-h": ("15.8", "of 64.0 GPU-h"),
     }
+    # Each says what it is: the time share, the kept tokens per wall second, and what the gap leaves out.
+    helps = {m.label: m.help for m in at.metric}
+    assert helps["Goodput (time)"] == (
+        "Goodput (time) = productive seconds ÷ wall seconds since the run started: the productive share of wall "
+        "time, as Google's ML goodput counts it. Every kind of badput lowers it, waits inside steps (straggler wait, "
+        "data loading) included; the breakdown of wall time shows which.")
+    assert helps["Goodput (tokens)"] == (
+        "Goodput tokens/s = tokens of the steps the model keeps ÷ wall seconds since the run started. Throughput − "
+        "goodput is tokens recomputed or discarded (redone, rolled-back or skipped steps) plus time outside steps "
+        "(start-up, checkpoints, restarts, hangs, idle). Badput inside steps (straggler wait, data loading) slows "
+        "throughput and goodput alike, so it is not in that gap: it shows in Goodput (time) and the breakdown of "
+        "wall time.")
+    assert helps["Throughput"] == (
+        "Throughput tokens/s = all tokens processed ÷ seconds spent inside steps (straggler and data waits, skipped "
+        "steps and steps later redone included): the tokens/s a framework prints.")
     rates = at.dataframe[0].value
     assert list(rates.columns) == ["whole run", "last 1 min", "last 10 min", "last 1 h"]
     assert rates.to_dict("index") == {
@@ -400,13 +444,14 @@ def test_goodput_page_charts(seeded: dict) -> None:
 
     tokens = figs["tokens"]
     assert [t["name"] for t in tokens["data"]] == [
-        "throughput · since start", "goodput · since start", "gap = badput", "throughput · last 1 min",
-        "goodput · last 1 min"]
+        "throughput · since start", "goodput · since start", "gap = discarded tokens + pauses",
+        "throughput · last 1 min", "goodput · last 1 min"]
     assert arr(tokens["data"][3]["y"]) == [52_428.8, 52_428.8, 51_200.0]
     assert arr(tokens["data"][4]["y"]) == [52_428.8, 0.0, 26_214.4]
     assert arr(tokens["data"][1]["y"]) == pytest.approx([96 * TOKENS_PER_STEP / 1200, 196 * TOKENS_PER_STEP / 2400,
                                                          289 * TOKENS_PER_STEP / 3600])
 
+    assert GAP_NOTE in [c.value for c in at.main.caption]  # under the token chart
     cost = figs["cost"]["data"][0]
     # Most expensive on top (Plotly draws the first bar at the bottom); custom split into its names.
     assert cost["y"] == [charts.label(c) for c, *_ in reversed(CAUSES)]
@@ -441,7 +486,7 @@ def test_goodput_page_cards_and_acknowledge(seeded: dict, r: redis.Redis) -> Non
     # Open recommendations, newest proposal first; the dismissed one has no card.
     assert card_summaries(at) == [wait.summary, rollback.summary]
     assert rollback.summary == ("Roll back to the checkpoint of step 149 and skip the batches of steps 150-450: "
-                                "recomputes 151 steps (26.8 GPU-hours, $67, 0.42 h of the run's time)")
+                                "recomputes 151 steps (26.8 GPU-hours, $67.11, 0.42 h of the run's time)")
     heads = [t for t in markdowns(at) if "-badge[" in t]
     assert heads == [
         ":orange-badge[:material/hourglass_top: Wait] :blue-badge[proposed] **Loss spike at step 290** · now step 300",
@@ -593,8 +638,8 @@ def test_goodput_page_and_recommendation_card_in_chromium(r: redis.Redis, redis_
             page.set_default_timeout(_BROWSER["UI_TIMEOUT_MS"])
             page.goto(f"{base}/goodput?run={RUN}")
             expect(page.locator('[data-testid="stMetricValue"]')).to_have_count(5)
-            assert _BROWSER["_kpis"](page) == {"Goodput %": "75.3%", "Goodput": "42,089", "Throughput": "52,429",
-                                               "Badput cost": "$39.56", "Badput GPU-h": "15.8"}
+            assert _BROWSER["_kpis"](page) == {"Goodput (time)": "75.3%", "Goodput (tokens)": "42,089",
+                                               "Throughput": "52,429", "Badput cost": "$39.56", "Badput GPU-h": "15.8"}
             assert _BROWSER["_overflowing"](
                 page, '[data-testid="stMetricValue"] div, [data-testid="stMetricDelta"] div') == []
             nav = page.locator('[data-testid="stSidebarNav"] a').all_inner_texts()
@@ -633,6 +678,53 @@ def test_goodput_page_and_recommendation_card_in_chromium(r: redis.Redis, redis_
             expect(shown).to_have_count(1)
         finally:
             browser.close()
+
+
+def test_run_picker_follows_the_page_when_the_run_ends_in_chromium(r: redis.Redis, redis_url: str,
+                                                                   tmp_path: Path) -> None:
+    """A run that ends while watched: the picker's label says finished with the page, no page switch needed
+    (the picker is drawn on full runs only, the page's status by its 2 s live fragment)."""
+    from playwright.sync_api import expect, sync_playwright
+
+    _BROWSER["_require_chromium"]()
+    seed(r, t0=time.time() - 3600, recs=False)
+    with (_BROWSER["_service_alive"](r), _BROWSER["_streamlit"](redis_url, tmp_path) as base,
+          sync_playwright() as pw):
+        browser = _BROWSER["_launch"](pw)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000}, timezone_id="UTC")
+            page.set_default_timeout(_BROWSER["UI_TIMEOUT_MS"])
+            page.goto(f"{base}/?run={RUN}")
+            picker = page.locator('[data-testid="stSidebar"] input[aria-label="Run"]')
+            status = page.locator('[data-testid="stMain"] [data-testid="stCaptionContainer"]').first
+            expect(status).to_contain_text("status running")
+            expect(picker).to_have_value(f"{RUN} · running · 64 ranks")
+            r.hset(run_keys(RUN).meta, "status", "finished")
+            expect(status).to_contain_text("status finished")
+            expect(picker).to_have_value(f"{RUN} · finished · 64 ranks", timeout=10_000)
+            expect(page.locator('[data-testid="stSidebar"] [data-testid="stCaptionContainer"]').first).to_contain_text(
+                "finished · 64 ranks")
+            # On the Goodput page too (it shows no status line: the picker follows the run's meta).
+            page.locator('[data-testid="stSidebarNav"]').get_by_text("Goodput", exact=True).click()
+            expect(page.locator('[data-testid="stMetricValue"]')).to_have_count(5)
+            r.hset(run_keys(RUN).meta, "status", "crashed")
+            expect(picker).to_have_value(f"{RUN} · crashed · 64 ranks", timeout=10_000)
+        finally:
+            browser.close()
+
+
+def test_status_moved_only_for_a_change_of_the_same_run() -> None:
+    from dashboard.common import status_moved
+
+    assert [status_moved(None, RUN, "finished"), status_moved((RUN, "running"), RUN, "running"),
+            status_moved((RUN, "running"), RUN, "finished"), status_moved(("other", "running"), RUN, "finished")] == [
+        False, False, True, False]
+
+
+def test_pages_note_the_status_the_picker_was_drawn_with(seeded: dict) -> None:
+    at = goodput_page()
+    assert at.session_state["th_status_seen"] == (RUN, "running")
+    assert at.sidebar.selectbox[0].options == [f"{RUN} · running · 64 ranks"]
 
 
 def test_rates_table_says_when_a_window_is_longer_than_the_run() -> None:

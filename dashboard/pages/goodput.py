@@ -1,6 +1,6 @@
 """Goodput page: where the run's wall time and money went, from the goodput ledger (docs/goodput.md).
 
-KPIs (goodput %, goodput and throughput tokens/s for the whole run and the last 1 min /
+KPIs (goodput as a share of time, goodput and throughput tokens/s for the whole run and the last 1 min /
 10 min / 1 h, badput cost in USD and GPU-hours), the breakdown of wall time by ledger
 category over time, throughput vs goodput over time, and what each cause of badput cost;
 and the rollback advisor's open recommendations (:mod:`dashboard.cards`) under the KPIs.
@@ -18,6 +18,12 @@ import streamlit as st
 
 from dashboard import cards, charts, data
 from dashboard.common import (
+    GOODPUT_TIME,
+    GOODPUT_TIME_HELP,
+    GOODPUT_TOKENS,
+    GOODPUT_TOKENS_HELP,
+    THROUGHPUT_HELP,
+    TOKEN_GAP_NOTE,
     URL_KEY,
     client,
     fmt_age,
@@ -26,6 +32,7 @@ from dashboard.common import (
     fmt_pct,
     fmt_rate,
     fmt_usd,
+    follow_run_status,
     get_client,
     plural,
     rates_table,
@@ -74,21 +81,19 @@ def badput_gpu_hours(snap: dict) -> tuple[float, float]:
 
 
 def kpis(snap: dict, meta: dict) -> None:
-    """Goodput %, goodput and throughput (tokens/s, whole run), badput cost (USD) and GPU-hours."""
+    """Goodput (time), goodput and throughput (tokens/s, whole run), badput cost (USD) and GPU-hours."""
     tokens = data.has_token_counts(snap)
     unit = {"delta_color": "gray", "delta_arrow": "off", "border": True}
     no_tokens = " The run reported no token counts, so there is no tokens/s."
     cols = st.columns(5)
-    cols[0].metric("Goodput %", fmt_pct(snap.get("goodput_pct")), delta="productive time", **unit,
-                   help="Productive seconds / wall seconds since the run started (goodput ledger).")
-    cols[1].metric("Goodput", fmt_rate(snap.get("goodput_tok_s")) if tokens else "n/a",
+    cols[0].metric(GOODPUT_TIME, fmt_pct(snap.get("goodput_pct")), delta="productive time", **unit,
+                   help=GOODPUT_TIME_HELP)
+    cols[1].metric(GOODPUT_TOKENS, fmt_rate(snap.get("goodput_tok_s")) if tokens else "n/a",
                    delta="tokens/s · whole run" if tokens else "no token counts", **unit,
-                   help="Tokens of the steps the model keeps / wall seconds since the run started."
-                        + ("" if tokens else no_tokens))
+                   help=GOODPUT_TOKENS_HELP + ("" if tokens else no_tokens))
     cols[2].metric("Throughput", fmt_rate(snap.get("throughput_tok_s")) if tokens else "n/a",
                    delta="tokens/s · whole run" if tokens else "no token counts", **unit,
-                   help="All tokens processed / seconds spent inside steps (what the framework prints)."
-                        + ("" if tokens else no_tokens))
+                   help=THROUGHPUT_HELP + ("" if tokens else no_tokens))
     price = snap.get("gpu_hour_usd") or meta.get("gpu_hour_usd")
     cost = snap.get("badput_cost_usd")
     if cost is not None:
@@ -152,6 +157,7 @@ def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str) -> None:
             fig = charts.goodput_over_time(hist, tz, rate_window="60s")
             fig.update_layout(uirevision=run)
             st.plotly_chart(fig, config={"displaylogo": False}, key="tokens")
+            st.caption(TOKEN_GAP_NOTE)
         else:
             st.info("No token counts in this run, so there is no throughput or goodput in tokens/s; the "
                     "breakdown of wall time above still applies.", icon=":material/info:")
@@ -217,4 +223,5 @@ def live(run: str) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · goodput")
+    follow_run_status(run)  # the picker's run status follows the page's
     live(run)

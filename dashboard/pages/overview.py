@@ -12,6 +12,12 @@ import streamlit as st
 
 from dashboard import cards, charts, data
 from dashboard.common import (
+    GOODPUT_TIME,
+    GOODPUT_TIME_HELP,
+    GOODPUT_TOKENS,
+    GOODPUT_TOKENS_HELP,
+    THROUGHPUT_HELP,
+    TOKEN_GAP_NOTE,
     URL_KEY,
     anomaly_delta,
     client,
@@ -21,6 +27,7 @@ from dashboard.common import (
     fmt_pct,
     fmt_rate,
     fmt_usd,
+    follow_run_status,
     get_client,
     plural,
     redis_trouble,
@@ -44,50 +51,42 @@ def _ledger_history(url: str, run: str) -> pd.DataFrame:
     return data.ledger_history(get_client(url), run)
 
 
-def kpis(steps: pd.DataFrame, snap: dict | None, anomalies: pd.DataFrame, meta: dict) -> None:
-    """The KPI strip: step, throughput, goodput, goodput %, anomalies (active of total), badput cost."""
-    last = steps.iloc[-1] if not steps.empty else None
-    step = last["step"] if last is not None else (snap or {}).get("last_step")
+def kpis(snap: dict | None, anomalies: pd.DataFrame, meta: dict) -> None:
+    """The KPI strip: throughput, goodput (tokens/s and time), anomalies (active of total), badput cost.
+
+    No step card: the status line right above names the newest step and restart generation, and
+    the room goes to labels that say which goodput is which (``Goodput (tokens)`` and
+    ``Goodput (time)`` with their help icons do not fit six cards at 1,366 px)."""
     active = anomalies[anomalies["status"] == "active"] if not anomalies.empty else anomalies
     n_crit = int((active["severity"] == "critical").sum()) if not active.empty else 0
     tokens = data.has_token_counts(snap)
     snap = snap or {}
-    gen = int(last["gen"]) if last is not None and pd.notna(last["gen"]) else 0
-    # Short labels and compact values so six cards fit a 1,366 px screen; units go in the
+    # Short labels and compact values so five cards fit a 1,366 px screen; units go in the
     # grey sub-line (the metric's delta slot, arrow off).
     unit = {"delta_color": "gray", "delta_arrow": "off", "border": True}
-    cols = st.columns(6)
-    cols[0].metric("Step", fmt_int(step), delta=f"restart gen {gen}" if gen > 0 else None,
-                   **unit, help="Newest step aggregated across ranks by the detector service "
-                                "(gen = restarts so far).")
+    cols = st.columns(5)
     no_tokens = "The run reported no token counts (e.g. a replayed log without them), so there is no tokens/s."
-    cols[1].metric("Throughput", fmt_rate(snap.get("throughput_tok_s")) if tokens else "n/a",
+    cols[0].metric("Throughput", fmt_rate(snap.get("throughput_tok_s")) if tokens else "n/a",
                    delta="tokens/s" if tokens else "no token counts", **unit,
-                   help="Tokens processed / seconds spent inside steps (data and straggler waits, skipped "
-                        "steps and steps later redone included): the tokens/s a framework prints while it trains."
-                        + ("" if tokens else " " + no_tokens))
-    cols[2].metric("Goodput", fmt_rate(snap.get("goodput_tok_s")) if tokens else "n/a",
+                   help=THROUGHPUT_HELP + ("" if tokens else " " + no_tokens))
+    cols[1].metric(GOODPUT_TOKENS, fmt_rate(snap.get("goodput_tok_s")) if tokens else "n/a",
                    delta="tokens/s" if tokens else "no token counts", **unit,
-                   help="Tokens of the steps the model keeps / wall time since the run started. Below "
-                        "throughput by every kind of badput: pauses, start-up, checkpoints, redone steps."
-                        + ("" if tokens else " " + no_tokens))
-    cols[3].metric("Goodput %", fmt_pct(snap.get("goodput_pct")), delta="productive time", **unit,
-                   help="Share of wall time spent on productive training (goodput ledger), as Google's "
-                        "goodput % counts it: waits inside steps (data, stragglers) and skipped steps are not "
-                        "productive, so it can sit well below goodput / throughput.")
+                   help=GOODPUT_TOKENS_HELP + ("" if tokens else " " + no_tokens))
+    cols[2].metric(GOODPUT_TIME, fmt_pct(snap.get("goodput_pct")), delta="productive time", **unit,
+                   help=GOODPUT_TIME_HELP)
     # "Active anomalies" fits a 1,366 px card only without a help icon. The total counts resolved
     # anomalies too, restarts included (they are recorded already resolved).
     total = len(anomalies)
-    cols[4].metric("Active anomalies", str(len(active)), delta=anomaly_delta(total, n_crit),
+    cols[3].metric("Active anomalies", str(len(active)), delta=anomaly_delta(total, n_crit),
                    delta_color="red" if n_crit else "gray", delta_arrow="off", border=True)
     cost = snap.get("badput_cost_usd")
     if cost is not None:
         price = snap.get("gpu_hour_usd") or meta.get("gpu_hour_usd")
-        cols[5].metric("Badput cost", fmt_usd(cost), delta=f"at ${price:g}/GPU-h" if price else None, **unit,
+        cols[4].metric("Badput cost", fmt_usd(cost), delta=f"at ${price:g}/GPU-h" if price else None, **unit,
                        help="USD spent on badput: non-productive wall time × ranks × the GPU-hour price.")
     else:
         badput_s = (snap.get("wall_s") or math.nan) - ((snap.get("seconds") or {}).get("productive") or 0.0)
-        cols[5].metric("Badput time", fmt_duration(badput_s), delta="no price set", **unit,
+        cols[4].metric("Badput time", fmt_duration(badput_s), delta="no price set", **unit,
                        help="Wall time not spent productively. Set `gpu_hour_usd` on the Monitor for USD cost.")
 
 
@@ -138,7 +137,7 @@ def live(run: str) -> None:
         return
 
     status_line(steps, meta)
-    kpis(steps, snap, anomalies, meta)
+    kpis(snap, anomalies, meta)
 
     if steps.empty:
         st.info("No aggregated steps yet for this run. The detector service (`trainhealth serve`) writes "
@@ -154,12 +153,13 @@ def live(run: str) -> None:
             st.info("No goodput ledger snapshots yet.", icon=":material/hourglass_empty:")
         elif not data.has_token_counts(snap):
             st.info("No token counts in this run (e.g. a replayed log without them), so there is no "
-                    "throughput or goodput in tokens/s. Goodput % and the badput breakdown still apply.",
+                    "throughput or goodput in tokens/s. Goodput (time) and the badput breakdown still apply.",
                     icon=":material/info:")
         else:
             fig = charts.goodput_over_time(history, viewer_tz())
             fig.update_layout(uirevision=run)
             st.plotly_chart(fig, config={"displaylogo": False}, key="goodput")
+            st.caption(TOKEN_GAP_NOTE)
     with right:
         if snap:
             breakdown = data.badput_seconds(snap)
@@ -181,5 +181,6 @@ def live(run: str) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · overview")
+    follow_run_status(run)  # the picker's run status follows the page's
     cards.recommendation_cards(run, "overview")
     live(run)
