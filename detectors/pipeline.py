@@ -98,6 +98,9 @@ class RunPipeline:
         # step -> (consumed_samples, batch_index) after it; the newest 100,000 steps.
         self.positions: OrderedDict[int, tuple[int | None, int | None]] = OrderedDict()
         self.current_step = 0
+        #: The first step seen (None before any): a condition from there on had no healthy state before it.
+        self.first_step: int | None = None
+        self._resumed = False  # the first step followed a checkpoint load: not the start of training
         self._last_advice = -(10**9)
         self._prev_end: tuple[int, float, int] | None = None
         #: Exceptions raised by a detector (or the advisor), by its class name. A bug in one detector must
@@ -169,6 +172,8 @@ class RunPipeline:
             if self.ended_ranks >= set(range(self.world_size)):
                 self.ledger.add_event(ev)
                 return self._run_ended()
+        elif ev.kind == "checkpoint_load" and self.first_step is None:
+            self._resumed = True
         elif ev.kind == "checkpoint_save" and ev.step is not None and ev.step not in self.checkpoints:
             pos = self.positions.get(ev.step, (None, None))
             self.checkpoints[ev.step] = Checkpoint(ev.step, *pos)
@@ -234,6 +239,8 @@ class RunPipeline:
             self.hang.observe_step(dur, agg.gen)
             self._prev_end = (agg.gen, agg.t_end, agg.step)
             self.current_step = agg.step
+            if self.first_step is None:
+                self.first_step = agg.step
             if agg.consumed_samples is not None or agg.batch_index is not None:
                 self.positions[agg.step] = (agg.consumed_samples, agg.batch_index)
                 if len(self.positions) > 100_000:
@@ -269,6 +276,7 @@ class RunPipeline:
                 a, run=self.run, checkpoints=self.checkpoints.values(), current_step=self.current_step,
                 step_s=self.hang.median_step_s, world_size=self.world_size, gpu_hour_usd=self.ledger.gpu_hour_usd,
                 data_positions=self.positions, history=self.anomalies.values(),
+                first_step=None if self._resumed else self.first_step,
             )
         except Exception:
             self._failed(self.advisor, self.current_step)

@@ -121,6 +121,11 @@ def test_all_nan_word_lm_is_critical_and_exits_1(real_logs: Path) -> None:
     assert math.fsum(g["ledger"]["seconds"].values()) == pytest.approx(end, abs=1e-4)
     rec = f["recommendations"][0]
     assert rec["anomaly_id"] == a["id"] == "nan_inf:*:200:0"
+    # NaN from the first logged step on: no data to blame, so no batches to skip.
+    assert (rec["action"], rec["summary"]) == ("none_possible", (
+        "nan_inf from the run's first logged step (200): there is no healthy state to roll back to and no data to "
+        "skip; fix the configuration (learning rate, initialisation, loss scaling, data preprocessing) and restart "
+        "from scratch"))
 
 
 def test_bad_file_exits_2_with_one_line_naming_file_entry_and_field(tmp_path: Path, real_logs: Path) -> None:
@@ -143,7 +148,8 @@ def test_bad_file_exits_2_with_one_line_naming_file_entry_and_field(tmp_path: Pa
     # A critical finding in another file wins: the gate must not read it as a mere input error.
     out = cli(jsonl, real_logs / WORD_LM)
     assert out.returncode == 1
-    assert out.stdout.endswith("2 file(s) analysed: 1 anomaly, 1 critical, 1 file(s) not readable → exit 1\n")
+    assert out.stdout.endswith("1 file(s) analysed: 1 anomaly, 1 critical; 1 file(s) not readable → exit 1\n")
+    assert out.stdout.count(f"  ERROR      {jsonl}: line 2 field 'loss' is not a number: 'x'\n") == 1
     # Usage errors: a malformed --map, an unknown format.
     out = cli(real_logs / TINYLLAMA, "--map", "loss")
     assert (out.returncode, out.stderr) == (2, "trainhealth: error: --map 'loss' is not FIELD=COLUMN (e.g. "

@@ -760,8 +760,8 @@ def format_text(reports: list[FileReport]) -> str:
     crit = sum(r.critical for r in reports)
     failed = sum(r.error is not None for r in reports)
     status = exit_status(reports)
-    verdict = (f"{len(reports)} file(s) analysed: {n_anom} anomal{'y' if n_anom == 1 else 'ies'}, {crit} critical"
-               + (f", {failed} file(s) not readable" if failed else "") + f" → exit {status}")
+    verdict = (f"{len(reports) - failed} file(s) analysed: {n_anom} anomal{'y' if n_anom == 1 else 'ies'}, "
+               f"{crit} critical" + (f"; {failed} file(s) not readable" if failed else "") + f" → exit {status}")
     lines.append(verdict)
     return "\n".join(lines) + "\n"
 
