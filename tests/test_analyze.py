@@ -303,3 +303,17 @@ def test_huge_numbers_and_bad_step_seconds_are_one_line_errors(tmp_path: Path) -
         assert (out.returncode, out.stdout, out.stderr) == (2, "", f"trainhealth: error: --step-seconds={shown} must "
                                                                    "be a number of seconds > 0 and at most 86400 (one "
                                                                    "day)\n")
+
+
+def test_a_reader_that_left_ends_it_quietly(real_logs: Path) -> None:
+    """`trainhealth analyze --json ... | head`: the pipe's reader is gone; no BrokenPipeError traceback."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "analyze", "--json", str(real_logs / TROCR)],
+                             stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert (out.returncode, out.stderr) == (141, "")

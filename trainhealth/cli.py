@@ -604,10 +604,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+        return status
     except TrainHealthError as exc:
         print(f"trainhealth: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `trainhealth advise --json | head`: the reader left; end quietly, as Unix tools do
+        # (https://docs.python.org/3/library/signal.html#note-on-sigpipe).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

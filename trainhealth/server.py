@@ -53,6 +53,9 @@ def free_port(preferred: int = 0) -> int:
     """A free TCP port on 127.0.0.1: ``preferred`` if free, else one the OS picks."""
     for port in ((preferred, 0) if preferred else (0,)):
         with socket.socket() as s:
+            # As the servers we start bind (redis-server, Streamlit's tornado): a port left in TIME_WAIT by
+            # a server that just stopped is free for them, so it is free here too.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
