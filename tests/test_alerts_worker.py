@@ -394,6 +394,9 @@ def test_cli_silences_deadletters_check_and_doctor(r: redis.Redis, redis_url: st
     doctor = cli("doctor")
     assert doctor.returncode == 1  # no detector service, no alert worker while alert state exists
     assert "Alert worker: NOT RUNNING (no live heartbeat)" in doctor.stdout
+    r.hset("th:{alerts}:sinks", "bot", json.dumps({"type": "webhook", "consecutive_failures": 0, "delivered": 3}))
+    assert "Sink bot (webhook): ok when a worker last sent; last success never, 3 delivered, 0 dead" in cli(
+        "doctor").stdout
     assert "Outbox: 1 pending, 0 dead letters, 0 alert groups" in doctor.stdout  # the requeued one
 
 

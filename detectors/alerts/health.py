@@ -56,6 +56,8 @@ def doctor_report(client: redis.Redis, now: float | None = None) -> tuple[list[s
         fails = int(st.get("consecutive_failures") or 0)
         paused = float(st.get("paused_until") or 0)
         state = "ok" if fails < FAILING_AFTER else f"FAILING ({fails} in a row: {st.get('last_error', '')})"
+        if not leaders:  # nothing is sending: the state is history, not health
+            state = f"{state} when a worker last sent"
         if fails >= FAILING_AFTER:
             ok = False
         extra = f", rate-limited for {paused - now:.0f} s more" if paused > now else ""
