@@ -17,7 +17,7 @@ from dashboard import data
 from detectors.advisor import fmt_gpu_hours, fmt_usd  # noqa: F401 - re-exported: the pages import them
 from trainhealth import config
 from trainhealth.defaults import DASHBOARD_REFRESH_S
-from trainhealth.text import plural  # noqa: F401 - re-exported: the pages import it from here
+from trainhealth.text import fmt_age, plural  # noqa: F401 - re-exported: the pages import them from here
 
 #: Session-state key of the selected run id (set by ``app.py``, read by every page).
 RUN_KEY = "th_run"
@@ -120,20 +120,6 @@ def fmt_pct(x: Any) -> str:
     if x is None or not math.isfinite(float(x)):
         return "—"
     return "100%" if float(x) >= 99.95 else f"{float(x):.1f}%"
-
-
-def fmt_age(seconds: float) -> str:
-    """Seconds → ``42 s`` / ``3.5 min`` / ``2.0 h`` / ``3.1 d``."""
-    if not math.isfinite(seconds):
-        return "—"
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
 
 
 def fmt_duration(seconds: Any) -> str:

@@ -19,6 +19,7 @@ from collectors.monitor import Monitor
 from detectors.offline import arrange, step_seconds_error
 from trainhealth.exceptions import ConfigError, InputFormatError
 from trainhealth.keys import validate_run_id
+from trainhealth.text import fmt_age
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +100,12 @@ def plan(points: Sequence[LogPoint], step_seconds: float = 1.0) -> ReplayPlan:
 
 
 def fmt_seconds(seconds: float) -> str:
-    """A span for a person: ``42 s``, ``12.5 min``, ``7.1 h``, ``29.4 days``.
+    """A span for a person: ``42 s``, ``12.5 min``, ``7.1 h``, ``29.4 days`` (:func:`trainhealth.text.fmt_age`).
 
     >>> fmt_seconds(42.2), fmt_seconds(750), fmt_seconds(25427.07), fmt_seconds(2542707.4)
     ('42 s', '12.5 min', '7.1 h', '29.4 days')
     """
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
+    return fmt_age(seconds, day=" days")
 
 
 def plan_line(pl: ReplayPlan, name: str, run: str, speed: float, step_seconds: float = 1.0) -> str:

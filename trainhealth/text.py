@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -14,3 +15,23 @@ def plural(n: Any, word: str, many: str | None = None) -> str:
     """
     count = int(n)
     return f"{count:,} {word if count == 1 else (many or word + 's')}"
+
+
+def fmt_age(seconds: float, day: str = " d") -> str:
+    """A span for a person: ``42 s``, ``12.5 min``, ``7.1 h``, ``29.4 d`` (``day=" days"``: ``29.4 days``).
+
+    Negative spans count as 0; a non-finite one is ``—``.
+
+    >>> fmt_age(42.2), fmt_age(750), fmt_age(25427.07), fmt_age(2542707.4, day=" days"), fmt_age(math.nan)
+    ('42 s', '12.5 min', '7.1 h', '29.4 days', '—')
+    """
+    if not math.isfinite(seconds):
+        return "—"
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f}{day}"
