@@ -129,6 +129,8 @@ class _Run:
     status: str = "running"
     meta_checked: float = 0.0
     dirty: bool = True
+    #: A replayed log (meta ``source`` = ``replay:…``): the wait between its paced pushes is not the job's.
+    replay: bool = False
 
 
 class DetectorService:
@@ -262,7 +264,8 @@ class DetectorService:
         price = meta.get("gpu_hour_usd")
         pipeline = RunPipeline(int(meta.get("world_size", 1)), float(price) if price else None,
                                hang=self.hang_factory(), run=keys.run)
-        run = _Run(keys, pipeline, status=meta.get("status", "running"))
+        run = _Run(keys, pipeline, status=meta.get("status", "running"),
+                   replay=meta.get("source", "").startswith("replay:"))
         if "started_at" in meta:
             pipeline.ledger.note_start(float(meta["started_at"]))
         for key, raw in self.client.hgetall(keys.anomalies).items():
@@ -506,8 +509,9 @@ class DetectorService:
                 self.runs.pop(run_id)
                 continue
             if now - run.meta_checked >= 5.0:
-                fields = ("status", "world_size", "gpu_hour_usd")
+                fields = ("status", "world_size", "gpu_hour_usd", "source")
                 meta = {k: _s(v) for k, v in zip(fields, self.client.hmget(run.keys.meta, fields), strict=False) if v}
+                run.replay = run.replay or meta.get("source", "").startswith("replay:")
                 if meta.get("status") and meta["status"] != run.status:
                     run.status, run.dirty = meta["status"], True
                 if meta.get("world_size"):
@@ -537,7 +541,9 @@ class DetectorService:
         ledger = run.pipeline.ledger
         if ledger.last_activity is None:
             return
-        at = now if run.status == "running" else ledger.last_activity
+        # A live job's ledger runs to now (an open gap is idle, then hang); a finished run's, and a replay's
+        # (the wait between its paced pushes is the replay's pace, not the job's time), end at its last activity.
+        at = now if run.status == "running" and not run.replay else ledger.last_activity
         snap = ledger.snapshot(at)
         body = json.dumps(snap)
         pipe.set(run.keys.ledger_latest, body)

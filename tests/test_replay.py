@@ -248,6 +248,27 @@ def test_an_interrupted_replay_stops_the_ledger_at_its_last_step(tmp_path: Path,
     assert anomalies(r, "cut") == {}
 
 
+def test_a_paced_replay_waiting_between_pushes_is_not_charged_as_a_hang(tmp_path: Path, r: redis.Redis) -> None:
+    # The service looks while the replay waits (status still "running"): the ledger ends at the replay's last
+    # record, not at the service's clock, so its pacing never shows as idle or hang time of the job.
+    log = _untimed_csv(tmp_path / "slow.csv", 6)
+    now = [1_000.0]
+    seen: list[dict] = []
+
+    def sleep(s: float) -> None:
+        if now[0] > 1_000.25 and not seen:
+            time.sleep(0.6)  # the sender's 0.25 s flush: the first records reach Redis
+            svc = drain(r)
+            svc._tick(time.time() + 600)
+            seen.append(json.loads(r.get("th:{paced2}:ledger:latest")))
+        now[0] += s
+
+    replay(log, r, run="paced2", speed=10, clock=lambda: now[0], sleep=sleep)
+    (snap,) = seen
+    assert snap["t"] == pytest.approx(1_000.3)  # the third record's end (0.1 s per assumed step at 10x)
+    assert (snap["seconds"].get("hang", 0.0), snap["seconds"].get("idle", 0.0)) == (0.0, 0.0)
+
+
 def test_paced_replay_reports_progress_while_it_waits(tmp_path: Path, r: redis.Redis) -> None:
     log = tmp_path / "gap.csv"
     log.write_text("step,loss\n1,3.0\n2,2.9\n100,2.5\n")  # steps 1, 2 and 100 end at 1, 2 and 100 s (assumed)
