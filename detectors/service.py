@@ -15,6 +15,7 @@ import gc
 import importlib
 import json
 import logging
+import math
 import operator
 import os
 import signal
@@ -33,7 +34,7 @@ from detectors.anomaly import Anomaly
 from detectors.hang import HangDetector
 from detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth import defaults
-from trainhealth.events import Event, decode_event, decode_step_rows
+from trainhealth.events import MAX_RANKS, Event, decode_event, decode_step_rows
 from trainhealth.keys import RUNS, RunKeys, run_keys, service_heartbeat
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0
 _LAZY_IMPORTS = ("sklearn.ensemble",)
 #: A run whose newest heartbeat or step is older than this is not watched for hangs any more.
 RUN_INACTIVE_S = 6 * 3600.0
+#: Errors that mean Redis itself is away: the loop backs off and rebuilds, no run is to blame.
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 def _sid(entry_id: bytes | str) -> tuple[int, int]:
@@ -189,6 +192,10 @@ class DetectorService:
         self.malformed = 0
         self._stop = threading.Event()
         self._last_tick = 0.0
+        #: Runs whose processing raised (a bug, or garbage no decoder catches): run -> (retry at, errors).
+        #: Quarantined alone, so every other run goes on; retried (rebuilt from the streams) after a while.
+        self.broken: dict[str, tuple[float, int]] = {}
+        self._warned: set[str] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -247,31 +254,79 @@ class DetectorService:
         """Take runs of ``th:runs`` that no other live service owns (rebuilding their state first)."""
         for raw in self.client.zrange(RUNS, 0, -1):
             run = _s(raw)
-            if run in self.runs:
+            if run in self.runs or self.broken.get(run, (0.0, 0))[0] > time.monotonic():
                 continue
             try:
                 keys = run_keys(run)
             except ValueError:
-                log.warning("ignoring run with invalid id %r in %s", run, RUNS)
+                self._warn_once(f"id:{run}", "ignoring run with invalid id %r in %s", run, RUNS)
                 continue
             taken = self.client.set(keys.owner, self.consumer, nx=True, ex=self.lease_s)
             if not taken and _s(self.client.get(keys.owner) or b"") != self.consumer:
                 continue  # another service processes this run
-            self.runs[run] = self._attach(keys)
+            try:
+                self.runs[run] = self._attach(keys)
+            except _REDIS_DOWN:
+                raise
+            except Exception as exc:
+                self._quarantine(run, "rebuilding its state", exc)
+            else:
+                self.broken.pop(run, None)
+
+    def _quarantine(self, run: str, doing: str, exc: Exception) -> None:
+        """Set ``run`` aside after an unexpected error, so the other runs go on; retried later."""
+        _, n = self.broken.get(run, (0.0, 0))
+        self.broken[run] = (time.monotonic() + defaults.RUN_RETRY_S, n + 1)
+        self.runs.pop(run, None)
+        if n == 0 or (n + 1) % 10 == 0:  # the traceback once, then every 10th retry
+            log.error("run %s: error while %s (%d so far): %s; set aside, retried in %.0f s from its streams; the "
+                      "other runs go on", run, doing, n + 1, exc, defaults.RUN_RETRY_S, exc_info=exc)
+        with contextlib.suppress(redis.RedisError):  # another service (a fixed version) may take it meanwhile
+            if _s(self.client.get(run_keys(run).owner) or b"") == self.consumer:
+                self.client.delete(run_keys(run).owner)
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned and len(self._warned) < 10_000:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def _meta_num(self, run: str, meta: dict[str, str], name: str, kind: type, ok: Callable[[Any], bool]) -> Any:
+        """``meta[name]`` as ``kind`` when present and ``ok``; else None, warned once per run and field."""
+        raw = meta.get(name)
+        if not raw:
+            return None
+        try:
+            v = kind(raw)
+            if ok(v):
+                return v
+        except (TypeError, ValueError, OverflowError):
+            pass
+        self._warn_once(f"meta:{run}:{name}:{raw}", "run %s: ignoring field %r = %r of th:{%s}:meta (not a valid "
+                        "value)", run, name, raw, run)
+        return None
 
     def _attach(self, keys: RunKeys) -> _Run:
         meta = {_s(k): _s(v) for k, v in self.client.hgetall(keys.meta).items()}
-        price = meta.get("gpu_hour_usd")
-        pipeline = RunPipeline(int(meta.get("world_size", 1)), float(price) if price else None,
-                               hang=self.hang_factory(), run=keys.run)
+        world = self._meta_num(keys.run, meta, "world_size", int, lambda v: 1 <= v <= MAX_RANKS)
+        price = self._meta_num(keys.run, meta, "gpu_hour_usd", float, lambda v: 0 <= v < math.inf)
+        pipeline = RunPipeline(world or 1, price, hang=self.hang_factory(), run=keys.run)
         run = _Run(keys, pipeline, status=meta.get("status", "running"),
                    replay=meta.get("source", "").startswith("replay:"))
-        if "started_at" in meta:
-            pipeline.ledger.note_start(float(meta["started_at"]))
-        for key, raw in self.client.hgetall(keys.anomalies).items():
-            run.stored[_s(key)] = json.loads(raw)
-        for key, raw in self.client.hgetall(keys.recommendations).items():
-            run.stored_recs[_s(key)] = json.loads(raw)
+        started = self._meta_num(keys.run, meta, "started_at", float, math.isfinite)
+        if started is not None:
+            pipeline.ledger.note_start(started)
+        # What is stored is compared with what the replay recomputes: an unreadable entry is rewritten.
+        for store, key in ((run.stored, keys.anomalies), (run.stored_recs, keys.recommendations)):
+            for field_, raw in self.client.hgetall(key).items():
+                try:
+                    value = json.loads(raw)
+                except ValueError:
+                    value = None
+                if isinstance(value, dict):
+                    store[_s(field_)] = value
+                else:
+                    self._warn_once(f"stored:{key}:{_s(field_)}", "run %s: entry %r of %s is not a JSON object; "
+                                    "it is rewritten if the run still has it", keys.run, _s(field_), key)
         last = self.client.xrevrange(keys.agg, count=1)
         if last:
             run.last_agg = _sid(last[0][0])
@@ -340,7 +395,14 @@ class DetectorService:
         for run_id, batch in by_run.items():
             run = self.runs[run_id]
             pipe = self.client.pipeline(transaction=True)
-            self._process(run, batch, pipe)
+            try:
+                self._process(run, batch, pipe)
+            except _REDIS_DOWN:
+                raise
+            except Exception as exc:
+                # Not acknowledged: the entries stay pending and are replayed when the run is retried.
+                self._quarantine(run_id, f"processing entries {batch[0][0][0]}-{batch[0][0][1]}..", exc)
+                continue
             for stream in run.keys.input_streams:
                 if ids.get(stream):
                     pipe.xack(stream, self.group, *ids[stream])
@@ -495,47 +557,70 @@ class DetectorService:
         log.info("run %s: %s %s %s", run.keys.run, transitions[-1], a.severity, a.message)
 
     # -- timed work ---------------------------------------------------------------------------------
+    def _errors(self) -> dict[str, dict[str, int]]:
+        """Per run: exceptions of its detectors, and of the service itself for a run set aside."""
+        out = {run_id: dict(run.pipeline.detector_errors) for run_id, run in self.runs.items()
+               if run.pipeline.detector_errors}
+        for run_id, (_, n) in self.broken.items():
+            out.setdefault(run_id, {})["DetectorService"] = n
+        return out
+
     def _tick(self, now: float) -> None:
         self.client.set(service_heartbeat(self.consumer),
                         json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": now,
                                     "runs": len(self.runs), "processed": self.processed,
-                                    "malformed": self.malformed, "detector_errors": {
-                                        run_id: dict(run.pipeline.detector_errors)
-                                        for run_id, run in self.runs.items() if run.pipeline.detector_errors}}),
+                                    "malformed": self.malformed, "detector_errors": self._errors()}),
                         ex=defaults.SERVICE_HEARTBEAT_TTL_S)
         for run_id, run in list(self.runs.items()):
             if not self._renew(keys=[run.keys.owner], args=[self.consumer, self.lease_s]):
                 log.warning("run %s: lease lost to another service; no longer processing it", run_id)
                 self.runs.pop(run_id)
                 continue
-            if now - run.meta_checked >= 5.0:
-                fields = ("status", "world_size", "gpu_hour_usd", "source")
-                meta = {k: _s(v) for k, v in zip(fields, self.client.hmget(run.keys.meta, fields), strict=False) if v}
-                run.replay = run.replay or meta.get("source", "").startswith("replay:")
-                if meta.get("status") and meta["status"] != run.status:
-                    run.status, run.dirty = meta["status"], True
-                if meta.get("world_size"):
-                    run.pipeline.set_world_size(int(meta["world_size"]))
-                if meta.get("gpu_hour_usd"):
-                    run.pipeline.ledger.gpu_hour_usd = float(meta["gpu_hour_usd"])
-                run.meta_checked = now
-            pipe = self.client.pipeline(transaction=True)
-            out = run.pipeline.flush_stale(now)
-            self._write(run, out, pipe)
-            if run.status == "running":
-                hbs = {}
-                for rank, raw in self.client.hgetall(run.keys.heartbeats).items():
-                    try:
-                        hbs[int(_s(rank))] = json.loads(raw)
-                    except ValueError:
-                        continue
-                newest = max((float(h.get("t") or 0) for h in hbs.values()), default=0.0)
-                if hbs and now - newest < RUN_INACTIVE_S:
-                    for a in run.pipeline.check_heartbeats(now, hbs):
-                        self._write_anomaly(run, a, pipe)
-            if (run.dirty or run.status == "running") and now - run.last_snapshot >= self.snapshot_interval:
-                self._snapshot(run, now, pipe)
-            pipe.execute()
+            try:
+                self._tick_run(run, now)
+            except _REDIS_DOWN:
+                raise
+            except Exception as exc:
+                self._quarantine(run_id, "checking heartbeats and writing the ledger", exc)
+
+    def _tick_run(self, run: _Run, now: float) -> None:
+        if now - run.meta_checked >= 5.0:
+            fields = ("status", "world_size", "gpu_hour_usd", "source")
+            meta = {k: _s(v) for k, v in zip(fields, self.client.hmget(run.keys.meta, fields), strict=False) if v}
+            run.replay = run.replay or meta.get("source", "").startswith("replay:")
+            if meta.get("status") and meta["status"] != run.status:
+                run.status, run.dirty = meta["status"], True
+            world = self._meta_num(run.keys.run, meta, "world_size", int, lambda v: 1 <= v <= MAX_RANKS)
+            if world is not None:
+                run.pipeline.set_world_size(world)
+            price = self._meta_num(run.keys.run, meta, "gpu_hour_usd", float, lambda v: 0 <= v < math.inf)
+            if price is not None:
+                run.pipeline.ledger.gpu_hour_usd = price
+            run.meta_checked = now
+        pipe = self.client.pipeline(transaction=True)
+        out = run.pipeline.flush_stale(now)
+        self._write(run, out, pipe)
+        if run.status == "running":
+            hbs = {}
+            for rank, raw in self.client.hgetall(run.keys.heartbeats).items():
+                try:
+                    r, hb = int(_s(rank)), json.loads(raw)
+                    t = float(hb["t"])
+                except (ValueError, TypeError, KeyError, OverflowError):
+                    hb, t = None, math.nan
+                if not (isinstance(hb, dict) and math.isfinite(t) and 0 <= r < MAX_RANKS):
+                    self._warn_once(f"hb:{run.keys.run}:{_s(rank)}", "run %s: ignoring heartbeat %r = %r of %s (not "
+                                    "a JSON object with a time 't')", run.keys.run, _s(rank), _s(raw)[:80],
+                                    run.keys.heartbeats)
+                    continue
+                hbs[r] = {**hb, "t": t}
+            newest = max((h["t"] for h in hbs.values()), default=0.0)
+            if hbs and now - newest < RUN_INACTIVE_S:
+                for a in run.pipeline.check_heartbeats(now, hbs):
+                    self._write_anomaly(run, a, pipe)
+        if (run.dirty or run.status == "running") and now - run.last_snapshot >= self.snapshot_interval:
+            self._snapshot(run, now, pipe)
+        pipe.execute()
 
     def _snapshot(self, run: _Run, now: float, pipe: Any) -> None:
         ledger = run.pipeline.ledger

@@ -336,3 +336,100 @@ def test_one_bad_record_costs_only_itself_not_its_entry(r: redis.Redis, caplog) 
         f"run one: skipping malformed record in entry {entry} in th:{{one}}:steps: record 3: field 'tokens' has "
         "non-numeric value nan"]
     assert svc.malformed == 1
+
+
+def test_garbage_in_a_runs_keys_never_stops_the_service(r: redis.Redis, caplog) -> None:
+    """Garbage meta fields, heartbeats and stored anomalies are warned about once and ignored; steps beyond
+    2^53 are malformed records (they would be stream ids the agg stream refuses); the run is still processed."""
+    import logging
+
+    write_run(r, "junk", range(0, 30))
+    r.hset("th:{junk}:meta", mapping={"world_size": "eight", "gpu_hour_usd": "two dollars", "started_at": "x"})
+    r.hset("th:{junk}:hb", mapping={"0": "[1,2]", "1": '{"t": "yesterday"}'})
+    r.hset("th:{junk}:anomalies", "x:1", "{not json")
+    big = r.xadd("th:{junk}:steps", {"rank": 0, "n": 1, "recs": json.dumps(
+        [{"rank": 0, "step": 10**30, "inc": T0, "t": T0 + 50}])}).decode()
+    r.zadd("th:runs", {"ünïcode run": T0})
+    svc = DetectorService(r, consumer="j", clock=lambda: T0 + 45, hang_factory=lambda: HangDetector(floor_s=1e9))
+    with caplog.at_level(logging.WARNING, logger="detectors.service"):
+        drain(svc)
+        svc._tick(T0 + 46)
+        svc._tick(T0 + 52)
+        drain(svc)
+    assert [int(f[b"step"]) for _, f in r.xrange("th:{junk}:agg")] == list(range(30))
+    assert svc.broken == {} and "junk" in svc.runs
+    msgs = [rec.getMessage() for rec in caplog.records if rec.name == "detectors.service"]
+    for want in (
+        "run junk: ignoring field 'world_size' = 'eight' of th:{junk}:meta (not a valid value)",
+        "run junk: ignoring field 'gpu_hour_usd' = 'two dollars' of th:{junk}:meta (not a valid value)",
+        "run junk: entry 'x:1' of th:{junk}:anomalies is not a JSON object; it is rewritten if the run still has it",
+        "run junk: ignoring heartbeat '0' = '[1,2]' of th:{junk}:hb (not a JSON object with a time 't')",
+        f"run junk: skipping malformed record in entry {big} in th:{{junk}}:steps: record 0: field 'step' is "
+        "1000000000000000000000000000000, beyond +-9,007,199,254,740,991",
+        "ignoring run with invalid id 'ünïcode run' in th:runs",
+    ):
+        assert msgs.count(want) == 1, (want, msgs)
+
+
+def test_a_run_whose_processing_raises_is_set_aside_and_the_others_go_on(r: redis.Redis, caplog,
+                                                                         monkeypatch) -> None:
+    import logging
+
+    from detectors.aggregate import StepAggregator
+
+    real = StepAggregator.add_row
+
+    def buggy(self, row):  # type: ignore[no-untyped-def]
+        if self.world_size == 3:  # only the run "sick" has 3 ranks
+            raise RuntimeError("aggregator bug")
+        return real(self, row)
+
+    monkeypatch.setattr(StepAggregator, "add_row", buggy)
+    write_run(r, "sick", range(0, 10), world=3)
+    write_run(r, "well", range(0, 10))
+    svc = DetectorService(r, consumer="q", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
+    with caplog.at_level(logging.ERROR, logger="detectors.service"):
+        drain(svc)
+    assert r.xlen("th:{well}:agg") == 10 and r.xlen("th:{sick}:agg") == 0
+    assert "sick" not in svc.runs and svc.broken["sick"][1] == 1
+    (err,) = [rec for rec in caplog.records if rec.name == "detectors.service" and rec.levelno == logging.ERROR]
+    assert err.getMessage().startswith("run sick: error while ")
+    assert err.getMessage().endswith(": aggregator bug; set aside, retried in 60 s from its streams; the other "
+                                     "runs go on")
+    assert r.xpending("th:{sick}:steps", "th-detectors")["pending"] > 0  # kept for the retry, not acknowledged
+    svc._tick(T0 + 201)
+    assert json.loads(r.get("th:service:q"))["detector_errors"] == {"sick": {"DetectorService": 1}}
+    # Fixed (a new release) and retried: rebuilt from the streams, nothing lost.
+    monkeypatch.setattr(StepAggregator, "add_row", real)
+    svc.broken["sick"] = (0.0, 1)
+    drain(svc)
+    assert r.xlen("th:{sick}:agg") == 10 and r.xpending("th:{sick}:steps", "th-detectors")["pending"] == 0
+    assert svc.broken == {}
+
+
+def test_event_decode_errors_name_the_field_and_value() -> None:
+    import math
+
+    import pytest
+
+    from trainhealth.events import decode_event
+
+    base = {"kind": "checkpoint_save", "rank": "0", "t": "100.0", "step": "5", "seconds": "2.5"}
+    assert decode_event(base).seconds == 2.5
+    for change, message in (
+        ({"rank": "zero"}, "field 'rank' has non-numeric value 'zero'"),
+        ({"rank": "-1"}, "field 'rank' is -1, not in 0..1048575"),
+        ({"t": "inf"}, "field 't' is not a finite time"),
+        ({"step": str(10**30)}, "field 'step' is 1000000000000000000000000000000, beyond +-9,007,199,254,740,991"),
+        ({"step": "5.5"}, "field 'step' has non-numeric value '5.5'"),
+    ):
+        with pytest.raises(ValueError) as err:
+            decode_event({**base, **change})
+        assert str(err.value) == message
+    with pytest.raises(KeyError, match="field 'kind' is missing"):
+        decode_event({k: v for k, v in base.items() if k != "kind"})
+    # An unusable duration is unknown, not an error: the checkpoint of step 5 still counts.
+    for bad in ("inf", "-1", "nan", "soon"):
+        ev = decode_event({**base, "seconds": bad})
+        assert (ev.step, ev.seconds, ev.extra["seconds_invalid"]) == (5, None, bad)
+    assert math.isfinite(decode_event(base).t)

@@ -63,6 +63,9 @@ LEDGER_SNAPSHOT_INTERVAL_S = 2.0
 SERVICE_HEARTBEAT_TTL_S = 30
 #: Seconds a detector service's lease on a run lasts without renewal (renewed every ~1 s).
 RUN_LEASE_S = 15
+#: A run whose processing raised an unexpected error is set aside for this long (s), the other runs going
+#: on, then rebuilt from its streams and retried (as rq retries a failed job after a delay).
+RUN_RETRY_S = 60.0
 #: Seconds after which a step still missing some ranks is closed with the ranks it has.
 AGG_STALE_S = 30.0
 

@@ -11,7 +11,7 @@ import json
 import math
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, replace
 from itertools import repeat
 from typing import Any
 
@@ -263,9 +263,13 @@ ROW_FIELDS = ("loss", "grad_norm", "t", "dur", "tokens", "samples", "inc", "lr",
 #: and the record the row was made from (a :class:`StepRecord`, or the decoded plain dict).
 ROW_BUSY, ROW_DATA, ROW_SOURCE = len(ROW_FIELDS), len(ROW_FIELDS) + 1, len(ROW_FIELDS) + 2
 _ROW_RANK = ROW_FIELDS.index("rank")
+_ROW_STEP = ROW_FIELDS.index("step")
 #: Ranks above this are refused as malformed (the largest jobs run ~100,000 GPUs; the aggregator
 #: and the rank detectors keep per-rank arrays of world-size length).
 MAX_RANKS = 1 << 20
+#: Steps beyond +-this are refused as malformed: the largest integer a double (and a JSON reader)
+#: holds exactly, and far inside a Redis stream id's 64 bits, which the aggregate stream's ids use.
+MAX_STEP = 2**53 - 1
 _row_fields = operator.attrgetter(*ROW_FIELDS)
 
 
@@ -369,8 +373,11 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
                 busy = sum(map(get, cpu))
             row = (*map(d.get, ROW_FIELDS), busy, sum(map(get, data)), d)
         # Ranks index per-rank arrays in the aggregator and detectors: a wild one must not size them.
-        if not 0 <= row[_ROW_RANK] < MAX_RANKS:
-            exc = ValueError(f"record {i}: field 'rank' is {_show(row[_ROW_RANK])}, not in 0..{MAX_RANKS - 1}")
+        # Steps become stream ids of th:{run}:agg: one beyond 64 bits would make every write of the run fail.
+        if not 0 <= row[_ROW_RANK] < MAX_RANKS or not -MAX_STEP <= row[_ROW_STEP] <= MAX_STEP:
+            exc = (ValueError(f"record {i}: field 'rank' is {_show(row[_ROW_RANK])}, not in 0..{MAX_RANKS - 1}")
+                   if not 0 <= row[_ROW_RANK] < MAX_RANKS else
+                   ValueError(f"record {i}: field 'step' is {_show(row[_ROW_STEP])}, beyond +-{MAX_STEP:,}"))
             if on_bad is None:
                 raise exc
             on_bad(i, exc)
@@ -433,19 +440,56 @@ class Event:
 
 
 def decode_event(fields: Mapping[Any, Any]) -> Event:
-    """Decode a ``th:{run}:events`` entry; raises ``KeyError``/``ValueError`` naming the field."""
+    """Decode a ``th:{run}:events`` entry.
+
+    Raises ``KeyError`` (a required field — ``kind``, ``rank``, ``t`` — missing) or ``ValueError``
+    whose message names the field and value: a rank outside 0..MAX_RANKS-1, a step beyond
+    +-MAX_STEP, a time that is not finite. ``seconds`` that are not a finite duration >= 0 read
+    as unknown (None; the raw text stays in ``extra["seconds_invalid"]``): the event itself — a
+    checkpoint of that step — still counts, but an infinite save must not swallow the ledger.
+    """
     d = {_s(k): _s(v) for k, v in fields.items()}
+    for name in ("kind", "rank", "t"):
+        if name not in d:
+            raise KeyError(f"field {name!r} is missing")
     step = d.pop("step", None)
     seconds = d.pop("seconds", None)
-    return Event(
+    rank = _event_num(d, "rank", d.pop("rank"), int)
+    if not 0 <= rank < MAX_RANKS:
+        raise ValueError(f"field 'rank' is {_show(rank)}, not in 0..{MAX_RANKS - 1}")
+    ev = Event(
         kind=d.pop("kind"),
-        rank=int(d.pop("rank")),
-        t=float(d.pop("t")),
-        inc=float(d.pop("inc", "0")),
-        step=int(step) if step not in (None, "") else None,
-        seconds=float(seconds) if seconds not in (None, "") else None,
+        rank=rank,
+        t=_event_num(d, "t", d.pop("t"), float),
+        inc=_event_num(d, "inc", d.pop("inc", "0"), float),
+        step=_event_num(d, "step", step, int) if step not in (None, "") else None,
+        seconds=_seconds_of(seconds),
         extra=d,
     )
+    if not (math.isfinite(ev.t) and math.isfinite(ev.inc)):
+        raise ValueError(f"field {'t' if not math.isfinite(ev.t) else 'inc'!r} is not a finite time")
+    if ev.step is not None and not -MAX_STEP <= ev.step <= MAX_STEP:
+        raise ValueError(f"field 'step' is {_show(ev.step)}, beyond +-{MAX_STEP:,}")
+    if ev.seconds is not None and not 0 <= ev.seconds < math.inf:
+        ev.extra["seconds_invalid"] = str(seconds)
+        return replace(ev, seconds=None)
+    return ev
+
+
+def _seconds_of(value: str | None) -> float | None:
+    if value in (None, ""):
+        return None
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan  # not a number: unknown, as an out-of-range duration
+
+
+def _event_num(d: dict[str, str], name: str, value: str, kind: type) -> Any:
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"field {name!r} has non-numeric value {_show(value)}") from None
 
 
 def finite(x: float | None) -> bool:
