@@ -23,7 +23,16 @@ import redis
 import streamlit as st
 
 from dashboard import data
-from dashboard.common import client, fmt_age, fmt_gpu_hours, fmt_int, fmt_usd, to_datetime, viewer_tz
+from dashboard.common import (
+    client,
+    fmt_age,
+    fmt_gpu_hours,
+    fmt_int,
+    fmt_usd,
+    show_problems,
+    to_datetime,
+    viewer_tz,
+)
 from detectors import recommendations as recommendation_store
 from detectors.advisor import Recommendation, fmt_cost
 from trainhealth.defaults import DASHBOARD_REFRESH_S
@@ -231,8 +240,10 @@ def render(recs: list[dict[str, Any]], run: str, where: str) -> None:
 def recommendation_cards(run: str, where: str) -> None:
     """The open recommendations of ``run`` as cards, live (a fragment of their own); nothing when there
     are none. ``where`` names the page (widget keys must differ between pages showing the same card)."""
+    problems: list[str] = []
     try:
-        recs = data.recommendations(client(), run)
+        recs = data.recommendations(client(), run, problems)
     except redis.RedisError:
         return  # the page's own live reads say that Redis is unreachable
+    show_problems(problems)
     render(recs, run, where)

@@ -136,6 +136,12 @@ def fmt_duration(seconds: Any) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
+def show_problems(problems: list[str]) -> None:
+    """One warning per unreadable key (:mod:`dashboard.data` readers' ``problems``), each once."""
+    for text in dict.fromkeys(problems):
+        st.warning(text, icon=":material/report:")
+
+
 def redis_trouble(exc: Exception) -> None:
     """Tell the user Redis went away mid-session; the live fragments retry on their own."""
     url = st.session_state.get(URL_KEY) or ""

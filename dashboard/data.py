@@ -22,11 +22,11 @@ import numpy as np
 import pandas as pd
 import redis
 
-from detectors import recommendations as recommendation_store
 from detectors.anomaly import KINDS
 from trainhealth import defaults
 from trainhealth.events import decode_event
-from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys
+from trainhealth.exceptions import ConfigError
+from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys, validate_run_id
 
 #: Runs listed in the picker (newest first); older ones are reachable by ``?run=`` links.
 RUNS_LIMIT = 200
@@ -85,7 +85,8 @@ SERVICE_SCAN_COUNT = 1_000
 # --- decoding ----------------------------------------------------------------------------
 
 def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    # errors="replace": bytes that are not UTF-8 (garbage in Redis) must not raise in a page.
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
 def _num(v: Any) -> float:
@@ -117,46 +118,146 @@ def _json(v: Any) -> Any:
     return json.loads(_s(v))
 
 
+# --- what could not be read ----------------------------------------------------------------
+# Garbage in Redis (a hand-edited key, an old or foreign writer) must never break a page: each
+# reader below keeps what it can read and, given a ``problems`` list, appends one sentence per
+# key saying what it left out or blanked (key, entry/field, value), which the pages show.
+
+#: Largest integer a step/token count may be: beyond 2**53 a float (as JSON numbers are) is inexact.
+MAX_INT = 2**53
+#: Unix times pandas can represent (datetime64[ns] ends in 2262).
+MAX_TIME = 9e9
+#: Most ranks a busy list may have (the service's rank limit is 1,048,575).
+MAX_RANKS = 1_048_576
+
+
+def show_value(v: Any, limit: int = 40) -> str:
+    """``repr`` of a stored value, cut to ``limit`` characters (for messages)."""
+    if isinstance(v, bytes):
+        v = v.decode(errors="replace")
+    text = repr(v)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def unreadable(key: str, noun: str, nouns: str, bad: list[str], partly: bool = False) -> str:
+    """``2 anomalies in th:{r}:anomalies are unreadable (first: field 'x:1': not JSON)``; with
+    ``partly``: entries shown with some values blank."""
+    n = len(bad)
+    what = f"{n} {noun if n == 1 else nouns} in {key} "
+    if partly:
+        what += ("has" if n == 1 else "have") + " unreadable values, shown as missing"
+    else:
+        what += "is unreadable" if n == 1 else "are unreadable"
+    return what + (f" ({bad[0]})" if n == 1 else f" (first: {bad[0]})")
+
+
+def _report(problems: list[str] | None, text: str) -> None:
+    if problems is not None:
+        problems.append(text)
+
+
+def _strict_num(v: Any) -> float:
+    """A stored number (JSON number or decimal string; ``nan``/``inf`` kept); ValueError if it is none."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, str, bytes)):
+        raise ValueError
+    if isinstance(v, (int, float)):
+        return float(v)
+    return float(_s(v).strip())
+
+
+def _get_num(d: Mapping[str, Any], name: str, bad: list[str], finite: bool = False, bound: float = math.inf,
+             integral: bool = False) -> float:
+    """``d[name]`` as a float, NaN when absent/null; a value that is no such number is NaN and noted in ``bad``."""
+    v = d.get(name)
+    if v is None or (isinstance(v, (str, bytes)) and _s(v).strip().lower() in ("", "none", "null")):
+        return math.nan
+    try:
+        x = _strict_num(v)
+    except (TypeError, ValueError, OverflowError):
+        bad.append(f"{name} {show_value(v)} is not a number")
+        return math.nan
+    if math.isnan(x) and not (finite or integral):
+        return x
+    if math.isfinite(x):
+        ok = abs(x) <= bound and (not integral or x == round(x))
+    else:
+        ok = not (finite or integral) and bound == math.inf
+    if not ok:
+        kind = "a unix time" if bound == MAX_TIME else "a whole number" if integral else "a finite number"
+        bad.append(f"{name} {show_value(v)} is not {kind}")
+        return math.nan
+    return x
+
+
+def _get_str(d: Mapping[str, Any], name: str, bad: list[str]) -> str | None:
+    v = d.get(name)
+    if v is None or isinstance(v, str):
+        return v
+    bad.append(f"{name} {show_value(v)} is not a string")
+    return None
+
+
 # --- runs --------------------------------------------------------------------------------
 
-def _typed_meta(raw: Mapping[str, str]) -> dict[str, Any]:
+def _typed_meta(raw: Mapping[str, str], bad: list[str] | None = None) -> dict[str, Any]:
+    bad = [] if bad is None else bad
     out: dict[str, Any] = dict(raw)
     if "world_size" in raw:
-        ws = _num(raw["world_size"])
+        ws = _get_num(raw, "world_size", bad, bound=MAX_RANKS, integral=True)
         out["world_size"] = int(ws) if math.isfinite(ws) else None
-    for name in ("started_at", "gpu_hour_usd", "updated_at", "ended_at"):
+    for name in ("started_at", "updated_at", "ended_at"):
         if name in raw:
-            out[name] = _opt_num(raw[name])
+            out[name] = _opt_num(_get_num(raw, name, bad, finite=True, bound=MAX_TIME))
+    if "gpu_hour_usd" in raw:
+        out["gpu_hour_usd"] = _opt_num(_get_num(raw, "gpu_hour_usd", bad, finite=True))
     return out
 
 
-def run_meta(client: redis.Redis, run: str) -> dict[str, Any]:
+def run_meta(client: redis.Redis, run: str, problems: list[str] | None = None) -> dict[str, Any]:
     """The run's ``meta`` hash with typed values, or ``{}`` when the run has none.
 
     ``world_size`` is an int; ``started_at``, ``updated_at``, ``ended_at`` (unix s) and
-    ``gpu_hour_usd`` (USD per GPU-hour) are floats or None; other fields stay strings.
+    ``gpu_hour_usd`` (USD per GPU-hour) are floats or None; other fields stay strings. A value
+    that is not such a number is None and, with ``problems``, reported there.
     """
-    return _typed_meta(_decode_map(client.hgetall(run_keys(run).meta)))
+    key = run_keys(run).meta
+    bad: list[str] = []
+    meta = _typed_meta(_decode_map(client.hgetall(key)), bad)
+    if bad:
+        _report(problems, f"{key} has unreadable fields, shown as missing: {'; '.join(bad)}")
+    return meta
 
 
-def list_runs(client: redis.Redis, limit: int = RUNS_LIMIT) -> pd.DataFrame:
+def list_runs(client: redis.Redis, limit: int = RUNS_LIMIT, problems: list[str] | None = None) -> pd.DataFrame:
     """Runs of the ``th:runs`` registry, newest first (by start time), with their meta.
 
     Returns one row per run with columns :data:`RUN_COLUMNS`: ``run`` (id), ``started_at``
     (the registry score, unix s), ``name``, ``status``, ``world_size``, ``gpu_hour_usd``,
     ``updated_at``, ``ended_at``, ``source`` (None where the meta hash lacks the field).
     Reads one ``ZREVRANGE`` and one pipelined ``HGETALL`` per run (at most ``limit``).
+    Members that are not valid run ids are skipped (as the detector service does) and, with
+    ``problems``, named there.
     """
     members = client.zrevrange(RUNS, 0, limit - 1, withscores=True)
-    if not members:
+    valid, invalid = [], []
+    for m, score in members:
+        try:
+            valid.append((validate_run_id(m.decode() if isinstance(m, bytes) else m), score))
+        except (ConfigError, UnicodeDecodeError):
+            invalid.append(show_value(m))
+    if invalid:
+        _report(problems, f"{RUNS} lists {len(invalid)} invalid run "
+                          f"{'id' if len(invalid) == 1 else 'ids'}, skipped: {', '.join(invalid[:5])}"
+                          + (", …" if len(invalid) > 5 else ""))
+    if not valid:
         return pd.DataFrame({c: pd.Series(dtype=object) for c in RUN_COLUMNS})
     pipe = client.pipeline(transaction=False)
-    runs = [_s(m) for m, _ in members]
+    runs = [run for run, _ in valid]
     for run in runs:
         pipe.hgetall(run_keys(run).meta)
     metas = pipe.execute()
     rows = []
-    for run, (_, score), raw in zip(runs, members, metas, strict=True):
+    for (run, score), raw in zip(valid, metas, strict=True):
         meta = _typed_meta(_decode_map(raw))
         rows.append({
             "run": run, "started_at": float(score), "name": meta.get("name"), "status": meta.get("status"),
@@ -168,6 +269,8 @@ def list_runs(client: redis.Redis, limit: int = RUNS_LIMIT) -> pd.DataFrame:
     for c in ("run", "name", "status", "source"):
         # pandas 3 infers a string dtype whose missing value is NaN (truthy): keep None for "absent".
         frame[c] = pd.Series([v if isinstance(v, str) else None for v in frame[c]], index=frame.index, dtype=object)
+    # Likewise a run without (or with an unreadable) world_size beside one with it: None, not a truthy NaN.
+    frame["world_size"] = pd.Series([row["world_size"] for row in rows], index=frame.index, dtype=object)
     return frame
 
 
@@ -187,12 +290,13 @@ def _empty_steps() -> pd.DataFrame:
 
 
 def _busy_list(v: Any) -> list[float]:
+    """A ``busy`` field (JSON list of seconds per rank, null = missing rank); ValueError if it is none."""
     try:
         values = _json(v)
-    except (TypeError, ValueError):
-        return []
-    if not isinstance(values, list):
-        return []
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"busy {show_value(v)} is not JSON") from exc
+    if not isinstance(values, list) or len(values) > MAX_RANKS:
+        raise ValueError(f"busy {show_value(v)} is not a list of seconds per rank")
     try:  # the fast path: numbers and nulls, as the service writes them
         return [math.nan if x is None else float(x) for x in values]
     except (TypeError, ValueError):
@@ -200,30 +304,58 @@ def _busy_list(v: Any) -> list[float]:
 
 
 def recent_steps(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_STEPS,
-                 with_busy: bool = True) -> pd.DataFrame:
+                 with_busy: bool = True, problems: list[str] | None = None) -> pd.DataFrame:
     """The newest ``count`` entries of the run's ``agg`` stream, oldest first (stream order).
 
     One ``XREVRANGE … COUNT count``. Columns :data:`STEP_COLUMNS` plus ``busy``:
 
     - ``step``, ``gen`` (restart generation), ``tokens``, ``samples`` (sums over ranks),
-      ``n_ranks``: nullable ints;
+      ``n_ranks``: nullable ints (``step`` never missing);
     - ``t_start``, ``t_end`` (unix s), ``dur``, ``step_s`` (the job's own step time), ``data_s`` (s),
       ``loss``, ``grad_norm``, ``lr``:
       floats, NaN/±inf kept;
     - ``busy``: list of per-rank busy seconds (index = rank, NaN = rank missing); an empty
       list for every row when ``with_busy`` is False (skips decoding world-size floats per step).
 
-    After a restart a step can appear twice (once per generation); both rows are kept.
+    After a restart a step can appear twice (once per generation); both rows are kept. An entry
+    without a readable ``step`` is skipped; other unreadable values are NaN (an empty ``busy``);
+    with ``problems``, both are reported there.
     """
-    entries = client.xrevrange(run_keys(run).agg, count=count)
-    if not entries:
-        return _empty_steps()
+    key = run_keys(run).agg
+    entries = client.xrevrange(key, count=count)
     rows = []
-    for _id, fields in reversed(entries):
+    skipped: list[str] = []
+    partly: list[str] = []
+    for entry_id, fields in reversed(entries):
         d = _decode_map(fields)
-        row: dict[str, Any] = {c: _num(d.get(c)) for c in STEP_COLUMNS}
-        row["busy"] = _busy_list(d.get("busy", "[]")) if with_busy else []
+        bad: list[str] = []
+        row: dict[str, Any] = {}
+        for c in STEP_COLUMNS:
+            if c in _STEP_INTS:
+                row[c] = _get_num(d, c, bad, bound=MAX_INT, integral=True)
+            elif c in ("t_start", "t_end"):
+                row[c] = _get_num(d, c, bad, finite=True, bound=MAX_TIME)
+            else:
+                row[c] = _get_num(d, c, bad)
+        if math.isnan(row["step"]):
+            # Every chart and matrix is indexed by step: an entry without one cannot be placed.
+            skipped.append(f"entry {_s(entry_id)}: " + ("no step" if "step" not in d else bad[0]))
+            continue
+        row["busy"] = []
+        if with_busy and "busy" in d:
+            try:
+                row["busy"] = _busy_list(d["busy"])
+            except ValueError as exc:
+                bad.append(str(exc))
+        if bad:
+            partly.append(f"entry {_s(entry_id)}: {'; '.join(bad)}")
         rows.append(row)
+    if skipped:
+        _report(problems, unreadable(key, "entry", "entries", skipped))
+    if partly:
+        _report(problems, unreadable(key, "entry", "entries", partly, partly=True))
+    if not rows:
+        return _empty_steps()
     frame = pd.DataFrame(rows, columns=[*STEP_COLUMNS, "busy"])
     for c in _STEP_INTS:
         # Float → nullable int: NaN (missing field) becomes <NA>, not a bogus number.
@@ -250,12 +382,14 @@ def busy_matrix(steps: pd.DataFrame) -> pd.DataFrame:
                         columns=pd.Index(latest["step"].astype("int64").to_numpy(), name="step"))
 
 
-def rank_matrix(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_STEPS) -> pd.DataFrame:
+def rank_matrix(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_STEPS,
+                problems: list[str] | None = None) -> pd.DataFrame:
     """Rank × step DataFrame of busy seconds over the newest ``count`` aggregated steps.
 
-    See :func:`busy_matrix` for the shape; one ``XREVRANGE`` of the ``agg`` stream.
+    See :func:`busy_matrix` for the shape; one ``XREVRANGE`` of the ``agg`` stream
+    (unreadable entries reported in ``problems``, as :func:`recent_steps` does).
     """
-    return busy_matrix(recent_steps(client, run, count))
+    return busy_matrix(recent_steps(client, run, count, problems=problems))
 
 
 def rank_summary(matrix: pd.DataFrame, hosts: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -359,29 +493,66 @@ def rank_hosts(client: redis.Redis, run: str, count: int = EVENTS_SCAN_ENTRIES,
 
 # --- anomalies ---------------------------------------------------------------------------
 
-def anomalies(client: redis.Redis, run: str) -> pd.DataFrame:
+def _anomaly_row(field: str, a: Mapping[str, Any], bad: list[str]) -> dict[str, Any]:
+    """One :func:`anomalies` row; values of the wrong type are left blank and noted in ``bad``."""
+    ranks = a.get("ranks") or []
+    if not (isinstance(ranks, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in ranks)):
+        bad.append(f"ranks {show_value(ranks)} is not a list of rank numbers")
+        ranks = []
+    hosts = a.get("hosts") or []
+    if not isinstance(hosts, list):
+        bad.append(f"hosts {show_value(hosts)} is not a list")
+        hosts = []
+    evidence = a.get("evidence") or {}
+    if not isinstance(evidence, dict):
+        bad.append(f"evidence {show_value(evidence)} is not an object")
+        evidence = {}
+    ident = a.get("id")
+    if isinstance(ident, bool) or (ident is not None and not isinstance(ident, (str, int))):
+        bad.append(f"id {show_value(ident)} is not a string")
+        ident = None
+    return {
+        "id": field if ident is None else str(ident), "kind": _get_str(a, "kind", bad),
+        "severity": _get_str(a, "severity", bad), "status": _get_str(a, "status", bad),
+        "step": _get_num(a, "step", bad, bound=MAX_INT, integral=True),
+        "end_step": _get_num(a, "end_step", bad, bound=MAX_INT, integral=True),
+        "ranks": ranks, "hosts": [str(x) for x in hosts], "message": _get_str(a, "message", bad) or "",
+        "first_seen": _get_num(a, "first_seen", bad, finite=True, bound=MAX_TIME),
+        "last_seen": _get_num(a, "last_seen", bad, finite=True, bound=MAX_TIME), "evidence": evidence,
+    }
+
+
+def anomalies(client: redis.Redis, run: str, problems: list[str] | None = None) -> pd.DataFrame:
     """All anomalies of the run (``anomalies`` hash), active first, then newest first.
 
     Columns :data:`ANOMALY_COLUMNS`: ``step`` / ``end_step`` nullable ints (``end_step`` is
     set once resolved), ``ranks`` list[int], ``hosts`` list[str], ``evidence`` dict,
     ``first_seen`` / ``last_seen`` unix s. "Newest" orders by ``first_seen`` descending (the
-    id breaks ties, so the order is deterministic). Undecodable values are skipped.
+    id breaks ties, so the order is deterministic). Values that are not a JSON object are
+    skipped, values of the wrong type within one are blank (None/NaN/empty); with ``problems``,
+    both are reported there (by hash field, in field order).
     """
+    key = run_keys(run).anomalies
     rows = []
-    for _field, value in client.hgetall(run_keys(run).anomalies).items():
+    skipped: list[str] = []
+    partly: list[str] = []
+    for field, value in sorted((_s(f), v) for f, v in client.hgetall(key).items()):
         try:
             a = _json(value)
         except (TypeError, ValueError):
+            skipped.append(f"field {field!r}: not JSON")
             continue
         if not isinstance(a, dict):
+            skipped.append(f"field {field!r}: not a JSON object but {show_value(a)}")
             continue
-        rows.append({
-            "id": str(a.get("id", _s(_field))), "kind": a.get("kind"), "severity": a.get("severity"),
-            "status": a.get("status"), "step": _num(a.get("step")), "end_step": _num(a.get("end_step")),
-            "ranks": [int(x) for x in a.get("ranks") or []], "hosts": [str(x) for x in a.get("hosts") or []],
-            "message": a.get("message") or "", "first_seen": _num(a.get("first_seen")),
-            "last_seen": _num(a.get("last_seen")), "evidence": a.get("evidence") or {},
-        })
+        bad: list[str] = []
+        rows.append(_anomaly_row(field, a, bad))
+        if bad:
+            partly.append(f"field {field!r}: {'; '.join(bad)}")
+    if skipped:
+        _report(problems, unreadable(key, "anomaly", "anomalies", skipped))
+    if partly:
+        _report(problems, unreadable(key, "anomaly", "anomalies", partly, partly=True))
     frame = pd.DataFrame(rows, columns=ANOMALY_COLUMNS)
     for c in ("step", "end_step"):
         frame[c] = pd.to_numeric(frame[c]).astype("float64")
@@ -398,22 +569,100 @@ def anomalies(client: redis.Redis, run: str) -> pd.DataFrame:
 
 # --- goodput ledger ----------------------------------------------------------------------
 
-def ledger_latest(client: redis.Redis, run: str) -> dict[str, Any] | None:
+#: Snapshot keys that are numbers (None = not known), and those of them that are whole numbers.
+_SNAP_NUMBERS = ("t", "started_at", "wall_s", "world_size", "gpu_hour_usd", "last_step", "steps_done", "steps_good",
+                 "restarts", "tokens_total", "tokens_good", "step_s", "throughput_tok_s", "goodput_tok_s",
+                 "goodput_pct", "badput_cost_usd")
+_SNAP_INTS = ("world_size", "last_step", "steps_done", "steps_good", "restarts", "tokens_total", "tokens_good")
+#: Snapshot keys that map names to numbers (``cost_usd`` is None without a price).
+_SNAP_MAPS = ("seconds", "gpu_hours", "cost_usd", "custom_by_name")
+
+
+def clean_snapshot(snap: Mapping[str, Any], bad: list[str]) -> dict[str, Any]:
+    """A ledger snapshot with every value the dashboard reads of the documented type.
+
+    A value of the wrong type is dropped (read as "not known") and noted in ``bad``; whole
+    numbers become ints, other numbers floats; keys the dashboard does not read are kept as they are.
+    """
+    out: dict[str, Any] = dict(snap)
+    for name in _SNAP_NUMBERS:
+        if snap.get(name) is None:
+            continue
+        integral = name in _SNAP_INTS
+        times = name in ("t", "started_at")
+        n = len(bad)
+        x = _get_num(snap, name, bad, finite=integral or times, integral=integral,
+                     bound=MAX_TIME if times else MAX_INT if integral else math.inf)
+        if len(bad) > n:
+            del out[name]
+        else:
+            out[name] = int(x) if integral else x
+    for name in _SNAP_MAPS:
+        value = snap.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, Mapping):
+            bad.append(f"{name} {show_value(value)} is not an object")
+            del out[name]
+            continue
+        entries: dict[str, float] = {}
+        for k in value:
+            n = len(bad)
+            x = _get_num(value, k, bad)
+            if len(bad) > n:
+                bad[-1] = f"{name}.{bad[-1]}"  # name the map the entry is in
+            else:
+                entries[str(k)] = x
+        out[name] = entries
+    rates = snap.get("rates")
+    if rates is not None:
+        clean: dict[str, dict[str, float]] = {}
+        if not isinstance(rates, Mapping):
+            bad.append(f"rates {show_value(rates)} is not an object")
+        else:
+            for w, rate in rates.items():
+                if not isinstance(rate, Mapping):
+                    bad.append(f"rates.{w} {show_value(rate)} is not an object")
+                    continue
+                clean[str(w)] = {}
+                for k in rate:
+                    n = len(bad)
+                    x = _get_num(rate, k, bad)
+                    if len(bad) > n:
+                        bad[-1] = f"rates.{w}.{bad[-1]}"
+                    else:
+                        clean[str(w)][str(k)] = x
+        out["rates"] = clean
+    return out
+
+
+def ledger_latest(client: redis.Redis, run: str, problems: list[str] | None = None) -> dict[str, Any] | None:
     """The newest goodput ledger snapshot (``ledger:latest``) as a dict, or None if none yet.
 
     Keys as documented: ``t``/``started_at`` (unix s), ``wall_s`` (s), ``throughput_tok_s`` and
     ``goodput_tok_s`` (tokens/s since start), ``goodput_pct`` (% of wall time productive),
     ``seconds`` / ``gpu_hours`` / ``cost_usd`` per category, ``badput_cost_usd`` (None when no
-    GPU-hour price is set).
+    GPU-hour price is set). Values of the wrong type are dropped (:func:`clean_snapshot`); with
+    ``problems``, a snapshot that is not a JSON object (None is returned) or such values are
+    reported there.
     """
-    raw = client.get(run_keys(run).ledger_latest)
+    key = run_keys(run).ledger_latest
+    raw = client.get(key)
     if raw is None:
         return None
     try:
         snap = _json(raw)
     except (TypeError, ValueError):
+        _report(problems, f"{key} is unreadable: not JSON ({show_value(raw)})")
         return None
-    return snap if isinstance(snap, dict) else None
+    if not isinstance(snap, dict):
+        _report(problems, f"{key} is unreadable: not a JSON object but {show_value(snap)}")
+        return None
+    bad: list[str] = []
+    snap = clean_snapshot(snap, bad)
+    if bad:
+        _report(problems, f"{key} has unreadable values, shown as missing: {'; '.join(bad)}")
+    return snap
 
 
 def history_row(snap: Mapping[str, Any]) -> dict[str, Any]:
@@ -454,7 +703,7 @@ def _thin(n: int, max_points: int | None) -> list[int]:
 
 
 def ledger_history(client: redis.Redis, run: str, count: int = LEDGER_HISTORY_ENTRIES,
-                   max_points: int | None = None) -> pd.DataFrame:
+                   max_points: int | None = None, problems: list[str] | None = None) -> pd.DataFrame:
     """The newest ``count`` ledger snapshots (``ledger`` stream, field ``json``), oldest first.
 
     Columns :data:`LEDGER_COLUMNS` (floats; NaN where a snapshot lacks the value), one
@@ -464,19 +713,39 @@ def ledger_history(client: redis.Redis, run: str, count: int = LEDGER_HISTORY_EN
 
     One ``XREVRANGE … COUNT``. With ``max_points``, a longer history is thinned to that many
     evenly spaced snapshots (the oldest and the newest always kept) before decoding them: the
-    snapshots are cumulative, so dropping some loses resolution, not totals.
+    snapshots are cumulative, so dropping some loses resolution, not totals. Entries that are
+    not a JSON object are skipped, values of the wrong type are NaN; with ``problems``, both
+    are reported there.
     """
-    entries = client.xrevrange(run_keys(run).ledger, count=count)
+    key = run_keys(run).ledger
+    entries = client.xrevrange(key, count=count)
     entries.reverse()
     rows = []
+    skipped: list[str] = []
+    partly: list[str] = []
     for i in _thin(len(entries), max_points):
-        d = {_s(k): v for k, v in entries[i][1].items()}
+        entry_id, fields = entries[i]
+        d = {_s(k): v for k, v in fields.items()}
+        where = f"entry {_s(entry_id)}"
+        if "json" not in d:
+            skipped.append(f"{where}: no json field")
+            continue
         try:
             snap = _json(d["json"])
-        except (KeyError, TypeError, ValueError):
+        except (TypeError, ValueError):
+            skipped.append(f"{where}: not JSON ({show_value(d['json'])})")
             continue
-        if isinstance(snap, dict):
-            rows.append(history_row(snap))
+        if not isinstance(snap, dict):
+            skipped.append(f"{where}: not a JSON object but {show_value(snap)}")
+            continue
+        bad: list[str] = []
+        rows.append(history_row(clean_snapshot(snap, bad)))
+        if bad:
+            partly.append(f"{where}: {'; '.join(bad)}")
+    if skipped:
+        _report(problems, unreadable(key, "snapshot", "snapshots", skipped))
+    if partly:
+        _report(problems, unreadable(key, "snapshot", "snapshots", partly, partly=True))
     return _history_frame(rows)
 
 
@@ -566,26 +835,84 @@ def has_token_counts(snapshot: Mapping[str, Any] | None) -> bool:
 
 # --- rollback recommendations ----------------------------------------------------------------
 
-def recommendations(client: redis.Redis, run: str) -> list[dict[str, Any]]:
+#: Fields of a stored recommendation the card reads, by type (each may also be null).
+_REC_STRINGS = ("id", "action", "status", "kind", "summary")
+_REC_INTS = ("checkpoint_step", "recheck_step", "onset_step", "current_step", "recompute_steps")
+_REC_RANGES = ("skip_steps", "skip_samples", "skip_batches")
+_REC_COSTS = ("cost", "continue_cost")
+_REC_COST_NUMBERS = ("gpu_hours", "usd", "wall_hours", "gpu_hours_per_hour", "usd_per_hour", "wasted_steps_so_far")
+#: Longest skip range a card shows: Megatron's ``--iterations-to-skip`` lists every step of it.
+MAX_SKIP_STEPS = 1_000_000
+
+
+def recommendation_problems(d: Mapping[str, Any]) -> list[str]:
+    """What in a stored recommendation is not of the type the card needs (empty when it can be shown)."""
+    bad: list[str] = []
+    for name in _REC_STRINGS:
+        _get_str(d, name, bad)
+    for name in _REC_INTS:
+        if d.get(name) is not None and not (isinstance(d[name], int) and not isinstance(d[name], bool)):
+            bad.append(f"{name} {show_value(d[name])} is not a whole number")
+    for name in ("created_at", "updated_at"):
+        if d.get(name) is not None and (isinstance(d[name], bool) or not isinstance(d[name], (int, float))):
+            bad.append(f"{name} {show_value(d[name])} is not a number")
+    for name in _REC_RANGES:
+        v = d.get(name)
+        if v is None:
+            continue
+        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+                and v[0] <= v[1] and (name != "skip_steps" or v[1] - v[0] < MAX_SKIP_STEPS)):
+            bad.append(f"{name} {show_value(v)} is not a range [first, last]")
+    for name in _REC_COSTS:
+        v = d.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, Mapping):
+            bad.append(f"{name} {show_value(v)} is not an object")
+            continue
+        for k in _REC_COST_NUMBERS:
+            x = v.get(k)
+            if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))):
+                bad.append(f"{name}.{k} {show_value(x)} is not a number")
+    history = d.get("history")
+    if history is not None and not (isinstance(history, list) and all(
+            isinstance(h, Mapping) and (h.get("t") is None or isinstance(h["t"], (int, float))) for h in history)):
+        bad.append(f"history {show_value(history)} is not a list of status changes")
+    for name in ("reasoning", "options"):
+        v = d.get(name)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            bad.append(f"{name} {show_value(v)} is not a list of strings")
+    return bad
+
+
+def recommendations(client: redis.Redis, run: str, problems: list[str] | None = None) -> list[dict[str, Any]]:
     """Every stored recommendation of the run (``recommendations`` hash), newest update first.
 
     The dicts as the service stores them (``Recommendation.to_dict()`` plus ``status``,
-    ``history``, ``created_at``, ``updated_at``), read with
-    :func:`detectors.recommendations.load`; one ``HGETALL``. Should a value not decode, the
-    others are still returned.
+    ``history``, ``created_at``, ``updated_at``); one ``HGETALL``. Values that are not a JSON
+    object, or whose fields are not of the documented types (:func:`recommendation_problems`),
+    are skipped and, with ``problems``, reported there; the others are still returned.
     """
-    try:
-        return recommendation_store.load(client, run)
-    except (TypeError, ValueError):
-        recs = []
-        for raw in client.hgetall(run_keys(run).recommendations).values():
-            try:
-                d = _json(raw)
-            except (TypeError, ValueError):
-                continue
-            if isinstance(d, dict):
-                recs.append(d)
-        return sorted(recs, key=lambda d: d.get("updated_at") or 0.0, reverse=True)
+    key = run_keys(run).recommendations
+    recs = []
+    skipped: list[str] = []
+    for field, raw in sorted((_s(f), v) for f, v in client.hgetall(key).items()):
+        try:
+            d = _json(raw)
+        except (TypeError, ValueError):
+            skipped.append(f"field {field!r}: not JSON")
+            continue
+        if not isinstance(d, dict):
+            skipped.append(f"field {field!r}: not a JSON object but {show_value(d)}")
+            continue
+        bad = recommendation_problems(d)
+        if bad:
+            skipped.append(f"field {field!r}: {'; '.join(bad)}")
+            continue
+        recs.append(d)
+    if skipped:
+        _report(problems, unreadable(key, "recommendation", "recommendations", skipped))
+    return sorted(recs, key=lambda d: d.get("updated_at") or 0.0, reverse=True)
 
 
 def open_recommendations(recs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -222,20 +222,22 @@ def sidebar() -> bool:
     client = get_client(url)
 
     wanted = st.query_params.get("run")
+    problems: list[str] = []
     try:
-        runs = data.list_runs(client)
+        runs = data.list_runs(client, problems=problems)
         if RUN_KEY not in st.session_state and wanted:
             # First load of this session: a ?run= link picks the run, if it exists.
             try:
                 validate_run_id(wanted)
-                known = wanted in set(runs["run"]) or data.run_exists(client, wanted)
-            except ConfigError:
-                known = False
-            if known:
-                st.session_state[RUN_KEY] = wanted
-            else:
-                st.warning(f"Run `{wanted}` from the link is not in Redis; showing the newest run.",
+            except ConfigError as exc:
+                st.warning(f"The link's run is not valid: {exc}. Showing the newest run.",
                            icon=":material/link_off:")
+            else:
+                if wanted in set(runs["run"]) or data.run_exists(client, wanted):
+                    st.session_state[RUN_KEY] = wanted
+                else:
+                    st.warning(f"Run `{wanted}` from the link is not in Redis; showing the newest run.",
+                               icon=":material/link_off:")
         selected = st.session_state.get(RUN_KEY)
         extra = None  # meta of a selected run beyond the picker's list (opened by an old link)
         if selected and selected not in set(runs["run"]) and data.run_exists(client, selected):
@@ -248,6 +250,8 @@ def sidebar() -> bool:
         return False
 
     if runs.empty and extra is None:
+        for text in problems:
+            st.sidebar.warning(text, icon=":material/report:")
         st.sidebar.caption(f"Redis: `{shown_url}`")
         st.info(NO_RUNS, icon=":material/hourglass_empty:")
         return False
@@ -266,6 +270,8 @@ def sidebar() -> bool:
     st.session_state[_PICKER] = selected
 
     sb = st.sidebar
+    for text in problems:  # invalid ids in the registry: skipped, and said so
+        sb.warning(text, icon=":material/report:")
     sb.selectbox("Run", options, key=_PICKER, on_change=_picked, format_func=lambda r: _run_label(info, r),
                  help="Newest first. The URL's `?run=` follows the selection, so links open this run.")
     st.query_params["run"] = selected

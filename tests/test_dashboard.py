@@ -978,3 +978,125 @@ def test_assumed_timeline_caveat_and_none_for_a_logged_replay_at_once(seeded: re
     at = app(run=REPLAY)
     assert not at.exception
     assert not [i.value for i in at.info if i.value.startswith("Replayed from")]
+
+
+# --- garbage in Redis: a clear warning, never a traceback ---------------------------------------
+
+GARB = "garb"
+PAGES = ["app.py", "pages/goodput.py", "pages/ranks.py", "pages/anomalies.py", "pages/alerts.py"]
+
+
+def _open(page: str, **query: str) -> AppTest:
+    at = app(**query)
+    if page != "app.py":
+        at.switch_page(page).run()
+    return at
+
+
+def seed_garbage(r: redis.Redis) -> None:
+    """Run ``garb``: newest in the registry, with garbage beside readable data in every key the pages read."""
+    k = run_keys(GARB)
+    r.zadd(RUNS, {GARB: T0 + 500})
+    r.hset(k.meta, mapping={"status": "running", "world_size": "four", "started_at": "soon"})
+    r.xadd(k.agg, {"foo": "bar"}, id="1-1000")  # no step
+    r.xadd(k.agg, {"step": "7", "gen": "0", "t_start": str(T0), "t_end": str(T0 + 1), "loss": "2.5",
+                   "busy": "[0.1, 0.2]"}, id="2-0")
+    r.xadd(k.agg, {"step": "8", "gen": "0", "t_start": str(T0 + 1), "t_end": str(T0 + 2), "loss": "2.4",
+                   "busy": "{nope"}, id="3-0")
+    good = {"id": "ok:1", "kind": "straggler", "severity": "warning", "status": "active", "step": 7,
+            "ranks": [1], "hosts": ["n"], "message": "rank 1 slow", "first_seen": T0, "last_seen": T0}
+    r.hset(k.anomalies, mapping={"x:1": "{not json", "x:2": "[1,2]", "ok:1": json.dumps(good),
+                                 "bad:1": json.dumps({**good, "id": "bad:1", "ranks": "x", "step": "seven"})})
+    r.set(k.ledger_latest, "{not json")
+    r.xadd(k.ledger, {"json": "garbage"}, id="1-0")
+    r.hset(k.recommendations, "rec:x", json.dumps({"id": "rec:x", "status": "proposed", "onset_step": "soon"}))
+
+
+def test_unreadable_values_are_reported_by_key_field_and_value(r: redis.Redis) -> None:
+    seed_garbage(r)
+    problems: list[str] = []
+    steps = data.recent_steps(r, GARB, problems=problems)
+    assert list(steps["step"]) == [7, 8] and list(steps["busy"]) == [[0.1, 0.2], []]
+    frame = data.anomalies(r, GARB, problems)
+    assert list(frame["id"]) == ["bad:1", "ok:1"] and frame.loc[0, "ranks"] == [] and pd.isna(frame.loc[0, "step"])
+    assert data.ledger_latest(r, GARB, problems) is None
+    assert data.ledger_history(r, GARB, problems=problems).empty
+    assert data.recommendations(r, GARB, problems) == []
+    assert data.run_meta(r, GARB, problems) == {"status": "running", "world_size": None, "started_at": None}
+    assert problems == [
+        "1 entry in th:{garb}:agg is unreadable (entry 1-1000: no step)",
+        "1 entry in th:{garb}:agg has unreadable values, shown as missing (entry 3-0: busy '{nope' is not JSON)",
+        "2 anomalies in th:{garb}:anomalies are unreadable (first: field 'x:1': not JSON)",
+        "1 anomaly in th:{garb}:anomalies has unreadable values, shown as missing (field 'bad:1': ranks 'x' is not "
+        "a list of rank numbers; step 'seven' is not a number)",
+        "th:{garb}:ledger:latest is unreadable: not JSON ('{not json')",
+        "1 snapshot in th:{garb}:ledger is unreadable (entry 1-0: not JSON ('garbage'))",
+        "1 recommendation in th:{garb}:recommendations is unreadable (field 'rec:x': onset_step 'soon' is not a "
+        "whole number)",
+        "th:{garb}:meta has unreadable fields, shown as missing: world_size 'four' is not a number; started_at "
+        "'soon' is not a number",
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_garbage_run_pages_warn_and_render_the_rest(seeded: redis.Redis, page: str) -> None:
+    seed_garbage(seeded)
+    at = _open(page)
+    assert not at.exception
+    assert at.session_state["th_run"] == GARB
+    warnings = [w.value for w in at.warning]
+    if page in ("app.py", "pages/anomalies.py"):
+        assert "2 anomalies in th:{garb}:anomalies are unreadable (first: field 'x:1': not JSON)" in warnings
+    if page == "app.py":
+        assert "1 entry in th:{garb}:agg is unreadable (entry 1-1000: no step)" in warnings
+        assert arr(figures(at)[0]["data"][0]["x"]) == [7, 8]  # the readable steps are drawn
+    if page == "pages/anomalies.py":
+        assert not at.success  # not "No anomalies detected": two of them could not be read
+        assert any(c.value.startswith("2 of 2 anomalies shown") for c in at.main.caption)
+    if page == "pages/goodput.py":
+        assert "th:{garb}:ledger:latest is unreadable: not JSON ('{not json')" in warnings
+        assert not [i for i in at.info if i.value.startswith("No goodput ledger snapshot yet")]
+    # The other run is unaffected.
+    other = _open(page, run=RUN)
+    assert not other.exception and other.session_state["th_run"] == RUN
+    assert not [w for w in other.warning if "th:{garb}" in w.value]
+
+
+@pytest.mark.parametrize("bad_id", ["ünïcode-run", "bad id!", ""])
+@pytest.mark.parametrize("page", PAGES)
+def test_invalid_run_id_in_registry_is_skipped(seeded: redis.Redis, page: str, bad_id: str) -> None:
+    seeded.zadd(RUNS, {bad_id: 1})
+    at = _open(page)
+    assert not at.exception
+    assert at.session_state["th_run"] == RUN
+    assert at.sidebar.selectbox[0].options == [f"{RUN} · running · 4 ranks", "empty-run · running · 8 ranks",
+                                               "old-run · finished · 2 ranks"]
+    assert [w.value for w in at.sidebar.warning] == [f"th:runs lists 1 invalid run id, skipped: {bad_id!r}"]
+    assert list(data.list_runs(seeded)["run"]) == [RUN, "empty-run", "old-run"]
+
+
+def test_invalid_run_id_in_link_says_so(seeded: redis.Redis) -> None:
+    at = app(run="bad id!")
+    assert not at.exception
+    assert at.warning[0].value == (
+        "The link's run is not valid: run='bad id!' is not a valid run id: use 1-128 letters, digits, '.', '_' or "
+        "'-', starting with a letter or digit. Showing the newest run.")
+    assert at.session_state["th_run"] == RUN
+
+
+@pytest.mark.parametrize(("snap", "expected"), [
+    ({"wall_s": "x", "seconds": [1], "restarts": 1.5, "rates": {"60s": "y"}, "gpu_hours": {"hang": "z"}},
+     "wall_s 'x' is not a number; restarts 1.5 is not a whole number; seconds [1] is not an object; "
+     "gpu_hours.hang 'z' is not a number; rates.60s 'y' is not an object"),
+    ({"seconds": {"productive": "lots"}, "badput_cost_usd": "free", "gpu_hour_usd": [], "custom_by_name": 3},
+     "gpu_hour_usd [] is not a number; badput_cost_usd 'free' is not a number; seconds.productive 'lots' is not "
+     "a number; custom_by_name 3 is not an object"),
+])
+@pytest.mark.parametrize("page", ["app.py", "pages/goodput.py"])
+def test_ledger_snapshot_of_wrong_types(seeded: redis.Redis, page: str, snap: dict, expected: str) -> None:
+    snapshot = _snapshot(T0 + 100, 100.0, 12, 14, 12, 1, SECONDS, CUSTOM_BY_NAME)
+    seeded.set(run_keys(RUN).ledger_latest, json.dumps({**snapshot, **snap}))
+    at = _open(page)
+    assert not at.exception
+    latest = [w.value for w in at.warning if w.value.startswith("th:{llama-7b}:ledger:latest")]
+    assert latest == ["th:{llama-7b}:ledger:latest has unreadable values, shown as missing: " + expected]

@@ -7,6 +7,7 @@ the worker's next flush; requeued dead letters are delivered again with their id
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ import pandas as pd
 import redis
 import streamlit as st
 
+from dashboard import data
 from dashboard.common import client, fmt_age, follow_run_status, redis_trouble, to_datetime, viewer_tz
 from dashboard.frame import page_run
 from detectors.alerts import store
@@ -30,10 +32,17 @@ SINK_COLUMNS = ["sink", "type", "state", "last_ok", "delivered", "dead", "last_e
 DURATIONS = ("30m", "1h", "2h", "4h", "12h", "1d", "3d", "7d")
 
 
+def _times(s: pd.Series) -> pd.Series:
+    """Unix seconds; anything else (garbage in the alert keys) is NaT rather than a traceback."""
+    x = pd.to_numeric(s.map(lambda v: v if isinstance(v, (int, float)) and not isinstance(v, bool) else None),
+                      errors="coerce").astype("float64")
+    return x.where(x.abs() < data.MAX_TIME)
+
+
 def notifications_frame(rows: list[dict[str, Any]], tz: str) -> pd.DataFrame:
     """Recent notifications for display (newest first)."""
     frame = pd.DataFrame(rows, columns=NOTIFICATION_COLUMNS)
-    frame["delivered_at"] = to_datetime(frame["delivered_at"].astype(float), tz)
+    frame["delivered_at"] = to_datetime(_times(frame["delivered_at"]), tz)
     return frame
 
 
@@ -51,24 +60,37 @@ def silences_frame(silences: list, now: float, tz: str) -> pd.DataFrame:
 def dead_frame(rows: list[dict[str, Any]], tz: str) -> pd.DataFrame:
     """Dead letters for display (newest first)."""
     frame = pd.DataFrame(rows, columns=DEAD_COLUMNS)
-    frame["dead_at"] = to_datetime(frame["dead_at"].astype(float), tz)
+    frame["dead_at"] = to_datetime(_times(frame["dead_at"]), tz)
     return frame
+
+
+def _number(v: Any) -> float:
+    """A stored number, 0 when missing or not a number (alert state written by another version)."""
+    x = data._num(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else math.nan
+    return x if math.isfinite(x) else 0.0
+
+
+def _count(v: Any) -> int:
+    return int(_number(v))
 
 
 def sinks_frame(states: dict[str, dict[str, Any]], now: float) -> pd.DataFrame:
     """One row per sink: failing or ok, last success age, counters, last error (secrets already removed)."""
     rows = []
     for name, st_ in states.items():
-        fails = int(st_.get("consecutive_failures") or 0)
-        paused = float(st_.get("paused_until") or 0)
+        if not isinstance(st_, dict):  # garbage in the sinks hash: a row that says so, not a traceback
+            rows.append({"sink": name, "state": f"unreadable state: {data.show_value(st_)}"})
+            continue
+        fails = _count(st_.get("consecutive_failures"))
+        paused = _number(st_.get("paused_until"))
         state = "ok" if not fails else f"failing ({fails} in a row)"
         if paused > now:
             state += f", rate-limited {paused - now:.0f} s"
-        last_ok = st_.get("last_ok_at")
-        rows.append({"sink": name, "type": st_.get("type", ""), "state": state,
-                     "last_ok": f"{fmt_age(now - float(last_ok))} ago" if last_ok else "never",
-                     "delivered": int(st_.get("delivered") or 0), "dead": int(st_.get("dead") or 0),
-                     "last_error": st_.get("last_error", "") if fails else ""})
+        last_ok = _number(st_.get("last_ok_at"))
+        rows.append({"sink": name, "type": str(st_.get("type", "")), "state": state,
+                     "last_ok": f"{fmt_age(now - last_ok)} ago" if last_ok else "never",
+                     "delivered": _count(st_.get("delivered")), "dead": _count(st_.get("dead")),
+                     "last_error": str(st_.get("last_error", "")) if fails else ""})
     return pd.DataFrame(rows, columns=SINK_COLUMNS)
 
 
@@ -83,16 +105,22 @@ def live(run: str | None) -> None:
         sinks = store.sink_states(c)
         only_run = st.session_state.get("alerts_only_run", True) and bool(run)
         sent = store.recent_notifications(c, 200, run=run if only_run else None)
-        dead = store.dead_letters(c, 200)
+        dead = [d for d in store.dead_letters(c, 200) if isinstance(d, dict)]  # JSON that is no object: left out
         n_silences = sum(1 for s in store.list_silences(c, now) if s.active(now))
     except redis.RedisError as exc:
         redis_trouble(exc)
         return
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        # detectors.alerts.store parses the alert keys strictly: say which read failed, not a traceback.
+        st.warning(f"The alert worker's state in Redis (`th:{{alerts}}:*`) is unreadable: {exc!r}",
+                   icon=":material/report:")
+        return
     tz = viewer_tz()
     leader = next((b for b in beats if b.get("role") == "leader"), None)
+    leader_t = _number(leader.get("t")) if leader else 0.0
     m1, m2, m3, m4 = st.columns(4)
     m1.metric("Alert worker", "running" if leader else "NOT RUNNING",
-              f"heartbeat {fmt_age(now - float(leader['t']))} ago" if leader else "start `trainhealth alerts`",
+              f"heartbeat {fmt_age(now - leader_t)} ago" if leader else "start `trainhealth alerts`",
               delta_color="off" if leader else "inverse")
     m2.metric("Pending deliveries", f"{stats['pending']:,}")
     m3.metric("Dead letters", f"{stats['dead']:,}", "resend below" if stats["dead"] else None, delta_color="off")
@@ -192,10 +220,11 @@ def dead_actions() -> None:
     if not dead:
         return
     with st.form("requeue_dead"):
-        ids = [d["id"] for d in dead]
-        chosen = st.multiselect("Dead letters to resend", ids, key="dead_pick",
-                                format_func=lambda i: next(f"{i} · {d['sink']} · #{d['seq']} {d['group']}"
-                                                           for d in dead if d["id"] == i))
+        # .get: a dead letter missing a field (written by hand or another version) must not break the form.
+        by_id = {str(d.get("id")): d for d in dead if isinstance(d, dict) and d.get("id") is not None}
+        chosen = st.multiselect("Dead letters to resend", list(by_id), key="dead_pick",
+                                format_func=lambda i: f"{i} · {by_id[i].get('sink')} · #{by_id[i].get('seq')} "
+                                                      f"{by_id[i].get('group')}")
         c1, c2 = st.columns(2)
         one = c1.form_submit_button("Resend selected", icon=":material/send:")
         every = c2.form_submit_button("Resend all", icon=":material/forward_to_inbox:")

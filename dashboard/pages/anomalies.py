@@ -11,7 +11,16 @@ import streamlit as st
 
 from dashboard import data
 from dashboard.charts import SEVERITY_COLORS
-from dashboard.common import client, fmt_int, follow_run_status, plural, redis_trouble, to_datetime, viewer_tz
+from dashboard.common import (
+    client,
+    fmt_int,
+    follow_run_status,
+    plural,
+    redis_trouble,
+    show_problems,
+    to_datetime,
+    viewer_tz,
+)
 from dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 
@@ -88,13 +97,16 @@ def row_height(shown: pd.DataFrame) -> int | None:
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
 def live(run: str, kinds: list[str], severities: list[str], statuses: list[str]) -> None:
     """The anomaly table, re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
+    problems: list[str] = []
     try:
-        frame = data.anomalies(client(), run)
+        frame = data.anomalies(client(), run, problems)
     except redis.RedisError as exc:
         redis_trouble(exc)
         return
+    show_problems(problems)
     if frame.empty:
-        st.success("No anomalies detected for this run.", icon=":material/check_circle:")
+        if not problems:  # "none detected" would be wrong when some could not be read
+            st.success("No anomalies detected for this run.", icon=":material/check_circle:")
         return
     rows = filtered(frame, kinds, severities, statuses)
     tz = viewer_tz()

@@ -37,6 +37,7 @@ from dashboard.common import (
     plural,
     rates_table,
     redis_trouble,
+    show_problems,
     to_datetime,
     viewer_tz,
 )
@@ -55,18 +56,24 @@ MIN_BAR_S = 0.05
 CLOSED_COLUMNS = ["status", "action", "kind", "onset_step", "checkpoint_step", "summary", "by", "decided"]
 
 
+def _read_history(url: str, run: str, count: int) -> tuple[pd.DataFrame, list[str]]:
+    problems: list[str] = []  # cached with the frame: the warnings must outlive the read
+    return data.ledger_history(get_client(url), run, count=count, max_points=MAX_POINTS, problems=problems), problems
+
+
 @st.cache_data(ttl=WINDOWS["1 h"][1], show_spinner=False)
-def _history_short(url: str, run: str, count: int) -> pd.DataFrame:
-    return data.ledger_history(get_client(url), run, count=count, max_points=MAX_POINTS)
+def _history_short(url: str, run: str, count: int) -> tuple[pd.DataFrame, list[str]]:
+    return _read_history(url, run, count)
 
 
 @st.cache_data(ttl=WINDOWS["6 h"][1], show_spinner=False)
-def _history_long(url: str, run: str, count: int) -> pd.DataFrame:
-    return data.ledger_history(get_client(url), run, count=count, max_points=MAX_POINTS)
+def _history_long(url: str, run: str, count: int) -> tuple[pd.DataFrame, list[str]]:
+    return _read_history(url, run, count)
 
 
-def history(url: str, run: str, window: str) -> pd.DataFrame:
-    """The ledger history of ``window`` (thinned to :data:`MAX_POINTS`), cached per its period."""
+def history(url: str, run: str, window: str) -> tuple[pd.DataFrame, list[str]]:
+    """The ledger history of ``window`` (thinned to :data:`MAX_POINTS`), cached per its period, and
+    what of it could not be read."""
     count, ttl = WINDOWS.get(window, WINDOWS[DEFAULT_WINDOW])
     return (_history_short if ttl <= WINDOWS["1 h"][1] else _history_long)(url, run, count)
 
@@ -180,18 +187,23 @@ def live(run: str) -> None:
     """KPIs, rates, charts and past recommendations, re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
     url = st.session_state.get(URL_KEY, "")
     window = st.session_state.get("goodput_window") or DEFAULT_WINDOW
+    problems: list[str] = []
+    latest_problems: list[str] = []
     try:
         cl = client()
-        meta = data.run_meta(cl, run)
-        snap = data.ledger_latest(cl, run)
-        hist = data.with_latest(history(url, run, window), snap)
-        recs = data.recommendations(cl, run)
+        meta = data.run_meta(cl, run, problems)
+        snap = data.ledger_latest(cl, run, latest_problems)
+        hist, history_problems = history(url, run, window)
+        hist = data.with_latest(hist, snap)
+        recs = data.recommendations(cl, run, problems)
     except redis.RedisError as exc:
         redis_trouble(exc)
         return
+    show_problems([*latest_problems, *problems, *history_problems])
     if not snap:
-        st.info("No goodput ledger snapshot yet for this run. The detector service (`trainhealth serve`) "
-                "writes one every 2 s once steps arrive.", icon=":material/hourglass_empty:")
+        if not latest_problems:  # an unreadable snapshot is not "none yet": its warning says so
+            st.info("No goodput ledger snapshot yet for this run. The detector service (`trainhealth serve`) "
+                    "writes one every 2 s once steps arrive.", icon=":material/hourglass_empty:")
         cards.render(recs, run, "goodput")
         return
     tz = viewer_tz()

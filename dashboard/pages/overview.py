@@ -31,6 +31,7 @@ from dashboard.common import (
     get_client,
     plural,
     redis_trouble,
+    show_problems,
     viewer_tz,
 )
 from dashboard.frame import page_run
@@ -47,8 +48,9 @@ def _checkpoints(url: str, run: str) -> pd.DataFrame:
 
 
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
-def _ledger_history(url: str, run: str) -> pd.DataFrame:
-    return data.ledger_history(get_client(url), run)
+def _ledger_history(url: str, run: str) -> tuple[pd.DataFrame, list[str]]:
+    problems: list[str] = []  # cached with the frame: the warnings must outlive the read
+    return data.ledger_history(get_client(url), run, problems=problems), problems
 
 
 def kpis(snap: dict | None, anomalies: pd.DataFrame, meta: dict) -> None:
@@ -124,19 +126,21 @@ def ledger_caption(snap: dict) -> str | None:
 def live(run: str) -> None:
     """Everything that updates: re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
     url = st.session_state.get(URL_KEY, "")
+    problems: list[str] = []
     try:
         cl = client()
-        meta = data.run_meta(cl, run)
-        steps = data.recent_steps(cl, run, DASHBOARD_STEPS, with_busy=False)
-        snap = data.ledger_latest(cl, run)
-        anomalies = data.anomalies(cl, run)
+        meta = data.run_meta(cl, run, problems)
+        steps = data.recent_steps(cl, run, DASHBOARD_STEPS, with_busy=False, problems=problems)
+        snap = data.ledger_latest(cl, run, problems)
+        anomalies = data.anomalies(cl, run, problems)
         checkpoints = _checkpoints(url, run)
-        history = _ledger_history(url, run)
+        history, history_problems = _ledger_history(url, run)
     except redis.RedisError as exc:
         redis_trouble(exc)
         return
 
     status_line(steps, meta)
+    show_problems([*problems, *history_problems])
     kpis(snap, anomalies, meta)
 
     if steps.empty:

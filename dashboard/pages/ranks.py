@@ -7,7 +7,7 @@ import redis
 import streamlit as st
 
 from dashboard import charts, data
-from dashboard.common import URL_KEY, client, follow_run_status, get_client, plural, redis_trouble
+from dashboard.common import URL_KEY, client, follow_run_status, get_client, plural, redis_trouble, show_problems
 from dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS, STRAGGLER_THRESHOLD
 
@@ -45,14 +45,16 @@ def _highlight(row: pd.Series) -> list[str]:
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
 def live(run: str, window: int, relative: bool) -> None:
     """Heatmap and rank table, re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
+    problems: list[str] = []
     try:
         cl = client()
-        matrix = data.rank_matrix(cl, run, window)
-        anomalies = data.anomalies(cl, run)
+        matrix = data.rank_matrix(cl, run, window, problems)
+        anomalies = data.anomalies(cl, run, problems)
         hosts = _hosts(st.session_state.get(URL_KEY, ""), run)
     except redis.RedisError as exc:
         redis_trouble(exc)
         return
+    show_problems(problems)
 
     active = anomalies[(anomalies["status"] == "active") & anomalies["kind"].isin(RANK_KINDS)] \
         if not anomalies.empty else anomalies
