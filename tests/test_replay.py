@@ -187,19 +187,21 @@ def _untimed_csv(path: Path, steps: int) -> Path:
     return path
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_cli_paced_replay_says_what_happens_and_ctrl_c_ends_it_as_interrupted(
-        tmp_path: Path, r: redis.Redis, redis_url: str) -> None:
+        tmp_path: Path, r: redis.Redis, redis_url: str, sig: int) -> None:
     log = _untimed_csv(tmp_path / "slow.csv", 1000)
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
+    # Started with SIGINT ignored, as `nohup` or `cmd &` in a script start it: both signals must still stop it.
     proc = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "replay", str(log), "--run", "paced",
                              "--speed", "10"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 60
         while r.xlen("th:{paced}:steps") < 3:  # a few steps pushed (at 10 per second): then Ctrl-C
             assert time.monotonic() < deadline and proc.poll() is None, "the replay did not start"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

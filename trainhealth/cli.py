@@ -58,6 +58,17 @@ def dashboard_command(url: str, port: int, headless: bool = True) -> list[str]:
             "--server.address", "127.0.0.1", "--theme.base", "light"]
 
 
+def _interrupt_on_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so the command cleans up either way: SIGTERM's default
+    kills at once, and a process started in the background (nohup, ``cmd &`` in a script) inherits SIGINT
+    ignored."""
+    def _stop(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+
+
 #: Set in the environment of the processes a command starts (they need not say again where Redis is).
 _CHILD_ENV = "TRAINHEALTH_CHILD"
 
@@ -92,12 +103,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     url, embedded = _resolve(args)
     print(f"Dashboard: http://127.0.0.1:{args.port}/", flush=True)
     proc = subprocess.Popen(dashboard_command(url, args.port), env=_child_env(url))
-
-    def _stop(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    # SIGTERM (systemd, kill, a supervisor) must clean up as Ctrl-C does, not orphan Streamlit.
-    signal.signal(signal.SIGTERM, _stop)
+    _interrupt_on_signals()  # SIGTERM (systemd, kill, a supervisor) cleans up as Ctrl-C does, not orphaning Streamlit
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -182,6 +188,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     runs = 1 if one_run else len(args.paths)
     done = 0  # runs replayed completely, for the Ctrl-C message
+    _interrupt_on_signals()  # SIGTERM too ends the run as "interrupted", not "running" for ever
     try:
         # Parse every file before touching Redis: a typo must not start a server or half-write a run.
         mapping = parse_map(args.map)
