@@ -523,7 +523,8 @@ def _anomaly_row(field: str, a: Mapping[str, Any], bad: list[str]) -> dict[str, 
 
 
 def anomalies(client: redis.Redis, run: str, problems: list[str] | None = None) -> pd.DataFrame:
-    """All anomalies of the run (``anomalies`` hash), active first, then newest first.
+    """All anomalies of the run (``anomalies`` hash): active first, then by severity (critical,
+    warning, info), then newest first.
 
     Columns :data:`ANOMALY_COLUMNS`: ``step`` / ``end_step`` nullable ints (``end_step`` is
     set once resolved), ``ranks`` list[int], ``hosts`` list[str], ``evidence`` dict,
@@ -561,10 +562,12 @@ def anomalies(client: redis.Redis, run: str, problems: list[str] | None = None) 
         frame[c] = frame[c].astype("float64")
     if frame.empty:
         return frame
+    # Active first, then the most severe (a slow step, info, must not push a loss spike out of view), newest.
     frame["_inactive"] = frame["status"] != "active"
-    frame = frame.sort_values(["_inactive", "first_seen", "id"], ascending=[True, False, True],
+    frame["_sev"] = frame["severity"].map({"critical": 0, "warning": 1, "info": 2}).fillna(3)
+    frame = frame.sort_values(["_inactive", "_sev", "first_seen", "id"], ascending=[True, True, False, True],
                               kind="stable", na_position="last")
-    return frame.drop(columns="_inactive").reset_index(drop=True)
+    return frame.drop(columns=["_inactive", "_sev"]).reset_index(drop=True)
 
 
 # --- goodput ledger ----------------------------------------------------------------------

@@ -303,15 +303,16 @@ def test_events_deduped_per_checkpoint(seeded: redis.Redis, dr: redis.Redis, dec
     ]
 
 
-def test_anomalies_active_first_then_newest(seeded: redis.Redis) -> None:
+def test_anomalies_active_first_then_severity_then_newest(seeded: redis.Redis) -> None:
     an = data.anomalies(seeded, RUN)
-    assert list(an["id"]) == ["hang:2:12:1", "straggler:3:4:0", "restart:*:10:1", "nan_inf:*:5:0"]
+    # Resolved: the critical NaN (step 5) above the newer restart (a warning).
+    assert list(an["id"]) == ["hang:2:12:1", "straggler:3:4:0", "nan_inf:*:5:0", "restart:*:10:1"]
     assert list(an["status"]) == ["active", "active", "resolved", "resolved"]
-    assert list(an["step"]) == [12, 4, 10, 5]
-    assert an.loc[0, "end_step"] is pd.NA and an.loc[3, "end_step"] == 6
-    assert an.loc[2, "ranks"] == [0, 1, 2, 3] and an.loc[1, "hosts"] == ["node-b"]
+    assert list(an["step"]) == [12, 4, 5, 10]
+    assert an.loc[0, "end_step"] is pd.NA and an.loc[2, "end_step"] == 6
+    assert an.loc[3, "ranks"] == [0, 1, 2, 3] and an.loc[1, "hosts"] == ["node-b"]
     assert an.loc[0, "evidence"] == {"stalled_s": 300.0, "threshold_s": 120.0}
-    assert math.isnan(an.loc[3, "evidence"]["loss"])
+    assert math.isnan(an.loc[2, "evidence"]["loss"])
     assert an.loc[0, "first_seen"] == T0 + 99
 
 
@@ -388,8 +389,8 @@ def test_training_curves_markers(seeded: redis.Redis) -> None:
     shapes = fig.layout.shapes
     # Only the loss-related NaN anomaly is shaded on the panels (×3), plus the restart line (×3).
     assert len(shapes) == 6
-    assert [(s.type, s.x0, s.line.dash) for s in shapes[:3]] == [("line", 10.0, "dash")] * 3
-    assert [(s.type, s.x0, s.x1, s.fillcolor) for s in shapes[3:]] == [("rect", 4.5, 6.5, "#d62728")] * 3
+    assert [(s.type, s.x0, s.x1, s.fillcolor) for s in shapes[:3]] == [("rect", 4.5, 6.5, "#d62728")] * 3
+    assert [(s.type, s.x0, s.line.dash) for s in shapes[3:]] == [("line", 10.0, "dash")] * 3
     assert fig.layout.yaxis2.type == "log"
     # inf grad norm and NaN loss become gaps, not points.
     assert math.isnan(fig.data[1].y[5]) and math.isnan(fig.data[0].y[4])
@@ -553,17 +554,17 @@ def test_anomalies_page_table_filters_and_evidence(seeded: redis.Redis) -> None:
     at.switch_page("pages/anomalies.py").run()
     assert not at.exception
     table = at.dataframe[0].value
-    assert list(table["id"]) == ["hang:2:12:1", "straggler:3:4:0", "restart:*:10:1", "nan_inf:*:5:0"]
-    assert list(table["severity"]) == ["critical", "warning", "warning", "critical"]
-    assert list(table["kind"]) == ["hang", "straggler", "restart", "nan_inf"]
+    assert list(table["id"]) == ["hang:2:12:1", "straggler:3:4:0", "nan_inf:*:5:0", "restart:*:10:1"]
+    assert list(table["severity"]) == ["critical", "warning", "critical", "warning"]
+    assert list(table["kind"]) == ["hang", "straggler", "nan_inf", "restart"]
     assert list(table["status"]) == ["active", "active", "resolved", "resolved"]
-    assert list(table["step"]) == [12, 4, 10, 5]
-    assert list(table["ranks"]) == ["2", "3", "0, 1, 2, 3", ""]
-    assert table.loc[2, "hosts"] == "node-a, node-b, node-c"
+    assert list(table["step"]) == [12, 4, 5, 10]
+    assert list(table["ranks"]) == ["2", "3", "", "0, 1, 2, 3"]
+    assert table.loc[3, "hosts"] == "node-a, node-b, node-c"
     assert table.loc[0, "message"] == "rank 2 has not completed a step for 300 s"
     assert table.loc[0, "first_seen"] == pd.Timestamp("2026-11-30 00:54:59", tz="UTC")
-    assert table.loc[3, "last_seen"] == pd.Timestamp("2026-11-30 00:53:53", tz="UTC")
-    assert pd.isna(table.loc[0, "end_step"]) and table.loc[3, "end_step"] == 6
+    assert table.loc[2, "last_seen"] == pd.Timestamp("2026-11-30 00:53:53", tz="UTC")
+    assert pd.isna(table.loc[0, "end_step"]) and table.loc[2, "end_step"] == 6
     assert at.json[0].value == json.dumps({"stalled_s": 300.0, "threshold_s": 120.0})
     # Layout: kind/severity/status/step first, the message wraps (rows taller than 64 px) and the
     # fixed columns leave it 300 px, so "last seen" fits the ~905 px beside the sidebar at 1,366 px.
