@@ -34,7 +34,7 @@ from dashboard.common import (
     viewer_tz,
 )
 from detectors import recommendations as recommendation_store
-from detectors.advisor import Recommendation, fmt_cost
+from detectors.advisor import Recommendation, fmt_cost, fmt_wall
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.exceptions import ConfigError
 
@@ -109,7 +109,7 @@ def facts(rec: Mapping[str, Any]) -> list[str]:
     head = "**If rolled back**" if action == "wait" else "**Rolling back costs**"
     rollback = [head, f"{fmt_int(rec.get('recompute_steps', 0))} steps recomputed", _cost_line(cost)]
     if cost.get("wall_hours") is not None:
-        rollback.append(f"{fmt_gpu_hours(cost['wall_hours'])} h of the run's time")  # as in the headline
+        rollback.append(f"{fmt_wall(cost['wall_hours'])} of the run's time")  # as in the headline
 
     cont = rec.get("continue_cost") or {}
     keep = ["**Continuing costs**", f"{fmt_int(cont.get('wasted_steps_so_far', 0))} steps wasted so far",

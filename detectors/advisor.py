@@ -16,6 +16,7 @@ from typing import Any
 
 from detectors.anomaly import Anomaly
 from trainhealth import defaults
+from trainhealth.text import fmt_age
 
 #: Lifecycle of a recommendation, in order.
 STATUSES = ("proposed", "acknowledged", "applied", "dismissed")
@@ -379,5 +380,12 @@ def fmt_cost(c: Mapping[str, Any], unit: str = "GPU-hours", sep: str = ", ") -> 
 def _fmt_cost(c: Mapping[str, Any]) -> str:
     if c.get("gpu_hours") is None:
         return f"{c.get('steps', 0)} steps (step time unknown)"
-    # Wall hours in the same compact hours format: a short recompute is 0.0047 h, not 0.00 h.
-    return f"{fmt_cost(c)}, {fmt_gpu_hours(c['wall_hours'])} h of the run's time"
+    return f"{fmt_cost(c)}, {fmt_wall(c['wall_hours'])} of the run's time"
+
+
+def fmt_wall(hours: Any) -> str:
+    """The run's time a rollback costs, as a span a person reads: ``17 s``, ``4.2 min``, ``25.2 min``,
+    ``3.5 h`` (not ``0.0047 h``); missing → ``—``."""
+    if hours is None or not math.isfinite(float(hours)):
+        return "—"
+    return fmt_age(float(hours) * 3600.0)

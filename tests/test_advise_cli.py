@@ -42,7 +42,7 @@ def test_advise_shows_exports_and_moves_a_recommendation(r: redis.Redis, redis_u
     assert out.stdout.splitlines()[:2] == [
         "[proposed] rec:divergence:*:400:0 — rollback",
         "  Roll back to the checkpoint of step 299 and skip the batches of steps 300-600: recomputes 251 steps "
-        "(0.07 GPU-hours, $0.14, 0.07 h of the run's time)",
+        "(0.07 GPU-hours, $0.14, 4.2 min of the run's time)",
     ]
 
     out = cli(redis_url, "cli-adv", "--id", "rec:divergence:*:400:0", "--megatron")

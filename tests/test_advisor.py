@@ -44,10 +44,10 @@ def test_cost_texts_use_one_format_for_small_and_large_costs() -> None:
     rec = RollbackAdvisor().advise(Anomaly("divergence", "critical", 400, "d"), run="r",
                                    checkpoints=[Checkpoint(299)], current_step=550, step_s=1.0, world_size=1,
                                    gpu_hour_usd=2.0, data_positions={}, history=[])
-    assert rec.summary.endswith("recomputes 251 steps (0.07 GPU-hours, $0.14, 0.07 h of the run's time)")
+    assert rec.summary.endswith("recomputes 251 steps (0.07 GPU-hours, $0.14, 4.2 min of the run's time)")
     assert rec.reasoning[-1].startswith("rollback recomputes 251 steps (1 s/step, 1 GPUs): 0.07 GPU-hours, $0.14, "
-                                        "0.07 h of the run's time; continuing wastes every step from 400 on (151 so "
-                                        "far, 0.04 GPU-hours, $0.08, 0.04 h of the run's time)")
+                                        "4.2 min of the run's time; continuing wastes every step from 400 on (151 so "
+                                        "far, 0.04 GPU-hours, $0.08, 2.5 min of the run's time)")
     assert [fmt_gpu_hours(x) for x in (0.0, 0.00022, 0.0042, 0.0375, 0.5, 9.071, 12.34, 1234.6, None)] == [
         "0.00", "0.00022", "0.0042", "0.04", "0.50", "9.07", "12.3", "1,235", "—"]
     assert [fmt_usd(x) for x in (0.00056, 0.0939, 12.3, 1234.5, 123_456.0, float("nan"))] == [

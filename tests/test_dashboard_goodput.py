@@ -328,7 +328,7 @@ def test_card_facts_status_line_and_exports(seeded: dict) -> None:
     assert cards.facts(rb) == [
         "**Checkpoint**  \nload step 149",
         "**Skip** (inclusive)  \nsteps 150–450 (301)  \nsamples 76,800–230,911  \nbatches 150–450",
-        "**Rolling back costs**  \n151 steps recomputed  \n26.8 GPU-h · $67.11  \n0.42 h of the run's time",
+        "**Rolling back costs**  \n151 steps recomputed  \n26.8 GPU-h · $67.11  \n25.2 min of the run's time",
         "**Continuing costs**  \n51 steps wasted so far  \n9.07 GPU-h · $22.67  \nthen 64 GPU-h · $160 per hour"]
     # 151 steps x 10 s x 64 GPUs / 3600 = 26.84 GPU-hours, x $2.5 = $67.11; 51 steps = 9.07 GPU-h = $22.67.
     assert rb["cost"]["gpu_hours"] == pytest.approx(151 * 10 * 64 / 3600)
@@ -360,10 +360,10 @@ def test_card_headline_and_facts_format_a_small_cost_alike(r: redis.Redis, redis
                                    world_size=8, gpu_hour_usd=PRICE, data_positions={}, history=[spike])
     # 169 steps x 0.1 s x 8 GPUs / 3600 = 0.0376 GPU-hours, x $2.5 = $0.094; 69 wasted = 0.015 GPU-h = $0.038.
     assert rec.summary == ("Roll back to the checkpoint of step 99 and skip the batches of steps 100-400: "
-                           "recomputes 169 steps (0.04 GPU-hours, $0.09, 0.0047 h of the run's time)")
+                           "recomputes 169 steps (0.04 GPU-hours, $0.09, 17 s of the run's time)")
     facts = cards.facts(rec.to_dict())
     assert facts[2] == ("**Rolling back costs**  \n169 steps recomputed  \n0.04 GPU-h · $0.09  \n"
-                        "0.0047 h of the run's time")
+                        "17 s of the run's time")
     assert facts[3].split("  \n")[2] == "0.02 GPU-h · $0.04"
     # Below a hundredth: two significant digits instead of 0.00 (1 step of 0.1 s on 8 GPUs).
     assert cards._cost_line({"gpu_hours": 8 * 0.1 / 3600, "usd": 8 * 0.1 / 3600 * PRICE}) == "0.00022 GPU-h · $0.00056"
@@ -486,7 +486,7 @@ def test_goodput_page_cards_and_acknowledge(seeded: dict, r: redis.Redis) -> Non
     # Open recommendations, newest proposal first; the dismissed one has no card.
     assert card_summaries(at) == [wait.summary, rollback.summary]
     assert rollback.summary == ("Roll back to the checkpoint of step 149 and skip the batches of steps 150-450: "
-                                "recomputes 151 steps (26.8 GPU-hours, $67.11, 0.42 h of the run's time)")
+                                "recomputes 151 steps (26.8 GPU-hours, $67.11, 25.2 min of the run's time)")
     heads = [t for t in markdowns(at) if "-badge[" in t]
     assert heads == [
         ":orange-badge[:material/hourglass_top: Wait] :blue-badge[proposed] **Loss spike at step 290** · now step 300",
