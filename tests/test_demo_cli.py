@@ -145,3 +145,22 @@ def test_dashboard_stops_the_embedded_redis_it_started_unless_someone_else_uses_
     subprocess.run([sys.executable, "-m", "trainhealth.cli", "redis", "stop"], check=True, capture_output=True,
                    env={**os.environ, "TRAINHEALTH_HOME": str(home)})
     assert not ping(url)
+
+
+def test_demo_alert_routes_wait_a_minute_for_throughput_drops(monkeypatch) -> None:
+    import tomllib
+
+    from detectors.alerts.config import parse
+    from trainhealth.demo import alerts_config
+
+    monkeypatch.setenv("TRAINHEALTH_DEMO_WEBHOOK_SECRET", "s3cret")
+    cfg = parse(tomllib.loads(alerts_config("http://127.0.0.1:9/alerts", "http://127.0.0.1:8501")))
+
+    def routed(kind: str, severity: str) -> list[tuple[str, float]]:
+        labels = {"run": "r", "kind": kind, "severity": severity, "rank": "", "host": ""}
+        return [(r.id, r.timers.group_wait) for r in cfg.route.match(labels) if r.receivers]
+
+    assert routed("throughput_drop", "warning") == [("throughput", 60.0)]
+    assert routed("loss_spike", "warning") == [("notify", 0.0)]
+    assert routed("nan_inf", "critical") == [("notify", 0.0)]
+    assert routed("slow_step", "info") == []
