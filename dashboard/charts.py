@@ -10,6 +10,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from trainhealth.text import category_label
+
 #: Colour of an anomaly by severity (Grafana-like: red critical, orange warning, blue info).
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 #: Most heatmap cells sent to the browser; wider matrices are averaged over step bins
@@ -50,8 +52,8 @@ _LANE_STYLE = {"restart": ("x", SEVERITY_COLORS["warning"]), "checkpoint save": 
 
 
 def label(category: str) -> str:
-    """``checkpoint_save`` → ``checkpoint save``."""
-    return category.replace("_", " ")
+    """``checkpoint_save`` → ``checkpoint save`` (:func:`trainhealth.text.category_label`)."""
+    return category_label(category)
 
 
 def _finite(s: pd.Series) -> pd.Series:

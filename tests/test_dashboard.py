@@ -498,7 +498,7 @@ def test_overview_kpis_and_charts(seeded: redis.Redis, redis_url: str) -> None:
         "(start-up, checkpoints, restarts, hangs, idle). Straggler wait and data loading slow both curves alike, "
         "so they are not in the gap: see Goodput (time) and the badput by cause.",
         "Productive: 71.5 s of 100.0 s wall time · 1 restart · 12 logged steps kept of 14 done",
-        "0.0 s: straggler wait, skipped steps, wasted progress from rollback, hang, idle"]
+        "0.0 s: straggler wait, skipped or NaN steps, wasted progress from rollback, hang, idle"]
     sidebar = [c.value for c in at.sidebar.caption]
     assert sidebar[-1] == f"Redis: `{redis_url}`"
     assert sidebar[0].startswith("**running** · 4 ranks · started ") and sidebar[0].endswith(" · source `demo`")

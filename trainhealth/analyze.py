@@ -35,6 +35,7 @@ from detectors.anomaly import Anomaly
 from detectors.offline import OfflineRun, arrange, step_seconds_error
 from trainhealth import __version__
 from trainhealth.exceptions import ConfigError, InputFormatError, TrainHealthError
+from trainhealth.text import category_label
 
 #: Name and version of the JSON document (``docs/analyze.md``); the version changes when a field
 #: is renamed or removed or changes meaning (added fields do not change it).
@@ -732,7 +733,7 @@ def format_file(rep: FileReport) -> list[str]:
         out.append(line)
         if bad:
             out.append("             badput: " + ", ".join(
-                f"{k.replace('_', ' ')} {_secs(v)} ({100 * v / wall:.1f}%)" for k, v in bad[:5]))
+                f"{category_label(k)} {_secs(v)} ({100 * v / wall:.1f}%)" for k, v in bad[:5]))
         if snap.get("tokens_total"):
             out.append(f"             {snap['tokens_total']:,} tokens; throughput {snap['throughput_tok_s']:,.0f} "
                        f"tokens/s, goodput {snap['goodput_tok_s']:,.0f} tokens/s")

@@ -35,3 +35,18 @@ def fmt_age(seconds: float, day: str = " d") -> str:
     if seconds < 172800:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:.1f}{day}"
+
+
+#: Ledger categories whose name alone misleads: NaN/Inf steps are booked with the skipped ones.
+_CATEGORY_LABELS = {"skipped_steps": "skipped or NaN steps"}
+
+
+def category_label(category: str) -> str:
+    """A goodput-ledger category for people: ``checkpoint_save`` → ``checkpoint save``,
+    ``skipped_steps`` → ``skipped or NaN steps`` (steps whose update was skipped or whose loss or
+    grad norm was NaN/Inf; docs/goodput.md).
+
+    >>> category_label("checkpoint_save"), category_label("skipped_steps")
+    ('checkpoint save', 'skipped or NaN steps')
+    """
+    return _CATEGORY_LABELS.get(category, category.replace("_", " "))
