@@ -164,3 +164,25 @@ def test_demo_alert_routes_wait_a_minute_for_throughput_drops(monkeypatch) -> No
     assert routed("loss_spike", "warning") == [("notify", 0.0)]
     assert routed("nan_inf", "critical") == [("notify", 0.0)]
     assert routed("slow_step", "info") == []
+
+
+def test_demo_receiver_prints_each_alerts_own_state() -> None:
+    import httpx
+
+    from trainhealth.demo import start_alert_receiver
+
+    lines: list[str] = []
+    server, url = start_alert_receiver(lines.append)
+    try:
+        def alert(kind: str, status: str, point: bool) -> dict:
+            return {"status": status, "point_event": point, "labels": {"severity": "warning", "kind": kind,
+                                                                      "run": "r"}, "anomaly": {"message": kind}}
+        doc = {"status": "firing", "alerts": [alert("straggler", "firing", False),
+                                              alert("restart", "resolved", True),
+                                              alert("loss_spike", "resolved", False)]}
+        assert httpx.post(url, json=doc).status_code == 200
+    finally:
+        server.shutdown()
+    assert lines == ["ALERT [FIRING] warning straggler · run r: straggler",
+                     "ALERT [EVENT] warning restart · run r: restart",
+                     "ALERT [RESOLVED] warning loss_spike · run r: loss_spike"]

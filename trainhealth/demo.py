@@ -182,7 +182,9 @@ def start_alert_receiver(print_fn: Callable[[str], None] = print):
                 doc = json.loads(body)
                 for a in doc.get("alerts", []):
                     labels, anomaly = a.get("labels", {}), a.get("anomaly") or {}
-                    print_fn(f"ALERT [{doc.get('status', '?').upper()}] {labels.get('severity', '')} "
+                    # Each alert's own state: a point event (a restart, over when first seen) never resolves.
+                    state = "EVENT" if a.get("point_event") else str(a.get("status") or doc.get("status", "?")).upper()
+                    print_fn(f"ALERT [{state}] {labels.get('severity', '')} "
                              f"{labels.get('kind', '')} · run {labels.get('run', '')}: {anomaly.get('message', '')}")
             except (ValueError, AttributeError):
                 pass
