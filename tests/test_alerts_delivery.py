@@ -5,7 +5,10 @@ sending and acknowledging (the receiver de-duplicates on the idempotency key). R
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -21,6 +24,7 @@ from detectors.alerts.outbox import Deliverer, backoff_delay, enqueue
 from detectors.alerts.secrets import Secret
 from detectors.alerts.signing import verify
 from detectors.alerts.sinks import SlackSink, WebhookSink
+from detectors.alerts.sinks.base import parse_retry_after
 from trainhealth.keys import ALERTS_ATTEMPTS, ALERTS_DEAD, ALERTS_OUTBOX, ALERTS_RETRY, ALERTS_SENT
 
 T = 1_800_000_000.0
@@ -229,3 +233,84 @@ def test_slack_sink_end_to_end_and_send_resolved(r: redis.Redis, httpserver: HTT
     assert d.run_once() == 1
     msg = json.loads(httpserver.log[0][0].get_data())
     assert msg["blocks"][0]["text"]["text"] == ":large_orange_circle: WARNING · straggler · run r1"
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("²", None), ("١٢", None), ("garbage", None), ("", None), ("-5", None), ("1.5", None), (" 30 ", 30.0),
+    ("Wed, 21 Oct 2015 07:28:10 GMT", 10.0), ("Wed, 21 Oct 99999 07:28:10 GMT", None), (None, None)])
+def test_parse_retry_after_is_total(value: str | None, expected: float | None) -> None:
+    # RFC 9110 §10.2.3: delay-seconds is 1*DIGIT (ASCII) or an HTTP-date; anything else means "no advice"
+    assert parse_retry_after(value, now=1445412480.0) == expected
+
+
+def test_500_then_429_with_a_garbage_retry_after_falls_back_to_the_backoff(r: redis.Redis, httpserver: HTTPServer,
+                                                                            http: httpx.Client) -> None:
+    rx = Receiver([500, 429], headers={"Retry-After": "²"})
+    sinks = {"bot": webhook(httpserver, rx)}
+    put(r, sinks, note())
+    clock = Clock(T)
+    d = deliverer(r, sinks, clock, http)
+    assert d.run_once() == 1 and scores(r) == [T + 0.75]
+    clock.t = T + 0.75
+    assert d.run_once() == 1 and scores(r) == [T + 0.75 + 1.5]  # the backoff of try 2, as without Retry-After
+    st = store.sink_states(r)["bot"]
+    assert (st["last_error"], st["last_status"], st["paused_until"]) == ("HTTP 429: nope", 429, T + 2.25)
+    clock.t = T + 2.25
+    assert d.run_once() == 1 and len(rx.seen) == 1 and r.zcard(ALERTS_RETRY) == 0
+
+
+class _Misbehaving(BaseHTTPRequestHandler):
+    """``/hang``: answers after 3 s; ``/huge``: HTTP 500 with a 50 MB body (bytes actually written are counted)."""
+
+    written = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path == "/hang":
+            time.sleep(3.0)
+            self.send_response(200)
+            self.end_headers()
+            return
+        self.send_response(500)
+        self.send_header("Content-Length", str(50 * 2**20))
+        self.end_headers()
+        chunk = b"x" * 2**16
+        try:
+            for _ in range(50 * 2**4):
+                self.wfile.write(chunk)
+                type(self).written += len(chunk)
+        except OSError:  # the client hung up
+            pass
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def misbehaving() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Misbehaving)
+    server.daemon_threads = True
+    _Misbehaving.written = 0
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_hanging_or_flooding_sink_is_recorded_and_other_sinks_keep_delivering(
+        r: redis.Redis, httpserver: HTTPServer, http: httpx.Client, misbehaving: str) -> None:
+    rx = Receiver()
+    secret = Secret(SECRET.decode())
+    sinks = {"hang": WebhookSink("hang", Secret(misbehaving + "/hang"), secret=secret, timeout=0.5),
+             "huge": WebhookSink("huge", Secret(misbehaving + "/huge"), secret=secret, timeout=5.0),
+             "bot": webhook(httpserver, rx)}
+    put(r, sinks, note(sinks=("hang", "huge", "bot")))
+    d = deliverer(r, sinks, Clock(T), http)
+    t0 = time.monotonic()
+    assert d.run_once() == 3
+    assert time.monotonic() - t0 < 3.0 and len(rx.seen) == 1
+    st = store.sink_states(r)
+    assert (st["hang"]["last_error"], st["hang"]["last_status"]) == ("timeout after 0.5 s (ReadTimeout)", None)
+    assert (st["huge"]["last_error"], st["huge"]["last_status"]) == ("HTTP 500: " + "x" * 200, 500)
+    assert _Misbehaving.written < 10 * 2**20  # the 50 MB error page was not downloaded

@@ -6,6 +6,7 @@ that come out are compared field by field.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from detectors.alerts.grouping import Grouper
@@ -307,3 +308,33 @@ def test_dead_rank_inhibits_the_hang_it_causes_and_hang_inhibits_slow_node() -> 
     g.observe(alert(kind="slow_node", run="r2", ranks=(8, 9), step=5, t=102.0), 102.0)
     assert sorted(n.group_key for n in g.advance(200.0)) == ['root:{run="r1",kind="dead_rank"}',
                                                              'root:{run="r2",kind="hang"}']
+
+
+def test_advance_never_spins_where_adding_the_interval_does_not_change_the_time() -> None:
+    # At 1e308 (and from about 1e16 on with a 1 s interval) ``ts + interval == ts``: the group stayed due forever.
+    fast = Timers(group_wait=0.0, group_interval=1.0, repeat_interval=14400.0)
+    g = Grouper(root(timers=fast))
+    out: list[list[Notification]] = []
+    worker = threading.Thread(target=lambda: out.append(g.observe(alert(t=1e308), 1e308) + g.advance(1e308)),
+                              daemon=True)
+    worker.start()
+    worker.join(5.0)
+    assert not worker.is_alive(), "Grouper.advance spins"
+    assert summary(out[0]) == [(G_STRAG, 1, 1e308, "new", ["r1/straggler:5:250:0"], [])]
+    assert g.next_due() > 1e308
+    g2 = Grouper(root(timers=fast), now=2e16)
+    g2.observe(alert(t=2e16), 2e16)
+    assert [n.reason for n in g2.advance(2e16 + 10)] == ["new"] and g2.next_due() > 2e16 + 10
+    assert g2.advance(2e16 + 20) == []
+
+
+def test_advance_refuses_a_time_that_is_not_finite() -> None:
+    g = Grouper(root())
+    for bad in (float("inf"), float("nan")):
+        try:
+            g.advance(bad)
+        except ValueError as exc:
+            assert str(exc) == f"time {bad!r} is not a finite unix time"
+        else:
+            raise AssertionError(f"advance({bad!r}) accepted")
+    assert g.now == 0.0

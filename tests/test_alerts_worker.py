@@ -427,3 +427,91 @@ def test_deadman_switch_is_pinged_only_while_healthy(r: redis.Redis, httpserver:
     w.tick()
     assert w.intake.service_down and w.last_ping_ok is False and len(httpserver.log) == 1
     assert json.loads(r.get(alerts_worker_heartbeat("a")))["deadman_ok"] is False
+
+
+@pytest.mark.parametrize(("field", "value", "shown"), [
+    ("json", "[1, 2, 3]", "[1, 2, 3]"),
+    ("json", "{not json", "'{not json'"),
+    ("first_seen", "yesterday", "'yesterday'"),
+    ("last_seen", 1e308, "1e+308"),
+    ("last_seen", float("nan"), "nan"),
+    ("last_seen", T + 400 * 86400, repr(T + 400 * 86400)),
+    ("last_seen", True, "True"),
+    ("kind", ["hang"], "['hang']"),
+    ("kind", "", "''"),
+    ("severity", "fatal", "'fatal'"),
+    ("severity", None, "None"),
+    ("status", 1, "1"),
+    ("step", "250", "'250'"),
+    ("end_step", 1.5, "1.5"),
+    ("ranks", 5, "5"),
+    ("ranks", [{"r": 5}], "[{'r': 5}]"),
+    ("hosts", "node-1", "'node-1'"),
+    ("evidence", [0.6], "[0.6]"),
+    ("message", {"m": 1}, "{'m': 1}"),
+    ("run", 7, "7"),
+    ("id", None, "None"),
+    ("transition", "exploded", "'exploded'"),
+])
+def test_a_malformed_entry_is_skipped_with_one_warning_and_other_runs_still_notify(
+        r: redis.Redis, caplog: pytest.LogCaptureFixture, field: str, value: Any, shown: str) -> None:
+    bad = anomaly(run="bad", last=T + 1)
+    entry = {"id": bad["id"], "transition": "opened", "json": json.dumps(bad)}
+    if field == "json":
+        entry["json"] = value
+    elif field == "transition":
+        entry["transition"] = value
+    else:
+        entry["json"] = json.dumps({**bad, field: value})
+    r.zadd(RUNS, {"bad": T - 3600})
+    eid = r.xadd(run_keys("bad").anomaly_log, entry).decode()
+    log(r, "opened", anomaly(run="good", kind="hang", ranks=(), severity="critical", last=T + 2))
+    intake = Intake(r, config(), consumer="w1", clock=Clock(T + 60))
+    out: list[list[Any]] = []
+    with caplog.at_level("WARNING", logger="detectors.alerts.intake"):
+        # in a thread: before the fix, last_seen = 1e308 made the grouping engine spin forever
+        t = threading.Thread(target=lambda: out.append(intake.run_once()), daemon=True)
+        t.start()
+        t.join(10.0)
+    assert not t.is_alive() and len(out) == 1, "the intake stalled"
+    (n,) = out[0]
+    assert [a.key for a in n.firing] == ["good/hang:*:250:0"] and len(outbox(r)) == 1
+    assert [rec.getMessage() for rec in caplog.records] == [
+        f"run bad: skipping malformed anomaly_log entry {eid}: field {field} = {shown}"]
+    assert intake.skipped == 1 and r.xpending(run_keys("bad").anomaly_log, "th-alerts")["pending"] == 0
+    assert intake.grouper.now == T + 60  # the engine's clock followed the wall clock, not the bad entry
+
+
+def test_an_entry_ahead_of_the_wall_clock_is_observed_now(r: redis.Redis) -> None:
+    # a skewed detector host: the engine's clock must not run ahead and hold back every other group's flush
+    log(r, "opened", anomaly(run="skewed", first=T + 3600, last=T + 3600))
+    log(r, "opened", anomaly(run="good", kind="hang", ranks=(), severity="critical"))
+    clock = Clock(T)
+    intake = Intake(r, config(), consumer="w1", clock=clock)
+    assert intake.run_once() == []
+    clock.t = T + 30
+    assert sorted(n.group_key for n in intake.run_once()) == ['root:{run="good",kind="hang"}',
+                                                              'root:{run="skewed",kind="straggler"}']
+
+
+def test_worker_thread_keeps_notifying_after_a_malformed_entry(r: redis.Redis, httpserver: HTTPServer) -> None:
+    got: list[dict[str, Any]] = []
+    httpserver.expect_request("/hook", method="POST").respond_with_handler(
+        lambda req: got.append(json.loads(req.get_data())) or Response("ok"))
+    r.zadd(RUNS, {"bad": time.time() - 60})
+    r.xadd(run_keys("bad").anomaly_log, {"id": "x", "transition": "opened", "json": "[1,2,3]"})
+    r.xadd(run_keys("bad").anomaly_log, {"id": "y", "transition": "opened",
+                                         "json": json.dumps(anomaly(run="bad", last=1e308))})
+    now = time.time()
+    log(r, "opened", anomaly(run="good", kind="hang", ranks=(), severity="critical", first=now - 60, last=now - 60))
+    w = AlertWorker(r, config(httpserver.url_for("/hook"), group_wait="0s", group_interval="1s"), consumer="w1",
+                    block_ms=100)
+    t = threading.Thread(target=w.run_forever, daemon=True)
+    t.start()
+    try:
+        _wait(lambda: got, 10.0, "the good run's notification")
+        assert [a["key"] for a in got[0]["alerts"]] == ["good/hang:*:250:0"]
+        assert w.intake.skipped == 2 and "intake" not in w.status(time.time())["errors"]
+    finally:
+        w.stop()
+        t.join(10)

@@ -51,6 +51,13 @@ def _rank(severity: str | None) -> int:
     return _SEVERITY_RANK.get(severity or "", -1)
 
 
+def _tick_after(ts: float, interval: float, t: float) -> float:
+    """The first tick ``ts + k * interval`` (k >= 1) later than ``t``; the next float after ``t`` when rounding
+    makes that tick equal to ``t`` or earlier."""
+    nxt = ts + (math.floor((t - ts) / interval) + 1) * interval if interval > 0 else t
+    return nxt if nxt > t else math.nextafter(t, math.inf)
+
+
 def group_labels(route: Route, labels: Mapping[str, str], alert_key: str) -> dict[str, str]:
     """The labels that form an alert's group on ``route`` (``...``: every label plus the alert key as ``id``)."""
     if route.group_by == ("...",):
@@ -157,6 +164,8 @@ class Grouper:
     def advance(self, t: float) -> list[Notification]:
         """Move the clock to ``t`` (never backwards) and flush every group due by then, in time order."""
         t = max(float(t), self.now)
+        if not math.isfinite(t):
+            raise ValueError(f"time {t!r} is not a finite unix time")
         out: list[Notification] = []
         while True:
             due = [g for g in self.groups.values() if g.next_flush <= t]
@@ -170,6 +179,10 @@ class Grouper:
             n = self._flush(g, ts)
             if n is not None:
                 out.append(n)
+            if g.key in self.groups and g.next_flush <= t:
+                # ``ts + interval`` did not move past ``t`` (float rounding: at 1e16 s and beyond ``ts + 1 == ts``):
+                # the next tick is the first one after ``t``, so each group flushes at most once here.
+                g.next_flush = _tick_after(ts, interval, t)
         self.now = t
         return out
 

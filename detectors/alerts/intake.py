@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,7 @@ from detectors.alerts.outbox import claim_all, enqueue
 from detectors.alerts.silences import Silence
 from detectors.alerts.store import prune_silences
 from detectors.alerts.watchdog import SERVICE_DOWN_KEY, check_service, service_down_alert
+from detectors.anomaly import SEVERITIES
 from trainhealth import defaults
 from trainhealth.keys import ALERTS_GROUPS, ALERTS_SILENCES, ALERTS_STATE, RUNS, run_keys
 
@@ -41,6 +43,54 @@ log = logging.getLogger(__name__)
 
 #: Seconds between detector-service liveness checks (the ``service_down`` watchdog).
 WATCHDOG_EVERY_S = 10.0
+#: Timestamps further than this in the future (unix s) are invalid input, not clock skew.
+MAX_FUTURE_S = 365 * 86400.0
+TRANSITIONS = ("opened", "updated", "resolved")
+STATUSES = ("active", "resolved")
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bad_time(v: Any, now: float) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return True
+    # NaN/Inf, or so large that ``t + group_interval == t``: the grouping engine's timers would never move.
+    return not math.isfinite(v) or v < 0 or v > now + MAX_FUTURE_S
+
+
+def anomaly_problem(anomaly: Any, now: float) -> tuple[str, Any] | None:
+    """``(field, value)`` of the first field of an ``anomaly_log`` JSON that the worker cannot use, else None.
+
+    Checked against what grouping, the labels and every sink read (``detectors/anomaly.py`` writes them):
+    ``id``, ``kind`` non-empty strings; ``severity`` one of ``info``/``warning``/``critical``; ``status``
+    ``active``/``resolved``; ``step``/``end_step`` int or null; ``ranks`` ints and ``hosts`` strings (list
+    or null); ``evidence`` an object or null; ``message``/``run`` string or null; ``first_seen``/``last_seen``
+    finite unix seconds, not negative nor more than :data:`MAX_FUTURE_S` ahead of ``now``, or null.
+    """
+    if not isinstance(anomaly, dict):
+        return "json", anomaly
+    checks: tuple[tuple[str, Any], ...] = (
+        ("id", lambda v: isinstance(v, str) and v != ""),
+        ("kind", lambda v: isinstance(v, str) and v != ""),
+        ("severity", lambda v: v in SEVERITIES),
+        ("status", lambda v: v is None or v in STATUSES),
+        ("step", lambda v: v is None or _int(v)),
+        ("end_step", lambda v: v is None or _int(v)),
+        ("ranks", lambda v: v is None or (isinstance(v, list) and all(_int(x) for x in v))),
+        ("hosts", lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v))),
+        ("evidence", lambda v: v is None or isinstance(v, dict)),
+        ("message", lambda v: v is None or isinstance(v, str)),
+        ("run", lambda v: v is None or isinstance(v, str)),
+        ("first_seen", lambda v: v is None or not _bad_time(v, now)),
+        ("last_seen", lambda v: v is None or not _bad_time(v, now)),
+    )
+    for name, ok in checks:
+        value = anomaly.get(name)
+        if not ok(value):
+            return name, value
+    return None
 
 
 def _s(v: Any) -> str:
@@ -95,6 +145,8 @@ class Intake:
         self.epoch = 0.0
         self.ready = False
         self.enqueued = 0
+        #: anomaly_log entries skipped as malformed (each logged with run, entry id, field and value).
+        self.skipped = 0
         self.last_ok: float | None = None
         self._last_watchdog = -1e18
         self.service_down = False
@@ -167,7 +219,7 @@ class Intake:
             for stream_raw, items in reply or []:
                 run = _s(stream_raw).split("{", 1)[1].split("}", 1)[0]
                 entries += [(run, _s(i), f) for i, f in items]
-        notes = self._apply(entries)
+        notes = self._apply(entries, self.clock())
         now = self.clock()
         if now - self._last_watchdog >= WATCHDOG_EVERY_S:
             self._last_watchdog = now
@@ -180,7 +232,7 @@ class Intake:
         self.last_work = len(entries) + len(notes)
         return notes
 
-    def _apply(self, entries: list[tuple[str, str, dict]]) -> list[Notification]:
+    def _apply(self, entries: list[tuple[str, str, dict]], now: float) -> list[Notification]:
         todo: list[tuple[float, str, tuple[int, int], str, Alert]] = []
         cutoff = self.epoch - self.config.backfill
         for run, eid, raw in entries:
@@ -188,26 +240,53 @@ class Intake:
             if cursor is not None and _sid(eid) <= _sid(cursor):
                 continue  # applied before a crash, only the XACK was missing
             self.cursors[run] = eid if cursor is None or _sid(eid) > _sid(cursor) else cursor
-            fields = {_s(k): _s(v) for k, v in raw.items()}
+            # Any exception here would fail the whole batch, which is then re-read forever: one bad entry
+            # is logged, counted and skipped (acknowledged with the batch) instead.
             try:
-                anomaly = json.loads(fields["json"])
+                fields = {_s(k): _s(v) for k, v in raw.items()}
+                if "json" not in fields:
+                    self._skip(run, eid, "json", None)
+                    continue
+                try:
+                    anomaly = json.loads(fields["json"])
+                except ValueError:
+                    self._skip(run, eid, "json", fields["json"])
+                    continue
                 transition = fields.get("transition", "updated")
+                if transition not in TRANSITIONS:
+                    self._skip(run, eid, "transition", transition)
+                    continue
+                problem = anomaly_problem(anomaly, now)
+                if problem is not None:
+                    self._skip(run, eid, *problem)
+                    continue
                 t = float(anomaly.get("last_seen") or _sid(eid)[0] / 1000.0)
-            except (KeyError, ValueError, TypeError) as exc:
-                log.warning("run %s: skipping malformed anomaly_log entry %s: %s", run, eid, exc)
+                alert = Alert.from_transition(run, transition, anomaly)
+            except Exception:  # a case the checks above missed: still only this entry is lost
+                self.skipped += 1
+                log.exception("run %s: skipping anomaly_log entry %s that cannot be read", run, eid)
                 continue
             if t < cutoff:
                 continue  # older than the backfill window of the first start
-            todo.append((t, run, _sid(eid), eid, Alert.from_transition(run, transition, anomaly)))
+            todo.append((t, run, _sid(eid), eid, alert))
         todo.sort(key=lambda x: (x[0], x[1], x[2]))
         self._enrich([x[4] for x in todo])
         notes: list[Notification] = []
         for t, run, _, eid, alert in todo:
             try:
-                notes += self.grouper.observe(alert, t)
+                # Ahead of the wall clock (a skewed detector host): observed now, or the engine's clock
+                # would run ahead and hold back every group's flush until the wall clock caught up.
+                notes += self.grouper.observe(alert, min(t, now))
             except Exception:  # one odd anomaly must not stop alerting on all the others
+                self.skipped += 1
                 log.exception("run %s: skipping anomaly_log entry %s that the grouping engine refused", run, eid)
         return notes
+
+    def _skip(self, run: str, eid: str, name: str, value: Any) -> None:
+        self.skipped += 1
+        text = repr(value)
+        log.warning("run %s: skipping malformed anomaly_log entry %s: field %s = %s", run, eid, name,
+                    text if len(text) <= 200 else text[:199] + "…")
 
     def _enrich(self, alerts: list[Alert]) -> None:
         """Add the stored recommendation's ``summary`` (costs, skip range in words) to the anomaly's

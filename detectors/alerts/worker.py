@@ -164,6 +164,7 @@ class AlertWorker:
                 "sinks": {n: s.type for n, s in self.config.sinks.items()},
                 "intake_ok_at": self.intake.last_ok, "delivery_ok_at": self.delivery.last_loop_ok,
                 "groups": len(self.intake.grouper.groups), "enqueued": self.intake.enqueued,
+                "skipped_entries": self.intake.skipped,
                 "delivered": self.delivery.sent, "service_down": self.intake.service_down,
                 "errors": dict(self._errors), "deadman_ok": self.last_ping_ok}
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import email.utils
 import json
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ from trainhealth import __version__, defaults
 
 USER_AGENT = f"trainhealth/{__version__}"
 RETRYABLE_STATUS = frozenset({408, 425, 429})
+_DIGITS = re.compile(r"[0-9]+")
+#: Bytes of an error response read for the error text; the rest is never downloaded (a 50 MB error page).
+MAX_ERROR_BODY = 4096
 
 
 @dataclass(frozen=True)
@@ -76,17 +80,16 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     """
     if value is None:
         return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
     try:
+        value = value.strip()
+        # delay-seconds is 1*DIGIT, ASCII only: str.isdigit() also accepts "²" or "١", which float() refuses.
+        if _DIGITS.fullmatch(value):
+            return float(value)
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+        now = time.time() if now is None else now
+        return max(0.0, when.timestamp() - now)
+    except (TypeError, ValueError, IndexError, OverflowError, AttributeError):  # garbage: the normal backoff
         return None
-    if when is None:
-        return None
-    now = time.time() if now is None else now
-    return max(0.0, when.timestamp() - now)
 
 
 def dumps(payload: Mapping[str, Any]) -> bytes:
@@ -159,18 +162,25 @@ class Sink:
         """POST ``req`` with ``client``; never raises for HTTP or network trouble (see the module doc)."""
         secrets = self.secrets()
         try:
-            resp = client.post(req.url.reveal(), content=req.body, headers=req.headers,
-                               timeout=httpx.Timeout(self.timeout))
+            # Streamed: a 2xx body is never read, an error body only up to MAX_ERROR_BODY bytes.
+            with client.stream("POST", req.url.reveal(), content=req.body, headers=req.headers,
+                               timeout=httpx.Timeout(self.timeout)) as resp:
+                status = resp.status_code
+                if 200 <= status < 300:
+                    return SendResult(True, status)
+                head = b""
+                for chunk in resp.iter_bytes():
+                    head += chunk
+                    if len(head) >= MAX_ERROR_BODY:
+                        break
+                retry_after = parse_retry_after(resp.headers.get("Retry-After"), now)
         except httpx.TimeoutException as exc:
             return SendResult(False, None, True, None, f"timeout after {self.timeout:g} s ({type(exc).__name__})")
         except httpx.TransportError as exc:
             return SendResult(False, None, True, None, redact(f"{type(exc).__name__}: {exc}", secrets))
         except Exception as exc:  # malformed URL and the like: retrying will not help
             return SendResult(False, None, False, None, redact(f"{type(exc).__name__}: {exc}", secrets))
-        status = resp.status_code
-        if 200 <= status < 300:
-            return SendResult(True, status)
-        snippet = " ".join(resp.text[:200].split())
+        snippet = " ".join(head[:MAX_ERROR_BODY].decode("utf-8", "replace")[:200].split())
         error = redact(f"HTTP {status}" + (f": {snippet}" if snippet else ""), secrets)
         retryable = status in RETRYABLE_STATUS or status >= 500
-        return SendResult(False, status, retryable, parse_retry_after(resp.headers.get("Retry-After"), now), error)
+        return SendResult(False, status, retryable, retry_after, error)
