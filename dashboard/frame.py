@@ -171,8 +171,9 @@ def replay_caveat(info: dict | None) -> str | None:
     parts = []
     if k > 0 and k != 1:
         own = f"{k:g}x lower" if k > 1 else f"{1 / k:.3g}x higher"
+        span = f"{k:g}x shorter" if k > 1 else f"{1 / k:.3g}x longer"
         parts.append(f"Replayed from `{src}` at {k:g}x: rates are per second of replay (the log's own rates are "
-                     f"{own}).")
+                     f"{own}) and durations are replay time ({span} than in the log).")
     step = info.get("assumed_step_s")
     pace = f"{step:g} s per step" if step else "an assumed time per step"
     if tl in ("assumed", "partly assumed"):

@@ -913,7 +913,7 @@ def test_anomalies_kpi_counts_resolved_restarts(seeded: redis.Redis) -> None:
 # --- the caveat of a paced replay or an assumed timeline ------------------------------------------------
 
 PACED = ("Replayed from `megatron_deepspeed_104b_overflow_excerpt.log` at 100x: rates are per second of replay "
-         "(the log's own rates are 100x lower).")
+         "(the log's own rates are 100x lower) and durations are replay time (100x shorter than in the log).")
 
 
 def test_replay_info_reads_pace_and_timeline(seeded: redis.Redis, dr: redis.Redis) -> None:
@@ -936,14 +936,15 @@ def test_replay_caveat_texts() -> None:
     assert frame.replay_caveat(info(0.0, "logged")) is None  # at once on the log's own timeline: its own rates
     assert frame.replay_caveat(info(1.0, "logged")) is None  # real time: the log's own rates too
     assert frame.replay_caveat(info(0.5, "logged")) == (
-        "Replayed from `x.log` at 0.5x: rates are per second of replay (the log's own rates are 2x higher).")
+        "Replayed from `x.log` at 0.5x: rates are per second of replay (the log's own rates are 2x higher) and "
+        "durations are replay time (2x longer than in the log).")
     assert frame.replay_caveat(info(0.0, "assumed")) == (
         "Replayed from `x.log`; the log has no step times: the timeline assumes 1 s per step, so goodput and "
         "rates are not measured.")
     assert frame.replay_caveat(info(10.0, "partly assumed", 2.0)) == (
-        "Replayed from `x.log` at 10x: rates are per second of replay (the log's own rates are 10x lower). Some "
-        "of the log's steps have no step time: those assume 2 s per step, so goodput and rates are only partly "
-        "measured.")
+        "Replayed from `x.log` at 10x: rates are per second of replay (the log's own rates are 10x lower) and "
+        "durations are replay time (10x shorter than in the log). Some of the log's steps have no step time: "
+        "those assume 2 s per step, so goodput and rates are only partly measured.")
 
 
 @pytest.mark.parametrize("page", ["app.py", "pages/goodput.py", "pages/ranks.py", "pages/anomalies.py",
