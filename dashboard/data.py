@@ -522,6 +522,23 @@ def _anomaly_row(field: str, a: Mapping[str, Any], bad: list[str]) -> dict[str, 
     }
 
 
+def _hash_objects(client: redis.Redis, key: str) -> tuple[list[tuple[str, dict]], list[str]]:
+    """The JSON objects of hash ``key`` by field (in field order), and why the other fields were skipped."""
+    objects: list[tuple[str, dict]] = []
+    skipped: list[str] = []
+    for field, raw in sorted((_s(f), v) for f, v in client.hgetall(key).items()):
+        try:
+            d = _json(raw)
+        except (TypeError, ValueError):
+            skipped.append(f"field {field!r}: not JSON")
+            continue
+        if not isinstance(d, dict):
+            skipped.append(f"field {field!r}: not a JSON object but {show_value(d)}")
+            continue
+        objects.append((field, d))
+    return objects, skipped
+
+
 def anomalies(client: redis.Redis, run: str, problems: list[str] | None = None) -> pd.DataFrame:
     """All anomalies of the run (``anomalies`` hash): active first, then by severity (critical,
     warning, info), then newest first.
@@ -535,17 +552,9 @@ def anomalies(client: redis.Redis, run: str, problems: list[str] | None = None) 
     """
     key = run_keys(run).anomalies
     rows = []
-    skipped: list[str] = []
     partly: list[str] = []
-    for field, value in sorted((_s(f), v) for f, v in client.hgetall(key).items()):
-        try:
-            a = _json(value)
-        except (TypeError, ValueError):
-            skipped.append(f"field {field!r}: not JSON")
-            continue
-        if not isinstance(a, dict):
-            skipped.append(f"field {field!r}: not a JSON object but {show_value(a)}")
-            continue
+    objects, skipped = _hash_objects(client, key)
+    for field, a in objects:
         bad: list[str] = []
         rows.append(_anomaly_row(field, a, bad))
         if bad:
@@ -898,16 +907,8 @@ def recommendations(client: redis.Redis, run: str, problems: list[str] | None = 
     """
     key = run_keys(run).recommendations
     recs = []
-    skipped: list[str] = []
-    for field, raw in sorted((_s(f), v) for f, v in client.hgetall(key).items()):
-        try:
-            d = _json(raw)
-        except (TypeError, ValueError):
-            skipped.append(f"field {field!r}: not JSON")
-            continue
-        if not isinstance(d, dict):
-            skipped.append(f"field {field!r}: not a JSON object but {show_value(d)}")
-            continue
+    objects, skipped = _hash_objects(client, key)
+    for field, d in objects:
         bad = recommendation_problems(d)
         if bad:
             skipped.append(f"field {field!r}: {'; '.join(bad)}")
