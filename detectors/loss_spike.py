@@ -16,7 +16,7 @@ from detectors.anomaly import RESOLVED, Anomaly
 from trainhealth import defaults
 from trainhealth.text import plural
 
-#: Consistency constant making the MAD estimate the standard deviation of normal data.
+#: Consistency constant making the MAD estimate the standard deviation of normal data (Rousseeuw & Croux 1993).
 MAD_TO_SIGMA = 1.4826
 #: Expected range of n = 2..20 standard normal draws, d2(n) (control-chart constants; ASTM STP 15D,
 #: D. C. Montgomery, "Introduction to Statistical Quality Control", table VI): sigma ~ range / d2(n).
@@ -150,13 +150,14 @@ class SortedWindow:
     ([1.0, 4.0, 2.0], [1.0, 2.0, 4.0], 2.0, 1.0)
     """
 
-    __slots__ = ("items", "key", "maxlen", "sorted")
+    __slots__ = ("_robust", "items", "key", "maxlen", "sorted")
 
     def __init__(self, maxlen: int | None = None, key: Callable[[Any], float] | None = None) -> None:
         self.maxlen = maxlen
         self.key = key
         self.items: list[Any] = []
         self.sorted: list[float] = []
+        self._robust: list[float | None] | None = None  # [median, robust SD or None], until the values change
 
     def __len__(self) -> int:
         return len(self.items)
@@ -175,6 +176,7 @@ class SortedWindow:
             self._drop(items.pop(0))
         items.append(item)
         bisect.insort(self.sorted, item if self.key is None else self.key(item))
+        self._robust = None
 
     def extend(self, items: Iterable[Any]) -> None:
         for item in items:
@@ -189,6 +191,7 @@ class SortedWindow:
     def clear(self) -> None:
         self.items.clear()
         self.sorted.clear()
+        self._robust = None
 
     def median(self) -> float:
         """``statistics.median`` of the values."""
@@ -198,8 +201,25 @@ class SortedWindow:
         """``statistics.median`` of the values' absolute deviations from ``mid``."""
         return mad_sorted(self.sorted, mid)
 
+    def cached_median(self) -> float:
+        """:meth:`median`, computed once until the values change (a detector reads it at every step)."""
+        r = self._robust
+        if r is None:
+            r = self._robust = [median_sorted(self.sorted), None]
+        return r[0]  # type: ignore[return-value]
+
+    def cached_scale(self, min_scale: float = 0.0) -> float:
+        """Robust SD ``max(1.4826 x MAD about the median, min_scale)``, computed once until the values change
+        (the cache assumes one ``min_scale`` per window, as each detector has)."""
+        mid = self.cached_median()
+        r = self._robust
+        if r[1] is None:  # type: ignore[index]
+            r[1] = max(MAD_TO_SIGMA * mad_sorted(self.sorted, mid), min_scale)  # type: ignore[index]
+        return r[1]  # type: ignore[index,return-value]
+
     def _drop(self, item: Any) -> None:
         _remove(self.sorted, item if self.key is None else self.key(item))
+        self._robust = None
 
 
 def _remove(s: list[float], v: float) -> None:

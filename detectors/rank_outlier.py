@@ -9,14 +9,13 @@ import numpy as np
 
 from detectors.aggregate import StepAggregate
 from detectors.anomaly import RESOLVED, Anomaly, run_ended
+from detectors.loss_spike import MAD_TO_SIGMA
 from detectors.slow_node import busy_matrix, column_quantiles
 from trainhealth import defaults
 from trainhealth.events import StepRecord
 
 #: Per-rank features of a window, all oriented so that larger is worse.
 FEATURES = ("busy_rel", "busy_iqr_rel", "data_share", "missing_rate")
-#: Consistency constant making the MAD estimate the standard deviation of normal data.
-MAD_TO_SIGMA = 1.4826
 
 
 def window_features(b: np.ndarray, data_s: np.ndarray, min_count: int = 3) -> tuple[np.ndarray, np.ndarray]:

@@ -8,7 +8,7 @@ from collections import deque
 from detectors.aggregate import StepAggregate
 from detectors.anomaly import RESOLVED, Anomaly
 from detectors.loss_spike import SortedWindow
-from detectors.throughput import MAD_TO_SIGMA, step_seconds
+from detectors.throughput import step_seconds
 from trainhealth import defaults
 
 
@@ -85,7 +85,6 @@ class SlowStepDetector:
         self._seen = 0
         # Log step times of normal steps, kept sorted too: median and MAD in O(log n) after each new one.
         self._ref = SortedWindow(window)
-        self._stats: tuple[float, float | None] | None = None  # (median, robust SD or None until needed), cached
         self._slow: deque[int] = deque(maxlen=16)  # onset steps of recent slow runs (the rhythm)
         self._run: list[tuple[int, float, float]] = []  # (step, seconds, z) of the open run
         self._run_base: tuple[float, float] = (0.0, 1.0)
@@ -97,7 +96,6 @@ class SlowStepDetector:
         if agg.gen != self._gen:
             self._gen, self._seen = agg.gen, 0
             self._ref.clear()
-            self._stats = None
             self._run.clear()
             self._shifted = False
         t = step_seconds(agg)
@@ -152,22 +150,14 @@ class SlowStepDetector:
 
     def _add(self, y: float) -> None:
         self._ref.append(y)
-        self._stats = None
 
     def _median(self) -> float:
         """Median of the reference (log s), cached until it changes."""
-        if self._stats is None:
-            self._stats = (self._ref.median(), None)
-        return self._stats[0]
+        return self._ref.cached_median()
 
     def _scale(self) -> float:
         """Robust SD of the reference, ``max(1.4826 x MAD, min_scale)``, cached until it changes."""
-        mu = self._median()
-        s = self._stats[1]
-        if s is None:
-            s = max(MAD_TO_SIGMA * self._ref.mad(mu), self.min_scale)
-            self._stats = (mu, s)
-        return s
+        return self._ref.cached_scale(self.min_scale)
 
     def _report(self) -> list[Anomaly]:
         med = math.exp(self._run_base[0])

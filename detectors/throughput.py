@@ -13,10 +13,6 @@ from detectors.anomaly import RESOLVED, Anomaly, run_ended
 from detectors.loss_spike import SortedWindow
 from trainhealth import defaults
 
-#: Consistency constant making the MAD estimate the standard deviation of normal data
-#: (Rousseeuw & Croux 1993).
-MAD_TO_SIGMA = 1.4826
-
 
 def step_seconds(agg: StepAggregate) -> float | None:
     """The duration (s) the timing detectors judge for one step, or None.
@@ -207,7 +203,6 @@ class ThroughputDropDetector:
         # Windows of points with their log step times kept sorted: the reference's median and MAD, and the
         # shifted level's median, are read in O(log n) at every step instead of sorted again.
         self._ref = SortedWindow(window, _y)
-        self._stats: tuple[float, float | None] | None = None  # (mu, s or None until needed) of the reference
         self._s = 0.0
         self._pending: list[_Point] = []  # the current excursion (S > 0)
         self._open: Anomaly | None = None
@@ -252,7 +247,6 @@ class ThroughputDropDetector:
             return out + self._track(p, agg)
         if len(self._ref) < self.min_reference:
             self._ref.append(p)
-            self._stats = None
             return out
         mu = self._median()
         if self._s == 0.0 and p.y <= mu and self.k >= 0 and self.min_scale > 0:
@@ -268,7 +262,6 @@ class ThroughputDropDetector:
             self._ref.extend(self._pending)
             self._ref.append(p)
             self._pending.clear()
-            self._stats = None
             return out
         self._pending.append(p)
         if self._s > self.h:
@@ -285,22 +278,14 @@ class ThroughputDropDetector:
     def _reset(self) -> None:
         self._s = 0.0
         self._pending.clear()
-        self._stats = None
 
     def _median(self) -> float:
         """Median ``mu`` of the reference's log step times, cached until the reference changes."""
-        if self._stats is None:
-            self._stats = (self._ref.median(), None)
-        return self._stats[0]
+        return self._ref.cached_median()
 
     def _scale(self) -> float:
         """Robust SD ``s = max(1.4826 x MAD, min_scale)`` of the reference, cached until it changes."""
-        mu = self._median()
-        s = self._stats[1]
-        if s is None:
-            s = max(MAD_TO_SIGMA * self._ref.mad(mu), self.min_scale)
-            self._stats = (mu, s)
-        return s
+        return self._ref.cached_scale(self.min_scale)
 
     def _judge(self, agg: StepAggregate, mu: float, s: float) -> Anomaly | None:
         pend = self._onset_trimmed(mu)

@@ -293,3 +293,18 @@ def test_replayed_bloom_log_shows_the_drop_in_the_anomalies_hash(r: redis.Redis,
     # The job's own step time reaches the aggregate stream, for the dashboard and other readers.
     agg = [(int(f[b"step"]), float(f[b"step_s"])) for _, f in r.xrange("th:{bloom}:agg")]
     assert agg[-3:] == [(42783, 110.17), (42784, 111.14), (45000, 111.0)]
+
+
+def test_sorted_window_caches_median_and_scale_until_its_values_change() -> None:
+    from detectors.loss_spike import SortedWindow
+
+    w = SortedWindow(3)
+    w.extend([1.0, 2.0, 4.0])
+    assert (w.cached_median(), w.cached_scale(0.0)) == (2.0, 1.4826)
+    w.append(10.0)  # 1.0 leaves: values 2, 4, 10
+    assert (w.cached_median(), w.cached_scale(0.0)) == (4.0, 2 * 1.4826)
+    w.pop()
+    assert (w.cached_median(), w.cached_scale(5.0)) == (3.0, 5.0)  # the floor
+    w.clear()
+    w.extend([7.0])
+    assert (w.cached_median(), w.cached_scale(0.0)) == (7.0, 0.0)
