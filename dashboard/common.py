@@ -10,13 +10,10 @@ import pandas as pd
 import redis
 import streamlit as st
 
-from dashboard import data
-
 # Costs are formatted by the advisor's functions, so the card's figures and the headline the
 # service wrote (detectors.advisor._fmt_cost) always agree.
 from detectors.advisor import fmt_gpu_hours, fmt_usd  # noqa: F401 - re-exported: the pages import them
 from trainhealth import config
-from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.text import fmt_age, plural  # noqa: F401 - re-exported: the pages import them from here
 
 #: Session-state key of the selected run id (set by ``app.py``, read by every page).
@@ -193,31 +190,3 @@ def rates_table(snap: dict) -> pd.DataFrame:
 def status_moved(seen: tuple[str, str] | None, run: str, status: str) -> bool:
     """True when ``run``'s status differs from the one ``seen`` since the last full run (same run)."""
     return seen is not None and seen[0] == run and seen[1] != status
-
-
-@st.fragment(run_every=DASHBOARD_REFRESH_S)
-def _watch_run_status(run: str) -> None:
-    try:
-        status = data.run_meta(client(), run).get("status") or "unknown"
-    except redis.RedisError:
-        return  # the page's own reads say that Redis is unreachable
-    moved = status_moved(st.session_state.get(STATUS_SEEN_KEY), run, status)
-    st.session_state[STATUS_SEEN_KEY] = (run, status)
-    if moved:
-        st.rerun(scope="app")
-
-
-def follow_run_status(run: str) -> None:
-    """Keep the sidebar's run picker in step with the status the page shows.
-
-    The picker's labels (``run · running · 8 ranks``) are drawn by the frame on full runs only,
-    while the pages' live fragments (and the sidebar's status line) re-read the run's meta every
-    ``DASHBOARD_REFRESH_S``: a run that ended while watched read ``finished`` on the page next
-    to ``running`` in the picker. This re-reads the same status as often and reruns the whole
-    app (so the frame redraws the picker from fresh meta) when it changes. Call it from page
-    code outside any fragment, so that it runs with the frame.
-    """
-    # A full run: the frame has just drawn the picker from fresh meta; the fragment's first read
-    # is the baseline, so a page switch or a click never triggers an extra rerun.
-    st.session_state.pop(STATUS_SEEN_KEY, None)
-    _watch_run_status(run)

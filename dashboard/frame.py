@@ -23,6 +23,7 @@ from dashboard import data
 from dashboard.common import (
     NO_RUNS,
     RUN_KEY,
+    STATUS_SEEN_KEY,
     URL_KEY,
     client,
     current_run,
@@ -32,6 +33,7 @@ from dashboard.common import (
     plural,
     redact_url,
     resolve_url,
+    status_moved,
 )
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.exceptions import ConfigError
@@ -276,6 +278,8 @@ def sidebar() -> bool:
     sb.selectbox("Run", options, key=_PICKER, on_change=_picked, format_func=lambda r: _run_label(info, r),
                  help="Newest first. The URL's `?run=` follows the selection, so links open this run.")
     st.query_params["run"] = selected
+    # A full run: the picker was just drawn from fresh meta; the status fragment's first read is the baseline.
+    st.session_state.pop(STATUS_SEEN_KEY, None)
     with sb:
         run_status(selected, info[selected])
     sb.divider()
@@ -298,11 +302,20 @@ def status_line(meta: dict, now: float) -> str:
 
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
 def run_status(run: str, listed: dict) -> None:
-    """The run's status line, re-read live (a run that crashes or ends changes status while watched)."""
+    """The run's status line, re-read live (a run that crashes or ends changes status while watched).
+
+    The picker's labels (``run · running · 8 ranks``) are drawn on full runs only: when the status
+    read here moves, the whole app reruns so that the picker says what the page says.
+    """
     try:
         meta = {**listed, **data.run_meta(client(), run)}
     except redis.RedisError:
         meta = listed  # the page's own reads report the outage
     st.caption(status_line(meta, time.time()))
+    status = meta.get("status") or "unknown"
+    moved = status_moved(st.session_state.get(STATUS_SEEN_KEY), run, status)
+    st.session_state[STATUS_SEEN_KEY] = (run, status)
+    if moved:
+        st.rerun(scope="app")
 
 

@@ -16,7 +16,7 @@ import redis
 import streamlit as st
 
 from dashboard import data
-from dashboard.common import client, fmt_age, follow_run_status, redis_trouble, to_datetime, viewer_tz
+from dashboard.common import client, fmt_age, redis_trouble, to_datetime, viewer_tz
 from dashboard.frame import page_run
 from detectors.alerts import store
 from detectors.alerts.config import parse_duration
@@ -240,8 +240,6 @@ def dead_actions() -> None:
 
 run = page_run()
 st.subheader("Alerts" + (f" · {run}" if run else ""))
-if run:
-    follow_run_status(run)  # the picker's run status follows the sidebar's status line
 st.toggle("Only notifications of the selected run", value=True, key="alerts_only_run", disabled=not run)
 live(run)
 dead_actions()

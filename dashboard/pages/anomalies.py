@@ -14,7 +14,6 @@ from dashboard.charts import SEVERITY_COLORS
 from dashboard.common import (
     client,
     fmt_int,
-    follow_run_status,
     plural,
     redis_trouble,
     show_problems,
@@ -162,7 +161,6 @@ def details(run: str) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · anomalies")
-    follow_run_status(run)  # the picker's run status follows the page's
     c1, c2, c3 = st.columns(3)
     kinds = c1.multiselect("Kind", data.ANOMALY_KINDS, key="filter_kind", placeholder="All kinds")
     severities = c2.multiselect("Severity", data.SEVERITIES, key="filter_severity", placeholder="All severities")

@@ -32,7 +32,6 @@ from dashboard.common import (
     fmt_pct,
     fmt_rate,
     fmt_usd,
-    follow_run_status,
     get_client,
     plural,
     rates_table,
@@ -235,5 +234,4 @@ def live(run: str) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · goodput")
-    follow_run_status(run)  # the picker's run status follows the page's
     live(run)

@@ -27,7 +27,6 @@ from dashboard.common import (
     fmt_pct,
     fmt_rate,
     fmt_usd,
-    follow_run_status,
     get_client,
     plural,
     redis_trouble,
@@ -185,6 +184,5 @@ def live(run: str) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · overview")
-    follow_run_status(run)  # the picker's run status follows the page's
     cards.recommendation_cards(run, "overview")
     live(run)

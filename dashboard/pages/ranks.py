@@ -7,7 +7,7 @@ import redis
 import streamlit as st
 
 from dashboard import charts, data
-from dashboard.common import URL_KEY, client, follow_run_status, get_client, plural, redis_trouble, show_problems
+from dashboard.common import URL_KEY, client, get_client, plural, redis_trouble, show_problems
 from dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS, STRAGGLER_THRESHOLD
 
@@ -101,7 +101,6 @@ def live(run: str, window: int, relative: bool) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · ranks")
-    follow_run_status(run)  # the picker's run status follows the page's
     c1, c2 = st.columns(2)
     window = c1.segmented_control("Steps shown", WINDOWS, default=500, format_func=lambda n: f"last {n:,}",
                                   key="ranks_window") or 500
