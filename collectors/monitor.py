@@ -26,12 +26,13 @@ import redis
 
 from collectors import ranks
 from collectors.cuda_timing import GpuTimer, torch_event_factory
-from collectors.sender import Sender, show
+from collectors.sender import Sender
 from collectors.spill import Spill
 from collectors.spill import default_directory as default_spill_directory
 from trainhealth import config, defaults
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import run_keys
+from trainhealth.text import show
 
 #: Section that :meth:`Monitor.step`'s ``data_from`` fills (the first of ``defaults.DATA_SECTIONS``).
 DATA_SECTION = defaults.DATA_SECTIONS[0]

@@ -28,6 +28,7 @@ import redis
 from collectors.spill import Spill
 from trainhealth import defaults
 from trainhealth.keys import RUNS, RunKeys
+from trainhealth.text import show
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +68,6 @@ _NON_NUMERIC, _TOO_BIG_INT, _TOO_BIG_FLOAT = "has non-numeric value", "is not an
     "is too large for a float"
 
 
-def show(v: Any) -> str:
-    """``repr(v)`` for a message, at most 60 characters; never raises (huge ints, broken ``__repr__``)."""
-    try:
-        r = repr(v)
-    except Exception:
-        r = f"<{type(v).__name__}>"
-    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _as_number(v: Any) -> float | None:

@@ -15,6 +15,8 @@ from dataclasses import MISSING, dataclass, field, replace
 from itertools import repeat
 from typing import Any
 
+from trainhealth.text import show
+
 #: Event kinds written by collectors into ``th:{run}:events``.
 EVENT_KINDS = (
     "run_start",        # a rank's Monitor started: host, pid, inc, world_size, config
@@ -170,22 +172,22 @@ def step_record(d: Mapping[str, Any]) -> StepRecord:
         v = d.get(name)
         if v is not None:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"field {name!r} has non-numeric value {_show(v)}")
+                raise ValueError(f"field {name!r} has non-numeric value {show(v)}")
             kw[name] = _float(name, v)
     for name in ("rank", "step", *_STEP_INTS):
         v = d.get(name)
         if v is not None:
             if not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-                raise ValueError(f"field {name!r} has non-numeric value {_show(v)}")
+                raise ValueError(f"field {name!r} has non-numeric value {show(v)}")
             kw[name] = int(v)
     if not 0 <= kw["rank"] < MAX_RANKS:
-        raise ValueError(f"field 'rank' is {_show(kw['rank'])}, not in 0..{MAX_RANKS - 1}")
+        raise ValueError(f"field 'rank' is {show(kw['rank'])}, not in 0..{MAX_RANKS - 1}")
     sections: dict[str, float] = {}
     gpu: dict[str, float] = {}
     for k, v in d.items():
         if isinstance(k, str) and k.startswith((SECTION_PREFIX, GPU_PREFIX)):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"field {k!r} has non-numeric value {_show(v)}")
+                raise ValueError(f"field {k!r} has non-numeric value {show(v)}")
             if k.startswith(SECTION_PREFIX):
                 sections[k[len(SECTION_PREFIX):]] = _float(k, v)
             else:
@@ -193,17 +195,13 @@ def step_record(d: Mapping[str, Any]) -> StepRecord:
     return StepRecord(sections=sections, gpu=gpu, **kw)
 
 
-def _show(v: Any) -> str:
-    """``repr(v)`` for a log line, at most 60 characters."""
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _float(name: str, v: int | float) -> float:
     try:
         return float(v)
     except OverflowError:  # an integer beyond a double
-        raise ValueError(f"field {name!r} has out-of-range value {_show(v)}") from None
+        raise ValueError(f"field {name!r} has out-of-range value {show(v)}") from None
 
 
 def _records(fields: Mapping[Any, Any]) -> list[dict[str, Any]]:
@@ -375,9 +373,9 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
         # Ranks index per-rank arrays in the aggregator and detectors: a wild one must not size them.
         # Steps become stream ids of th:{run}:agg: one beyond 64 bits would make every write of the run fail.
         if not 0 <= row[_ROW_RANK] < MAX_RANKS or not -MAX_STEP <= row[_ROW_STEP] <= MAX_STEP:
-            exc = (ValueError(f"record {i}: field 'rank' is {_show(row[_ROW_RANK])}, not in 0..{MAX_RANKS - 1}")
+            exc = (ValueError(f"record {i}: field 'rank' is {show(row[_ROW_RANK])}, not in 0..{MAX_RANKS - 1}")
                    if not 0 <= row[_ROW_RANK] < MAX_RANKS else
-                   ValueError(f"record {i}: field 'step' is {_show(row[_ROW_STEP])}, beyond +-{MAX_STEP:,}"))
+                   ValueError(f"record {i}: field 'step' is {show(row[_ROW_STEP])}, beyond +-{MAX_STEP:,}"))
             if on_bad is None:
                 raise exc
             on_bad(i, exc)
@@ -456,7 +454,7 @@ def decode_event(fields: Mapping[Any, Any]) -> Event:
     seconds = d.pop("seconds", None)
     rank = _event_num(d, "rank", d.pop("rank"), int)
     if not 0 <= rank < MAX_RANKS:
-        raise ValueError(f"field 'rank' is {_show(rank)}, not in 0..{MAX_RANKS - 1}")
+        raise ValueError(f"field 'rank' is {show(rank)}, not in 0..{MAX_RANKS - 1}")
     ev = Event(
         kind=d.pop("kind"),
         rank=rank,
@@ -469,7 +467,7 @@ def decode_event(fields: Mapping[Any, Any]) -> Event:
     if not (math.isfinite(ev.t) and math.isfinite(ev.inc)):
         raise ValueError(f"field {'t' if not math.isfinite(ev.t) else 'inc'!r} is not a finite time")
     if ev.step is not None and not -MAX_STEP <= ev.step <= MAX_STEP:
-        raise ValueError(f"field 'step' is {_show(ev.step)}, beyond +-{MAX_STEP:,}")
+        raise ValueError(f"field 'step' is {show(ev.step)}, beyond +-{MAX_STEP:,}")
     if ev.seconds is not None and not 0 <= ev.seconds < math.inf:
         ev.extra["seconds_invalid"] = str(seconds)
         return replace(ev, seconds=None)
@@ -489,7 +487,7 @@ def _event_num(d: dict[str, str], name: str, value: str, kind: type) -> Any:
     try:
         return kind(value)
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"field {name!r} has non-numeric value {_show(value)}") from None
+        raise ValueError(f"field {name!r} has non-numeric value {show(value)}") from None
 
 
 def finite(x: float | None) -> bool:

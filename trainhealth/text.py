@@ -50,3 +50,17 @@ def category_label(category: str) -> str:
     ('checkpoint save', 'skipped or NaN steps')
     """
     return _CATEGORY_LABELS.get(category, category.replace("_", " "))
+
+
+def show(v: Any) -> str:
+    """``repr(v)`` for a log line or an error message, at most 60 characters; never raises (a broken
+    ``__repr__`` gives ``<type>``). Used by the wire decoders and the collectors' warnings.
+
+    >>> show("zero"), show(10**70)[-12:], show(type("Bad", (), {"__repr__": lambda self: 1 / 0})())
+    ("'zero'", '000000000...', '<Bad>')
+    """
+    try:
+        r = repr(v)
+    except Exception:
+        r = f"<{type(v).__name__}>"
+    return r if len(r) <= 60 else r[:57] + "..."
