@@ -26,6 +26,8 @@ EVENT_KINDS = (
     "badput",           # a custom unproductive interval: name, seconds (e.g. evaluation)
     "collector_drops",  # count of records the collector dropped while Redis was away
     "resume",           # the same process went back to an earlier step (in-process rollback): from_step
+    "collective_timeout",  # a rank's watchdog timed out a collective: op, seq, seconds waited (read from logs)
+    "worker_restart",   # the launcher (torchelastic) restarted the worker group: restart_count (read from logs)
 )
 
 SECTION_PREFIX = "sec."

@@ -81,12 +81,12 @@ from collectors.importers import (
     word_lm_log,
 )
 from collectors.importers._common import GZIP_MAGIC, json_loads
-from collectors.importers.base import LogPoint
+from collectors.importers.base import LogEvent, LogPoint
 from trainhealth.exceptions import ConfigError, InputFormatError
 
-__all__ = ["FORMATS", "PER_RANK_FORMATS", "InputFormatError", "LogPoint", "detect", "read"]
+__all__ = ["FORMATS", "PER_RANK_FORMATS", "InputFormatError", "LogEvent", "LogPoint", "detect", "read", "read_items"]
 
-Reader = Callable[..., Iterator[LogPoint]]
+Reader = Callable[..., Iterator[LogPoint | LogEvent]]
 
 #: Format name → (reader, takes a mapping, one-line description).
 FORMATS: dict[str, tuple[Reader, bool, str]] = {
@@ -287,6 +287,16 @@ def _whole_json(path: Path) -> Any:
 def read(path: str | Path, fmt: str | None = None,
          mapping: Mapping[str, str | None] | None = None) -> Iterator[LogPoint]:
     """Iterate the LogPoints of ``path`` in file order; ``fmt`` forces a format (default: :func:`detect`).
+
+    The :class:`LogEvent` s a log also reports are left out: :func:`read_items` gives both.
+    Arguments and errors are those of :func:`read_items`.
+    """
+    return (item for item in read_items(path, fmt, mapping) if isinstance(item, LogPoint))
+
+
+def read_items(path: str | Path, fmt: str | None = None,
+               mapping: Mapping[str, str | None] | None = None) -> Iterator[LogPoint | LogEvent]:
+    """Iterate the LogPoints and LogEvents of ``path`` in file order; ``fmt`` forces a format (default: :func:`detect`).
 
     ``mapping`` (field → column/tag name) applies to table-shaped formats; see the module doc.
     Detection and option errors raise here; parse errors raise while iterating.

@@ -1,4 +1,4 @@
-"""The normalised form every importer yields."""
+"""The normalised forms every importer yields: :class:`LogPoint` (a step or an evaluation) and :class:`LogEvent`."""
 
 from __future__ import annotations
 
@@ -66,3 +66,43 @@ class LogPoint:
     @property
     def is_eval(self) -> bool:
         return self.eval_seconds is not None
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    """Something a log reports that is not one step's metrics: a collective that timed out, a restart.
+
+    Readers yield these among their :class:`LogPoint` s, in file order (:func:`collectors.importers.read_items`);
+    :func:`collectors.importers.read` leaves them out.
+
+    Attributes
+    ----------
+    kind : str
+        One of :data:`trainhealth.events.EVENT_KINDS`: ``checkpoint_save`` (a save the log reports; ``seconds``
+        it blocked when known), ``collective_timeout`` (a rank's watchdog timed out a collective),
+        ``worker_restart`` (the launcher restarted the worker group).
+    step : int | None
+        The training step it happened at (or after), when the log says; None when the log has no steps.
+    rank : int | None
+        The global rank reporting it, when the log names one.
+    seconds : float | None
+        A duration the log gives (a checkpoint's save time, a collective's wait), in seconds.
+    fields : tuple[tuple[str, object], ...]
+        Further named values as the log gives them (e.g. ``("op", "ALLREDUCE")``, ``("seq", 1580)``).
+    source_line : int | None
+        The 1-based line of the file it was read from.
+    """
+
+    kind: str
+    step: int | None = None
+    rank: int | None = None
+    seconds: float | None = None
+    fields: tuple[tuple[str, object], ...] = ()
+    source_line: int | None = None
+
+    def get(self, name: str, default: object = None) -> object:
+        """The value of ``fields`` entry ``name``, else ``default``."""
+        for key, value in self.fields:
+            if key == name:
+                return value
+        return default
