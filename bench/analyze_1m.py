@@ -9,8 +9,8 @@ ledger runs on real timings) and/or a generic JSON-lines log, each with injected
 a one-step loss spike (x2.5) at 37 % of the run with its grad-norm spike, 3 NaN-loss steps at
 83 %, and 50 steps 4x slower at 60 %. Each measurement runs in a fresh child process:
 
-- ``parse``: iterate :func:`collectors.importers.read` only (steps/s);
-- ``analyze``: :func:`trainhealth.analyze.analyze_file` — parse + the full offline pipeline
+- ``parse``: iterate :func:`trainhealth.collectors.importers.read` only (steps/s);
+- ``analyze``: :func:`trainhealth.commands.analyze.analyze_file` — parse + the full offline pipeline
   (detectors, goodput ledger, rollback advisor) + the decimated chart series (steps/s); the
   child's peak RSS (``ru_maxrss``) after it, and its RSS after imports only (the baseline);
 - ``traced``: the same under ``tracemalloc`` (slower): peak Python heap during the analysis.
@@ -81,8 +81,8 @@ WRITERS = {"megatron": (write_megatron, "log"), "jsonl": (write_jsonl, "jsonl")}
 
 def child(mode: str, path: str) -> None:
     """One measurement in this (fresh) process; prints a JSON line."""
-    from collectors import importers
-    from trainhealth.analyze import analyze_file
+    from trainhealth.collectors import importers
+    from trainhealth.commands.analyze import analyze_file
 
     base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out: dict = {"mode": mode, "baseline_rss_mb": base_kb / 1024}

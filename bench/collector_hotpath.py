@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from collectors import Monitor
-from trainhealth.server import EmbeddedRedis, free_port
+from trainhealth import Monitor
+from trainhealth.embedded_redis import EmbeddedRedis, free_port
 
 BATCH = 1_000
 BATCHES = 300

@@ -5,8 +5,9 @@ Run: ``.venv/bin/python bench/detection_eval.py [--quick] [--json] [--per-scenar
 
 The corpus (``bench/eval_corpus.py``): seeded synthetic runs with exact ground truth — dev seeds and held-out
 seeds, reported separately — and the real logs of ``shared/real_logs`` labelled in ``bench/labels.toml``. Each
-run goes through the live pipeline (:class:`detectors.pipeline.RunPipeline`, heartbeat checks every 5 s of
-simulated time, as the service does; real logs through :class:`detectors.offline.OfflineRun`) and, in the same
+run goes through the live pipeline (:class:`trainhealth.detectors.pipeline.RunPipeline`, heartbeat checks every 5 s of
+simulated time, as the service does; real logs through :class:`trainhealth.detectors.offline.OfflineRun`) and, in the
+same
 pass, through the peer rules of ``bench/eval_peers.py`` fed the same per-step values (the aggregates' loss, grad
 norm and seconds per step). Whatever kinds the pipeline produces are scored, so new detectors are picked up.
 
@@ -57,7 +58,7 @@ from eval_corpus import (
 )
 from eval_peers import PEER_KINDS, make_peers
 
-from detectors.anomaly import KINDS
+from trainhealth.anomaly import KINDS
 
 #: Label kinds on which a detection of the key kind is a right call under another name (neither hit nor
 #: false alarm): a spike detector firing on a divergence (an unrecovered rise is first a spike) or on a NaN
@@ -323,13 +324,14 @@ class _Feeder:
 def run_source(src: Source, peers: bool = True) -> RunResult:
     """Feed one run through the pipeline (and the peer rules); return what was detected.
 
-    A real log goes through :class:`detectors.offline.OfflineRun` point by point (what ``feed_all`` does, with
+    A real log goes through :class:`trainhealth.detectors.offline.OfflineRun` point by point (what ``feed_all`` does,
+    with
     each point's output kept for the peers); a synthetic run through a :class:`RunPipeline` of its world size,
     with ``flush_stale`` and ``check_heartbeats`` at every heartbeat check, as the service's tick does.
     """
-    from detectors.offline import OfflineRun, timeline
-    from detectors.pipeline import RunPipeline
-    from trainhealth.replay import read_points
+    from trainhealth.commands.replay import read_points
+    from trainhealth.detectors.offline import OfflineRun, timeline
+    from trainhealth.detectors.pipeline import RunPipeline
 
     t0 = time.perf_counter()
     fd = _Feeder(peers)
@@ -387,7 +389,7 @@ def run_all(sources: list[Source], peers: bool = True, jobs: int = 1) -> list[Ru
 # Reporting
 # ---------------------------------------------------------------------------------------------------------------
 def kinds_of(results: list[RunResult]) -> list[str]:
-    """Every kind in ``detectors.anomaly.KINDS``, then any other kind a detector produced."""
+    """Every kind in ``trainhealth.anomaly.KINDS``, then any other kind a detector produced."""
     seen = {d.kind for r in results for dets in r.dets.values() for d in dets}
     return list(KINDS) + sorted(seen - set(KINDS))
 

@@ -3,13 +3,15 @@
 Run: ``.venv/bin/python bench/detector_steps.py [--steps 200000] [--repeat 5] [--json]``
 
 1. **Real logs** (``$TRAINHEALTH_REAL_LOGS`` or ``shared/real_logs`` beside the repository): every file
-   :func:`trainhealth.replay.read_points` parses is fed through :class:`detectors.offline.OfflineRun` (what
+   :func:`trainhealth.commands.replay.read_points` parses is fed through
+   :class:`trainhealth.detectors.offline.OfflineRun` (what
    ``trainhealth analyze`` runs per logged step), parsed once beforehand so only the pipeline is timed. The
    baseline, measured in the same run on the same points, is the same pipeline with no step detectors
    (aggregation, goodput ledger, hang bookkeeping, rollback advisor); the detectors' share is the difference,
    reported as steps/s (``steps / (t_full - t_base)``) and as the ratio ``t_full / t_base``. The total is also given
-   for the pipeline with its :class:`~detectors.divergence.DivergenceDetector` built on the pipeline's own
-   :class:`~detectors.loss_spike.LossSpikeDetector` (``shared=True``) instead of a private copy of it: the same
+   for the pipeline with its :class:`~trainhealth.detectors.divergence.DivergenceDetector` built on the pipeline's own
+   :class:`~trainhealth.detectors.loss_spike.LossSpikeDetector` (``shared=True``) instead of a private copy of it:
+   the same
    anomalies without running the loss-spike detector twice (a wiring ``detectors/pipeline.py`` could adopt).
 2. **Each detector class alone** on one seeded synthetic stream of ``--steps`` one-rank step aggregates (a
    decaying log-normal loss with one-step spikes and a plateau, a grad norm with its own spikes, step times with a
@@ -37,16 +39,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from detectors.aggregate import StepAggregate  # noqa: E402
-from detectors.divergence import DivergenceDetector  # noqa: E402
-from detectors.grad_norm_explosion import GradNormExplosionDetector  # noqa: E402
-from detectors.grad_norm_spike import GradNormSpikeDetector  # noqa: E402
-from detectors.loss_spike import LossSpikeDetector  # noqa: E402
-from detectors.offline import OfflineRun  # noqa: E402
-from detectors.pipeline import RunPipeline  # noqa: E402
-from detectors.skipped_steps import SkippedStepsDetector  # noqa: E402
-from detectors.slow_step import SlowStepDetector  # noqa: E402
-from detectors.throughput import ThroughputDropDetector  # noqa: E402
+from trainhealth.detectors.aggregate import StepAggregate  # noqa: E402
+from trainhealth.detectors.divergence import DivergenceDetector  # noqa: E402
+from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector  # noqa: E402
+from trainhealth.detectors.grad_norm_spike import GradNormSpikeDetector  # noqa: E402
+from trainhealth.detectors.loss_spike import LossSpikeDetector  # noqa: E402
+from trainhealth.detectors.offline import OfflineRun  # noqa: E402
+from trainhealth.detectors.pipeline import RunPipeline  # noqa: E402
+from trainhealth.detectors.skipped_steps import SkippedStepsDetector  # noqa: E402
+from trainhealth.detectors.slow_step import SlowStepDetector  # noqa: E402
+from trainhealth.detectors.throughput import ThroughputDropDetector  # noqa: E402
 
 DETECTORS: dict[str, Callable[[], Any]] = {
     "LossSpikeDetector": LossSpikeDetector,
@@ -65,8 +67,8 @@ def real_logs_dir() -> Path:
 
 def real_logs() -> list[tuple[str, list[Any]]]:
     """(name, parsed points) of every log in the folder (and its subfolders) that the importers read."""
+    from trainhealth.commands.replay import read_points
     from trainhealth.exceptions import InputFormatError
-    from trainhealth.replay import read_points
 
     out = []
     for path in sorted(p for p in real_logs_dir().rglob("*") if p.is_file() and p.suffix != ".md"):

@@ -3,8 +3,8 @@
 Used by ``bench/detection_eval.py``. Two kinds of :class:`Source`:
 
 * **synthetic** scenarios (:data:`SCENARIOS`), each a generator of the records a real job's collectors would
-  send — per-rank :class:`~trainhealth.events.StepRecord` with sections, ``run_start`` / checkpoint / badput
-  :class:`~trainhealth.events.Event` and heartbeat snapshots (the ``th:{run}:hb`` hash the service reads,
+  send — per-rank :class:`~trainhealth.wire.StepRecord` with sections, ``run_start`` / checkpoint / badput
+  :class:`~trainhealth.wire.Event` and heartbeat snapshots (the ``th:{run}:hb`` hash the service reads,
   checked every 5 s of simulated time) — together with the exact labels of what was injected. Each scenario
   runs under several seeds: :data:`DEV_SEEDS` are the seeds the detectors may be developed and tuned on,
   :data:`HELDOUT_SEEDS` are reported separately and must never be tuned on (a generalisation check).
@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainhealth.events import Event, StepRecord
+from trainhealth.wire import Event, StepRecord
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -99,7 +99,7 @@ class Label:
     Attributes
     ----------
     kind : str
-        Anomaly kind (``detectors.anomaly.KINDS``).
+        Anomaly kind (``trainhealth.anomaly.KINDS``).
     start, end : int
         First and last step of the condition (inclusive).
     before, after : int
@@ -150,7 +150,7 @@ class Source:
     items : Callable[[], Iterator[Item]] | None
         Synthetic / parsed multi-rank input, in time order.
     path : Path | None
-        A real log for ``detectors.offline.OfflineRun``.
+        A real log for ``trainhealth.detectors.offline.OfflineRun``.
     note : str
         What the source is.
     """
@@ -174,7 +174,7 @@ class _Cluster:
     Every method is a generator of items in time order (``yield from``). The live ranks step together, so one
     timeline of their shared state (last completed step, when, phase) serves all of them; a heartbeat carries
     that state as it was when the rank's heartbeat thread last wrote it (every ``HB_INTERVAL_S`` from a
-    per-rank offset), as ``collectors.Monitor`` does. A new process reports no step until its first one.
+    per-rank offset), as ``trainhealth.Monitor`` does. A new process reports no step until its first one.
     """
 
     def __init__(self, rng: random.Random, world: int = 1, ranks_per_host: int = 4, heartbeats: bool = False,
@@ -992,14 +992,14 @@ _HOST_LINE = re.compile(r"^([\w.-]+):\d+:\d+ \[\d+\] NCCL INFO comm \S+ rank (\d
 
 def parse_allreduce_bench(path: Path) -> tuple[dict[int, list[float]], dict[int, str]]:
     """Per-rank iteration durations (s) and rank -> host of the BigScience all-reduce benchmark log,
-    read with the product's own importer (:mod:`collectors.importers.allreduce_bench`).
+    read with the product's own importer (:mod:`trainhealth.collectors.importers.allreduce_bench`).
 
     Raises
     ------
     InputFormatError
         When the file has no iteration.
     """
-    from collectors.importers import allreduce_bench
+    from trainhealth.collectors.importers import allreduce_bench
 
     per: dict[int, list[float]] = {}
     hosts: dict[int, str] = {}

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainhealth.server import EmbeddedRedis, free_port  # noqa: E402 (after the sys.path line)
+from trainhealth.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
 
 
 def run_once(env: dict[str, str], steps: int, monitor: bool, run: str) -> tuple[float, float]:
@@ -40,7 +40,7 @@ def hot_path_ns_per_step() -> float:
     """Median ns of one instrumented step's collector calls (as the example makes them), Redis unset."""
     import time
 
-    from collectors import Monitor
+    from trainhealth import Monitor
 
     mon = Monitor("overhead-probe", rank=0, world_size=1, spill_dir=False, buffer_records=1_000_000)
     pc, samples = time.perf_counter_ns, []
@@ -68,7 +68,7 @@ def main() -> None:
     emb = EmbeddedRedis(Path(tempfile.mkdtemp()), port=free_port())
     url = emb.ensure_running()
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": url, "OMP_NUM_THREADS": "1"}
-    serve = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "serve"], env=env,
+    serve = subprocess.Popen([sys.executable, "-m", "trainhealth", "serve"], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         run_once(env, 20, True, "warmup")  # imports, caches

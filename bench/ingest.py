@@ -5,7 +5,7 @@ Run: ``.venv/bin/python bench/ingest.py [--ranks 64] [--steps 2000] [--procs 2]`
 Starts its own redis-server (no persistence). The ceiling is ``redis-benchmark`` issuing
 single-record ``XADD``s of the same 13 fields with 64 clients, pipelining 100 deep, against
 the same server in the same run. Ours: ``--procs`` processes each host ``ranks / procs`` real
-``collectors.Monitor`` objects (in a real job each rank is its own process with one sender
+``trainhealth.Monitor`` objects (in a real job each rank is its own process with one sender
 thread; many monitors in one process fight over its GIL, so use several processes), each
 logging ``--steps`` points as fast as it can: one ``log_step`` per point, or with
 ``--instrumented`` a fully timed step (``step()`` + 3 sections + ``log_step``). Producers,
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
-from trainhealth.server import EmbeddedRedis, free_port
+from trainhealth.embedded_redis import EmbeddedRedis, free_port
 
 FIELDS = ["rank", "3", "step", "12345", "inc", "1796011602.0115", "t", "1796011602.0127", "dur", "0.0612",
           "loss", "2.3857", "grad_norm", "0.924", "lr", "3e-05", "tokens", "8192", "samples", "4",
@@ -50,7 +50,7 @@ def ceiling(port: int, n: int) -> float:
 
 
 def _producer(url: str, ranks: list[int], world: int, steps: int, instrumented: bool, ready, go, done) -> None:
-    from collectors import Monitor
+    from trainhealth import Monitor
 
     mons = [Monitor("ingest", redis_url=url, rank=r, world_size=world, buffer_records=steps + 10,
                     spill_dir=False, close_timeout=300, heartbeat_interval=60) for r in ranks]

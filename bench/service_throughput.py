@@ -3,12 +3,12 @@
 Run: ``.venv/bin/python bench/service_throughput.py`` (about 6 minutes; ``--skip-latency`` /
 ``--skip-throughput`` for one part, ``--profile FILE`` for a cProfile of the first service pass).
 The JSON parser of step batches is printed: the standard library's, or msgspec's when it is
-installed (``pip install msgspec``; see ``trainhealth.events.decode_steps``).
+installed (``pip install msgspec``; see ``trainhealth.wire.decode_steps``).
 
 Starts its own redis-server on a free port (no persistence). Two parts:
 
 1. **Throughput.** ``--steps`` steps of ``--ranks`` ranks are pre-loaded into the run's streams
-   with the collectors' own encoding (the ``XADD`` commands ``collectors.sender.Sender._add_batch``
+   with the collectors' own encoding (the ``XADD`` commands ``trainhealth.collectors.sender.Sender._add_batch``
    queues: one entry per batch of a rank's consecutive records, ``rank``/``n``/``recs`` JSON
    list), each entry with the id its flush would get, each record as ``Monitor`` makes a timed
    step (``t``, ``dur``, ``sec.data``, ``sec.forward_backward``, ``sec.optimizer``, ``loss``,
@@ -19,15 +19,15 @@ Starts its own redis-server on a free port (no persistence). Two parts:
    step every ~10 ms) an entry holds ~25 records; at a real job's pace (steps of 0.25 s and more)
    one. Then, on the same entries, each with its own consumer group: two baselines —
    ``XREADGROUP`` + ``json.loads`` + ``XACK`` (the least a consumer does; "raw"), the same with
-   ``trainhealth.events.decode_steps`` (the wire decode into ``StepRecord`` objects) — and the
-   real :class:`detectors.service.DetectorService` in this process (``run_once`` until the
+   ``trainhealth.wire.decode_steps`` (the wire decode into ``StepRecord`` objects) — and the
+   real :class:`trainhealth.detectors.service.DetectorService` in this process (``run_once`` until the
    streams are drained: aggregation, every step detector of the pipeline, ledger, rollback
    advisor, the ``MULTI`` write-back of aggregates, anomalies, ledger snapshots and ``XACK``).
    Records/s is records drained per wall second; CPU is this process's CPU time per record
    (the service's) and redis-server's (``INFO cpu``).
 
 2. **Latency.** ``trainhealth serve`` runs as its own process; ``--lat-procs`` producer processes
-   (niced) host ``--ranks`` real :class:`collectors.Monitor` objects (default sender: 0.25 s flush
+   (niced) host ``--ranks`` real :class:`trainhealth.Monitor` objects (default sender: 0.25 s flush
    interval) stepping every ``--step-s`` seconds: ``step()`` with three ``section()`` blocks and
    ``log_step()``. Every ``--every`` steps one anomaly is injected: a NaN loss on one rank, or a
    loss spike on every rank, alternately; each opens an anomaly at that step and resolves it at
@@ -63,12 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
-from collectors.sender import Sender
-from detectors.hang import HangDetector
-from detectors.service import _LAZY_IMPORTS, DetectorService
-from trainhealth.events import decode_steps
+from trainhealth.collectors.sender import Sender
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.service import _LAZY_IMPORTS, DetectorService
+from trainhealth.embedded_redis import find_redis_server, free_port, ping
 from trainhealth.keys import RUNS, run_keys
-from trainhealth.server import find_redis_server, free_port, ping
+from trainhealth.wire import decode_steps
 
 T0 = 1_800_000_000.0
 FLUSH_S = 0.25        # the collectors' flush interval (defaults.COLLECTOR_FLUSH_INTERVAL_S)
@@ -214,7 +214,7 @@ def service_pass(client: redis.Redis, entries: int, profile: str | None) -> tupl
 
 
 def decoder_name() -> str:
-    import trainhealth.events as ev
+    import trainhealth.wire as ev
 
     ev.decode_steps({b"recs": b'[{"rank":0,"step":0,"inc":0.0,"t":0.0}]'})  # the parser is chosen on first use
     return getattr(ev, "JSON_DECODER", "json (standard library)")
@@ -260,7 +260,7 @@ def throughput(args: argparse.Namespace, rp: RedisProc, batch: int, profile: str
 def _ranks(url: str, run: str, ranks: list[int], world: int, steps: int, step_s: float, every: int, warmup: int,
            t0_box, ready, go, done) -> None:
     """A producer process: real Monitors for ``ranks``, one timed step every ``step_s`` seconds from t0."""
-    from collectors import Monitor
+    from trainhealth import Monitor
 
     # 1,024 ranks' senders share this machine's cores with the service here (on a cluster each rank has
     # its own): they yield to it, so the service part of the latency is not inflated by our simulation.
@@ -314,7 +314,7 @@ def latency(args: argparse.Namespace, rp: RedisProc) -> dict[str, Any]:
     keys = run_keys(run)
     path = os.pathsep.join(filter(None, (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH"))))
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": rp.url, "PYTHONPATH": path}
-    service = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "serve"], env=env,
+    service = subprocess.Popen([sys.executable, "-m", "trainhealth", "serve"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ctx = mp.get_context("spawn")
     ready, go, done, t0_box = ctx.Barrier(args.lat_procs + 1), ctx.Event(), ctx.Queue(), ctx.Value("d", 0.0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collectors.monitor import Monitor
-from collectors.ranks import detect as detect_rank
+from trainhealth.collectors.monitor import Monitor
+from trainhealth.collectors.ranks import detect as detect_rank
 
 __all__ = ["Monitor", "detect_rank"]

@@ -1,7 +1,7 @@
 """``Monitor``: the handle a training loop uses on every rank.
 
 Hot path (``step``, ``section``, ``log_step``): builds a small dict and appends it to a
-bounded deque; nothing else. A daemon :class:`~collectors.sender.Sender` batches the
+bounded deque; nothing else. A daemon :class:`~trainhealth.collectors.sender.Sender` batches the
 records into Redis. Redis being away, bad values, or a bug here never raise into the
 training loop: they are logged once and counted.
 """
@@ -24,12 +24,12 @@ from typing import Any
 
 import redis
 
-from collectors import ranks
-from collectors.cuda_timing import GpuTimer, torch_event_factory
-from collectors.sender import Sender
-from collectors.spill import Spill
-from collectors.spill import default_directory as default_spill_directory
 from trainhealth import config, defaults
+from trainhealth.collectors import ranks
+from trainhealth.collectors.cuda_timing import GpuTimer, torch_event_factory
+from trainhealth.collectors.sender import Sender
+from trainhealth.collectors.spill import Spill
+from trainhealth.collectors.spill import default_directory as default_spill_directory
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import run_keys
 from trainhealth.text import show
@@ -216,7 +216,7 @@ class Monitor:
     client : redis.Redis, optional
         A client to use instead of a URL (its connection pool must be thread-safe, as redis-py's is).
     rank, world_size : int, optional
-        Default from the launcher's environment (see :func:`collectors.ranks.detect`).
+        Default from the launcher's environment (see :func:`trainhealth.collectors.ranks.detect`).
     host : str, optional
         Node name; default ``socket.gethostname()``.
     gpu_hour_usd : float, optional
@@ -431,7 +431,7 @@ class Monitor:
         :data:`trainhealth.defaults.DATA_SECTIONS` count as data-loading wait in the ledger.
         With ``cuda=True`` and a CUDA device, the section is also timed on the GPU with CUDA
         events, resolved asynchronously (no ``synchronize()`` in the loop; see
-        :mod:`collectors.cuda_timing`) and sent as ``gpu.<name>`` seconds; without CUDA it is
+        :mod:`trainhealth.collectors.cuda_timing`) and sent as ``gpu.<name>`` seconds; without CUDA it is
         CPU-timed only, with one warning.
         """
         key = (name, cuda)

@@ -25,9 +25,10 @@ from typing import Any
 
 import redis
 
-from collectors.spill import Spill
 from trainhealth import defaults
+from trainhealth.collectors.spill import Spill
 from trainhealth.keys import RUNS, RunKeys
+from trainhealth.loop import Backoff
 from trainhealth.text import show
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def encode_value(v: Any) -> str | int | None:
 
 
 _PLAIN = frozenset({int, float, bool, type(None)})
-#: Integer fields of a step record (``trainhealth.events``: rank, step and ``_STEP_INTS``). The detector
+#: Integer fields of a step record (``trainhealth.wire``: rank, step and ``_STEP_INTS``). The detector
 #: service refuses a record whose value there is not a finite number; the ledger keeps them as int64.
 INT_FIELDS = ("rank", "step", "tokens", "samples", "consumed_samples", "batch_index", "skipped")
 #: Float fields a caller can fill (sections and ``dur`` are floats by construction, ``inc`` is checked).
@@ -93,7 +94,7 @@ def _in_range(fields: dict[str, Any]) -> bool:
     return True
 
 
-#: Number fields of an event (``trainhealth.events.decode_event``), True for the integer ones: any other
+#: Number fields of an event (``trainhealth.wire.decode_event``), True for the integer ones: any other
 #: value there would make the service skip the event.
 _EVENT_NUMBERS = {"rank": True, "step": True, "t": False, "inc": False, "seconds": False}
 
@@ -199,7 +200,7 @@ class Sender(threading.Thread):
         self._spill_failed = 0
         self._unsendable = 0  # records that could not be encoded (no valid step or time, or worse)
         self._next_hb = 0.0
-        self._backoff = 0.0
+        self._backoff = Backoff()
         self._warned: set[str] = set()
         #: Records delivered to Redis, and whether the last attempt reached it.
         self.sent = 0
@@ -247,7 +248,7 @@ class Sender(threading.Thread):
             if self.connected or time.monotonic() >= self._next_attempt:
                 try:
                     self._cycle()
-                    self._backoff = 0.0
+                    self._backoff.reset()
                 except (redis.RedisError, OSError) as exc:
                     self._on_error(exc)
                 except Exception:  # never let the thread die: log and keep going
@@ -286,7 +287,7 @@ class Sender(threading.Thread):
             self._spill_failed += len(encoded)
 
     def _on_error(self, exc: BaseException) -> None:
-        if self.connected or self._backoff == 0.0:
+        if self.connected or self._backoff.delay == 0.0:
             log.warning(
                 "trainhealth collector: Redis unreachable (%s); buffering up to %d records, retrying",
                 exc, self._buffer.maxlen,
@@ -296,10 +297,7 @@ class Sender(threading.Thread):
             with contextlib.suppress(Exception):
                 self._client.close()
             self._client = None
-        self._backoff = min(
-            defaults.RECONNECT_BACKOFF_MAX_S, max(defaults.RECONNECT_BACKOFF_S, self._backoff * 2)
-        )
-        self._next_attempt = time.monotonic() + self._backoff
+        self._next_attempt = time.monotonic() + self._backoff.failed()
 
     def _cycle(self) -> None:
         if self._client is None:

@@ -3,7 +3,7 @@
 Shown at the top of the Overview (:func:`recommendation_cards`, a live fragment of its own) and
 under the KPIs of the Goodput page (:func:`render`, inside that page's live fragment) for every
 recommendation still waiting for a decision (``proposed`` or ``acknowledged``), newest first.
-The buttons move it through its lifecycle with :func:`detectors.recommendations.set_status`
+The buttons move it through its lifecycle with :func:`trainhealth.recommendations.set_status`
 (``by="dashboard"``), the only write the dashboard makes; the fragment the card is in then
 re-runs and re-reads Redis, so an applied or dismissed recommendation disappears at once. See
 docs/advisor.md.
@@ -22,21 +22,13 @@ from typing import Any
 import redis
 import streamlit as st
 
-from dashboard import data
-from dashboard.common import (
-    client,
-    fmt_age,
-    fmt_gpu_hours,
-    fmt_int,
-    fmt_usd,
-    show_problems,
-    to_datetime,
-    viewer_tz,
-)
-from detectors import recommendations as recommendation_store
-from detectors.advisor import Recommendation, fmt_cost, fmt_wall
+from trainhealth import recommendations as recommendation_store
+from trainhealth.dashboard import data
+from trainhealth.dashboard.common import client, show_problems, to_datetime, viewer_tz
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.exceptions import ConfigError
+from trainhealth.recommendations import Recommendation
+from trainhealth.text import fmt_cost, fmt_duration, fmt_gpu_hours, fmt_int, fmt_usd
 
 #: How each action is headed: title, badge colour, icon.
 ACTIONS = {
@@ -109,7 +101,7 @@ def facts(rec: Mapping[str, Any]) -> list[str]:
     head = "**If rolled back**" if action == "wait" else "**Rolling back costs**"
     rollback = [head, f"{fmt_int(rec.get('recompute_steps', 0))} steps recomputed", _cost_line(cost)]
     if cost.get("wall_hours") is not None:
-        rollback.append(f"{fmt_wall(cost['wall_hours'])} of the run's time")  # as in the headline
+        rollback.append(f"{fmt_duration(cost['wall_hours'] * 3600.0)} of the run's time")  # as in the headline
 
     cont = rec.get("continue_cost") or {}
     keep = ["**Continuing costs**", f"{fmt_int(cont.get('wasted_steps_so_far', 0))} steps wasted so far",
@@ -136,7 +128,7 @@ def status_line(rec: Mapping[str, Any], tz: str, now: float) -> str:
     line = f"Status **{rec.get('status', '?')}** · " + " → ".join(steps) + f" ({tz})"
     updated = rec.get("updated_at")
     if isinstance(updated, (int, float)) and math.isfinite(updated):
-        line += f" · figures of step {fmt_int(rec.get('current_step'))}, updated {fmt_age(now - updated)} ago"
+        line += f" · figures of step {fmt_int(rec.get('current_step'))}, updated {fmt_duration(now - updated)} ago"
     return line
 
 
@@ -224,7 +216,7 @@ def card(rec: Mapping[str, Any], run: str, where: str, tz: str, now: float) -> N
 
 
 def render(recs: list[dict[str, Any]], run: str, where: str) -> None:
-    """The cards of the open ones among ``recs`` (:func:`dashboard.data.recommendations`), newest first,
+    """The cards of the open ones among ``recs`` (:func:`trainhealth.dashboard.data.recommendations`), newest first,
     after the outcome of the last button click (a toast, or an error that says why it failed)."""
     flash = st.session_state.pop(_FLASH, None)
     if flash and flash[0] == "ok":

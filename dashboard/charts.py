@@ -1,4 +1,4 @@
-"""Plotly figures of the dashboard, built from :mod:`dashboard.data` frames (no Redis, no Streamlit)."""
+"""Plotly figures of the dashboard, built from :mod:`trainhealth.dashboard.data` frames (no Redis, no Streamlit)."""
 
 from __future__ import annotations
 
@@ -318,7 +318,8 @@ def wall_time_breakdown(history: pd.DataFrame, tz: str | None = None,
 
 
 def badput_cost_bar(causes: pd.DataFrame, priced: bool, wall_s: float | None = None) -> go.Figure:
-    """Horizontal bars of what each cause of badput cost, largest on top (:func:`dashboard.data.badput_by_cause`).
+    """Horizontal bars of what each cause of badput cost, largest on top
+    (:func:`trainhealth.dashboard.data.badput_by_cause`).
 
     USD when the run has a GPU-hour price (``priced``), else GPU-hours; each bar in its
     category's colour (the custom names in the colour of ``custom``), labelled with USD and
@@ -349,7 +350,7 @@ def badput_cost_bar(causes: pd.DataFrame, priced: bool, wall_s: float | None = N
 def _usd(x: float) -> str:
     if x is None or not math.isfinite(float(x)):
         return "—"
-    # As dashboard.common.fmt_usd (charts import no Streamlit module).
+    # As trainhealth.dashboard.common.fmt_usd (charts import no Streamlit module).
     return f"${x / 1e3:,.0f}k" if abs(x) >= 1e5 else f"${x:,.0f}" if abs(x) >= 1e3 else f"${x:,.2f}"
 
 
@@ -360,7 +361,7 @@ def _gpuh(x: float) -> str:
 
 
 def badput_bar(breakdown: pd.DataFrame, wall_s: float | None = None) -> go.Figure:
-    """Horizontal bar of badput seconds per category (from :func:`dashboard.data.badput_seconds`).
+    """Horizontal bar of badput seconds per category (from :func:`trainhealth.dashboard.data.badput_seconds`).
 
     The largest category is on top; hover adds the share of wall time and USD when priced. The
     height follows the number of bars (200-340 px).

@@ -10,11 +10,8 @@ import pandas as pd
 import redis
 import streamlit as st
 
-# Costs are formatted by the advisor's functions, so the card's figures and the headline the
-# service wrote (detectors.advisor._fmt_cost) always agree.
-from detectors.advisor import fmt_gpu_hours, fmt_usd  # noqa: F401 - re-exported: the pages import them
 from trainhealth import config
-from trainhealth.text import fmt_age, plural  # noqa: F401 - re-exported: the pages import them from here
+from trainhealth.text import fmt_rate
 
 #: Session-state key of the selected run id (set by ``app.py``, read by every page).
 RUN_KEY = "th_run"
@@ -23,7 +20,7 @@ URL_KEY = "th_redis_url"
 #: Session-state key: ``(run, status)`` as :func:`follow_run_status` last read it.
 STATUS_SEEN_KEY = "th_status_seen"
 
-NO_RUNS = ("No runs yet — start `trainhealth demo` or instrument a job with `collectors.Monitor` "
+NO_RUNS = ("No runs yet — start `trainhealth demo` or instrument a job with `trainhealth.Monitor` "
            "(and run `trainhealth serve` to aggregate it).")
 
 
@@ -84,13 +81,6 @@ def to_datetime(t: pd.Series | float | None, tz: str) -> Any:
     return pd.Timestamp(t, unit="s", tz="UTC").tz_convert(tz)
 
 
-def fmt_int(x: Any) -> str:
-    """``1234`` → ``1,234``; missing → ``—``."""
-    if x is None or (isinstance(x, float) and not math.isfinite(x)) or x is pd.NA:
-        return "—"
-    return f"{int(x):,}"
-
-
 def anomaly_delta(total: int, n_crit: int) -> str:
     """Sub-line of the active-anomalies card: ``of 3 total`` / ``of 4 · 1 critical`` (≤ 18 characters fit)."""
     if not n_crit:
@@ -99,42 +89,8 @@ def anomaly_delta(total: int, n_crit: int) -> str:
     return text if len(text) <= 18 else f"of {total:,} · {n_crit:,} crit."
 
 
-def fmt_rate(x: Any) -> str:
-    """Tokens/s, compact: ``573.4`` → ``573``, ``41600`` → ``41,600``, ``804817`` → ``804.8k``,
-    ``2.5e6`` → ``2.50M``."""
-    if x is None or not math.isfinite(float(x)):
-        return "—"
-    x = float(x)
-    if abs(x) >= 1e6:
-        return f"{x / 1e6:,.2f}M"
-    if abs(x) >= 1e5:
-        return f"{x / 1e3:,.1f}k"
-    return f"{x:,.0f}"
-
-
-def fmt_pct(x: Any) -> str:
-    """``71.5`` → ``71.5%``; ``99.99`` → ``100%`` (six characters would not fit a KPI card)."""
-    if x is None or not math.isfinite(float(x)):
-        return "—"
-    return "100%" if float(x) >= 99.95 else f"{float(x):.1f}%"
-
-
-def fmt_duration(seconds: Any) -> str:
-    """Seconds, short enough for a KPI card: ``115 s`` / ``84 min`` / ``2.3 h`` / ``3.1 d``."""
-    if seconds is None or not math.isfinite(float(seconds)):
-        return "—"
-    seconds = max(0.0, float(seconds))
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 6000:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
-
-
 def show_problems(problems: list[str]) -> None:
-    """One warning per unreadable key (:mod:`dashboard.data` readers' ``problems``), each once."""
+    """One warning per unreadable key (:mod:`trainhealth.dashboard.data` readers' ``problems``), each once."""
     for text in dict.fromkeys(problems):
         st.warning(text, icon=":material/report:")
 

@@ -22,11 +22,11 @@ import numpy as np
 import pandas as pd
 import redis
 
-from detectors.anomaly import KINDS
 from trainhealth import defaults
-from trainhealth.events import decode_event
+from trainhealth.anomaly import KINDS
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys, validate_run_id
+from trainhealth.wire import decode_event
 
 #: Runs listed in the picker (newest first); older ones are reachable by ``?run=`` links.
 RUNS_LIMIT = 200
@@ -1077,7 +1077,7 @@ def unprocessed_lag(state: Mapping[str, Any], min_lag_s: float = PROCESSING_LAG_
 
 # --- how a replayed run was timed --------------------------------------------------------
 
-#: ``timeline`` values ``trainhealth replay`` stores in the meta (``trainhealth.replay.TIMELINES``).
+#: ``timeline`` values ``trainhealth replay`` stores in the meta (``trainhealth.commands.replay.TIMELINES``).
 REPLAY_TIMELINES = ("logged", "partly assumed", "assumed")
 
 

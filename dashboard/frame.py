@@ -19,18 +19,15 @@ import redis
 import streamlit as st
 from streamlit.navigation.page import StreamlitPage
 
-from dashboard import data
-from dashboard.common import (
+from trainhealth.dashboard import data
+from trainhealth.dashboard.common import (
     NO_RUNS,
     RUN_KEY,
     STATUS_SEEN_KEY,
     URL_KEY,
     client,
     current_run,
-    fmt_age,
-    fmt_int,
     get_client,
-    plural,
     redact_url,
     resolve_url,
     status_moved,
@@ -38,6 +35,7 @@ from dashboard.common import (
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import validate_run_id
+from trainhealth.text import fmt_duration, fmt_int, plural
 
 HERE = Path(__file__).resolve().parent
 _PICKER = "th_run_picker"
@@ -106,10 +104,10 @@ def service_problem(beats: list[dict], state: dict, now: float, run: str = "") -
     """The banner text for the service heartbeats and the run's processing state, None if healthy.
 
     Not running: no ``th:service:*`` heartbeat, or the newest older than
-    :data:`dashboard.data.SERVICE_STALE_S`. Not processing: the ranks' heartbeats report steps
-    completed well after the newest aggregate (:func:`dashboard.data.unprocessed_lag`).
+    :data:`trainhealth.dashboard.data.SERVICE_STALE_S`. Not processing: the ranks' heartbeats report steps
+    completed well after the newest aggregate (:func:`trainhealth.dashboard.data.unprocessed_lag`).
     Detectors failing: a live service reports exceptions of ``run``'s detectors
-    (:func:`dashboard.data.detector_errors`).
+    (:func:`trainhealth.dashboard.data.detector_errors`).
     """
     running = data.service_running(beats, now)
     lag = data.unprocessed_lag(state)
@@ -126,14 +124,14 @@ def service_problem(beats: list[dict], state: dict, now: float, run: str = "") -
         newest = beats[0] if beats and math.isfinite(beats[0]["t"]) else None
         if newest is not None:
             who = f"`{newest['consumer']}`" + (f" on {newest['host']}" if newest.get("host") else "")
-            parts.append(f"Its last heartbeat ({who}) is {fmt_age(now - newest['t'])} old.")
+            parts.append(f"Its last heartbeat ({who}) is {fmt_duration(now - newest['t'])} old.")
     if lag is not None:
-        done = f"the ranks completed step {fmt_int(state['hb_step'])} ({fmt_age(now - state['hb_step_t'])} ago)"
+        done = f"the ranks completed step {fmt_int(state['hb_step'])} ({fmt_duration(now - state['hb_step_t'])} ago)"
         if state.get("agg_step") is None:
             behind = "no step of this run has been aggregated"
         else:
             behind = (f"the newest aggregated step is {fmt_int(state['agg_step'])}, which ended "
-                      f"{fmt_age(lag)} before that")
+                      f"{fmt_duration(lag)} before that")
         if running:
             parts.append(f"Steps arrive but the detector service is not processing this run: {done}, but "
                          f"{behind}. Check the `trainhealth serve` log (is it on this Redis?).")
@@ -162,7 +160,8 @@ def _replay_info(url: str, run: str) -> dict | None:
 
 
 def replay_caveat(info: dict | None) -> str | None:
-    """The caveat for a replayed run (:func:`dashboard.data.replay_info`), None when its figures are the log's.
+    """The caveat for a replayed run (:func:`trainhealth.dashboard.data.replay_info`), None when its figures are the
+    log's.
 
     A paced replay (``speed`` k > 0, k != 1) stamps records with the real clock, so every rate is k times
     the log's; an assumed timeline (no step times in the log) makes goodput and rates an assumption.
@@ -294,7 +293,7 @@ def status_line(meta: dict, now: float) -> str:
     if meta.get("world_size"):
         bits.append(plural(meta["world_size"], "rank"))
     if started:
-        bits.append(f"started {fmt_age(now - started)} ago")
+        bits.append(f"started {fmt_duration(now - started)} ago")
     if meta.get("source"):
         bits.append(f"source `{meta['source']}`")
     return " · ".join(bits)

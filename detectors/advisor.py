@@ -8,18 +8,14 @@ dashboard and exported by ``trainhealth advise``).
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from detectors.anomaly import Anomaly
 from trainhealth import defaults
-from trainhealth.text import fmt_age
-
-#: Lifecycle of a recommendation, in order.
-STATUSES = ("proposed", "acknowledged", "applied", "dismissed")
+from trainhealth.anomaly import Anomaly
+from trainhealth.recommendations import Recommendation
+from trainhealth.text import fmt_cost, fmt_duration
 
 
 @dataclass(frozen=True)
@@ -29,95 +25,6 @@ class Checkpoint:
     step: int
     consumed_samples: int | None = None
     batch_index: int | None = None
-
-
-@dataclass(frozen=True)
-class Recommendation:
-    """What to do about one anomaly, with the numbers behind it.
-
-    Attributes
-    ----------
-    id : str
-        ``rec:<anomaly id>``: one recommendation per anomaly, updated as the anomaly evolves.
-    action : str
-        ``rollback`` (restart from ``checkpoint_step`` skipping the data range), ``wait``
-        (a spike that may recover: re-check at ``recheck_step``) or ``none_possible``.
-    checkpoint_step : int | None
-        Checkpoint to restart from.
-    skip_steps : tuple[int, int] | None
-        Inclusive range of steps whose batches to skip after restarting.
-    skip_samples, skip_batches : tuple[int, int] | None
-        The same range as half-open ``[first, end)`` consumed-sample and batch-index ranges,
-        when the collectors recorded data positions.
-    recompute_steps : int
-        Steps that a rollback discards and trains again.
-    cost : dict
-        ``gpu_hours`` and ``usd`` (None without a price) of the rollback's recomputation, and
-        ``wall_hours`` of the run's time it takes.
-    continue_cost : dict
-        What not acting costs: ``wasted_steps_so_far`` and ``gpu_hours_per_hour`` (``usd_per_hour``)
-        burnt while the run trains on a diverged model.
-    options : list[str]
-        Other levers (lower learning rate, tighter clipping), labelled as options.
-    reasoning : list[str]
-        The steps of the decision, in words, with the numbers used.
-    """
-
-    id: str
-    run: str
-    anomaly_id: str
-    kind: str
-    action: str
-    onset_step: int
-    current_step: int
-    checkpoint_step: int | None = None
-    skip_steps: tuple[int, int] | None = None
-    skip_samples: tuple[int, int] | None = None
-    skip_batches: tuple[int, int] | None = None
-    recheck_step: int | None = None
-    recompute_steps: int = 0
-    cost: dict[str, Any] = field(default_factory=dict)
-    continue_cost: dict[str, Any] = field(default_factory=dict)
-    options: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    summary: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (tuples as lists)."""
-        d = asdict(self)
-        for k in ("skip_steps", "skip_samples", "skip_batches"):
-            d[k] = list(d[k]) if d[k] is not None else None
-        return d
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Recommendation:
-        """Rebuild from a stored dict (extra keys such as ``status`` and ``history`` are ignored)."""
-        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        for k in ("skip_steps", "skip_samples", "skip_batches"):
-            if kw.get(k) is not None:
-                kw[k] = tuple(kw[k])
-        return cls(**kw)
-
-    def megatron_args(self) -> str | None:
-        """``--train-range-to-skip FIRST LAST`` (Megatron-DeepSpeed; inclusive iterations) and
-        ``--iterations-to-skip`` (Megatron-LM; the iterations listed), plus the load step."""
-        if self.skip_steps is None or self.checkpoint_step is None:
-            return None
-        a, b = self.skip_steps
-        return (f"--ckpt-step {self.checkpoint_step} --train-range-to-skip {a} {b} "
-                f"--iterations-to-skip {' '.join(str(i) for i in range(a, b + 1))}")
-
-    def lightning_skip(self) -> dict[str, Any] | None:
-        """The ``skip_batches.json`` document: checkpoint, and the batch/sample/step ranges to skip."""
-        if self.skip_steps is None:
-            return None
-        return {"version": 1, "run": self.run, "resume_from_step": self.checkpoint_step,
-                "skip_steps": list(self.skip_steps),
-                "skip_batches": list(self.skip_batches) if self.skip_batches else None,
-                "skip_samples": list(self.skip_samples) if self.skip_samples else None}
 
 
 class RollbackAdvisor:
@@ -336,56 +243,8 @@ class RollbackAdvisor:
         ]
 
 
-def _small(x: float, prefix: str = "") -> str:
-    """Below 10: two decimals, or two significant digits where those would round to 0 (0.0042)."""
-    if x == 0 or abs(x) >= 0.01:
-        return f"{prefix}{x:,.2f}"
-    return f"{prefix}{x:.{1 - math.floor(math.log10(abs(x)))}f}"
-
-
-def fmt_gpu_hours(x: Any) -> str:
-    """GPU-hours, compact: ``0.0042`` → ``0.0042``, ``0.0375`` → ``0.04``, ``12.34`` → ``12.3``,
-    ``1234.6`` → ``1,235``; missing → ``—``. The one format of GPU-hours everywhere (headline,
-    card, dashboard), so a tiny cost never reads as ``0.0`` next to ``0.04`` on the same card."""
-    if x is None or not math.isfinite(float(x)):
-        return "—"
-    x = float(x)
-    if abs(x) >= 1e3:
-        return f"{x:,.0f}"
-    if abs(x) >= 10:
-        return f"{x:,.1f}"
-    return _small(x)
-
-
-def fmt_usd(x: Any) -> str:
-    """USD, compact: ``0.004`` → ``$0.004``, ``0.09375`` → ``$0.09``, ``12.3`` → ``$12.30``, from $1,000
-    without cents (``$1,235``), from $100k as ``$123k``; missing → ``—``."""
-    if x is None or not math.isfinite(float(x)):
-        return "—"
-    x = float(x)
-    if abs(x) >= 1e5:
-        return f"${x / 1e3:,.0f}k"
-    if abs(x) >= 1e3:
-        return f"${x:,.0f}"
-    return _small(x, "$")
-
-
-def fmt_cost(c: Mapping[str, Any], unit: str = "GPU-hours", sep: str = ", ") -> str:
-    """GPU-hours and USD of a cost dict: ``0.04 GPU-hours, $0.09`` (``unit="GPU-h", sep=" · "`` on the
-    dashboard card); GPU-hours only without a price. Needs ``gpu_hours`` (not None)."""
-    usd = c.get("usd")
-    return f"{fmt_gpu_hours(c['gpu_hours'])} {unit}" + (f"{sep}{fmt_usd(usd)}" if usd is not None else "")
-
-
 def _fmt_cost(c: Mapping[str, Any]) -> str:
     if c.get("gpu_hours") is None:
         return f"{c.get('steps', 0)} steps (step time unknown)"
-    return f"{fmt_cost(c)}, {fmt_wall(c['wall_hours'])} of the run's time"
-
-
-def fmt_wall(hours: Any) -> str:
-    """The run's time a rollback costs, as a span a person reads: ``17 s``, ``4.2 min``, ``25.2 min``,
-    ``3.5 h`` (not ``0.0047 h``); missing → ``—``."""
-    if hours is None or not math.isfinite(float(hours)):
-        return "—"
-    return fmt_age(float(hours) * 3600.0)
+    wall_s = None if c.get("wall_hours") is None else c["wall_hours"] * 3600.0
+    return f"{fmt_cost(c)}, {fmt_duration(wall_s)} of the run's time"

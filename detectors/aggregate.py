@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from trainhealth import defaults
-from trainhealth.events import ROW_SOURCE, StepRecord, record_row, step_record
+from trainhealth.wire import ROW_SOURCE, StepRecord, record_row, step_record
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,9 @@ def _source(row: tuple) -> StepRecord:
 
 
 class StepAggregator:
-    """Groups per-rank :class:`~trainhealth.events.StepRecord` into per-step aggregates.
+    """Groups per-rank :class:`~trainhealth.wire.StepRecord` into per-step aggregates.
 
-    Records are kept as rows (:func:`trainhealth.events.record_row`): :meth:`add` takes a record,
+    Records are kept as rows (:func:`trainhealth.wire.record_row`): :meth:`add` takes a record,
     :meth:`add_row` a row (the detector service decodes its input straight into rows).
 
     Parameters
@@ -150,7 +150,7 @@ class StepAggregator:
         return self.add_row(record_row(rec, self.data_sections))
 
     def add_row(self, row: tuple) -> list[StepAggregate]:
-        """Add one rank's record as a row (:func:`~trainhealth.events.record_row` with this aggregator's
+        """Add one rank's record as a row (:func:`~trainhealth.wire.record_row` with this aggregator's
         ``data_sections``); return the steps it completes, in step order."""
         out: list[StepAggregate] = []
         rank, step, inc = row[12], row[13], row[6]  # (called once per record: ~100,000 times a second)

@@ -6,16 +6,16 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from detectors.anomaly import RESOLVED, Anomaly
-from detectors.hang import Beat, progress_limit, read_beats, silence_limit
 from trainhealth import defaults
+from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.hang import Beat, progress_limit, read_beats, silence_limit
 
 
 class DeadRankDetector:
     """Names the ranks that dropped out of the job.
 
     Two signs, from the heartbeats the collector's background thread sends every
-    ``heartbeat_interval`` seconds (see :class:`~detectors.hang.HangDetector`):
+    ``heartbeat_interval`` seconds (see :class:`~trainhealth.detectors.hang.HangDetector`):
 
     * **gone**: no heartbeat for ``missed_intervals`` intervals (20 s by default): the process or
       its node is down (OOM kill, segfault, node failure). While the rank's last heartbeat said it

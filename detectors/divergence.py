@@ -8,10 +8,11 @@ import statistics
 from collections import deque
 from dataclasses import replace
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly
-from detectors.loss_spike import NOT_RECOVERED, Baseline, LossSpikeDetector, SortedWindow, robust_scale_sorted
 from trainhealth import defaults
+from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.loss_spike import NOT_RECOVERED, LossSpikeDetector
+from trainhealth.detectors.robust import Baseline, SortedWindow, robust_scale_sorted
 from trainhealth.text import plural
 
 _second = operator.itemgetter(1)  # the value of a (step, value) point
@@ -22,7 +23,7 @@ class DivergenceDetector:
 
     Two ways in, both on ``log(loss)`` (the loss must be positive, as cross-entropy is):
 
-    1. **A spike that does not recover.** A private :class:`~detectors.loss_spike.LossSpikeDetector`
+    1. **A spike that does not recover.** A private :class:`~trainhealth.detectors.loss_spike.LossSpikeDetector`
        (the pipeline's settings) settles a spike as ``not_recovered``: still elevated
        ``divergence_steps`` after its onset, or the optimizer skipped a run of steps (fp16 overflow)
        while the loss was up. The divergence takes the spike's onset and its expected loss as the
@@ -44,7 +45,7 @@ class DivergenceDetector:
     reference (``end_step`` is then the last point above that), or when training rolls back to the
     onset or before (``rolled_back``). A rollback or restart also takes the best level back to what it
     was at the resumed step (the discarded timeline's progress no longer counts). Non-finite losses are
-    :class:`~detectors.nan_inf.NanInfDetector`'s.
+    :class:`~trainhealth.detectors.nan_inf.NanInfDetector`'s.
 
     Parameters
     ----------
@@ -61,9 +62,11 @@ class DivergenceDetector:
         ``shared``, it must not be fed by anyone else.
     shared : bool
         ``spikes`` is fed by its owner, each step *before* this detector (the pipeline's own
-        :class:`~detectors.loss_spike.LossSpikeDetector`, with the same settings: the same anomalies, without
+        :class:`~trainhealth.detectors.loss_spike.LossSpikeDetector`, with the same settings: the same anomalies,
+        without
         running a second copy of it). A step it was already fed (the same aggregate object, per
-        :attr:`~detectors.loss_spike.LossSpikeDetector.last_update`) is not fed again: its output is reused; any
+        :attr:`~trainhealth.detectors.loss_spike.LossSpikeDetector.last_update`) is not fed again: its output is
+        reused; any
         other step is fed here.
 
     Evidence: ``reason`` (``spike_not_recovered``, ``overflow_skips``, ``sustained_rise``),
@@ -73,7 +76,7 @@ class DivergenceDetector:
 
     Examples
     --------
-    >>> from detectors.aggregate import StepAggregate
+    >>> from trainhealth.detectors.aggregate import StepAggregate
     >>> det = DivergenceDetector()
     >>> # the Whisper fine-tune with too high a learning rate: one train loss every 500 steps
     >>> for step, loss in [(500, 1.2366), (1000, 2.028), (1500, 2.157), (2000, 1.9848), (2500, 1.7866)]:

@@ -8,10 +8,10 @@ import statistics
 from collections import deque
 from dataclasses import replace
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly
-from detectors.loss_spike import SortedWindow
 from trainhealth import defaults
+from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.robust import SortedWindow
 
 _second = operator.itemgetter(1)  # the value of a (step, value) point
 
@@ -19,7 +19,7 @@ _second = operator.itemgetter(1)  # the value of a (step, value) point
 class GradNormExplosionDetector:
     """A grad norm that rises ``factor`` times above the run's own floor and stays there.
 
-    Not a one-off spike (that is :class:`~detectors.grad_norm_spike.GradNormSpikeDetector`'s), and not a
+    Not a one-off spike (that is :class:`~trainhealth.detectors.grad_norm_spike.GradNormSpikeDetector`'s), and not a
     run that lives at a high grad norm from the start (fp16 without unscaling, some vision models at
     1e5-4e6): everything is relative to the run's own **floor**, the lowest median of the trailing
     ``window`` logged grad norms seen so far, established once ``min_points`` points are in. The floor is
@@ -34,7 +34,7 @@ class GradNormExplosionDetector:
     onset is its first point. The anomaly
     resolves when the median of the last 5 points is back below ``floor * sqrt(factor)``, or when
     training rolls back to the onset or before. Non-finite grad norms are
-    :class:`~detectors.nan_inf.NanInfDetector`'s and are skipped here.
+    :class:`~trainhealth.detectors.nan_inf.NanInfDetector`'s and are skipped here.
 
     Parameters
     ----------
@@ -56,7 +56,7 @@ class GradNormExplosionDetector:
     Examples
     --------
     >>> import random
-    >>> from detectors.aggregate import StepAggregate
+    >>> from trainhealth.detectors.aggregate import StepAggregate
     >>> rng = random.Random(1)
     >>> det = GradNormExplosionDetector()
     >>> for step in range(700):  # ~0.3, then from step 400 growing 2 % a step up to 60x

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from detectors.loss_spike import LossSpikeDetector
 from trainhealth import defaults
+from trainhealth.detectors.loss_spike import LossSpikeDetector
 
 
 class GradNormSpikeDetector(LossSpikeDetector):
@@ -14,10 +14,11 @@ class GradNormSpikeDetector(LossSpikeDetector):
     level, never against an absolute threshold; a grad-norm spike often comes a few steps
     before a loss spike (BLOOM, PaLM), and it is reported even when the loss does not react.
     A spike still open after ``divergence_steps`` settles as ``not_recovered`` and the baseline
-    restarts at the new level; a lasting rise is :class:`~detectors.grad_norm_explosion.GradNormExplosionDetector`'s
+    restarts at the new level; a lasting rise is
+    :class:`~trainhealth.detectors.grad_norm_explosion.GradNormExplosionDetector`'s
     to report. Skipped steps do not decide anything here (the grad norm is not recomputed on them).
 
-    Parameters are those of :class:`~detectors.loss_spike.LossSpikeDetector`, with ``z_open``
+    Parameters are those of :class:`~trainhealth.detectors.loss_spike.LossSpikeDetector`, with ``z_open``
     from ``defaults.GRAD_NORM_SPIKE_Z_OPEN`` and ``min_rel_rise`` from
     ``defaults.GRAD_NORM_SPIKE_MIN_REL_RISE`` (a grad norm is noisier than a loss); the partner is the
     loss, and a loss spike at the same step (``partner_spike_z`` = the loss detector's ``z_open``) lets a
@@ -29,7 +30,7 @@ class GradNormSpikeDetector(LossSpikeDetector):
     Examples
     --------
     >>> import math, random
-    >>> from detectors.aggregate import StepAggregate
+    >>> from trainhealth.detectors.aggregate import StepAggregate
     >>> rng = random.Random(2)
     >>> det = GradNormSpikeDetector()
     >>> for step in range(300):
@@ -44,7 +45,7 @@ class GradNormSpikeDetector(LossSpikeDetector):
     ----------
     BigScience BLOOM-176B chronicles (grad-norm spikes before loss spikes); OLMo 2 (Team OLMo,
     arXiv:2501.00656, 2024: grad-norm spikes precede loss spikes); the Hampel filter references of
-    :class:`~detectors.loss_spike.LossSpikeDetector`.
+    :class:`~trainhealth.detectors.loss_spike.LossSpikeDetector`.
     """
 
     KIND = "grad_norm_spike"

@@ -8,8 +8,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from detectors.anomaly import RESOLVED, Anomaly
 from trainhealth import defaults
+from trainhealth.anomaly import RESOLVED, Anomaly
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Beat:
         Seconds since its last heartbeat.
     phase : str
         ``train``, ``checkpoint_save``, ``checkpoint_load`` or ``badput`` (the phases
-        ``collectors.Monitor`` sends: ``checkpoint_save()`` / ``checkpoint_load()`` and ``timed_badput()``,
+        ``trainhealth.Monitor`` sends: ``checkpoint_save()`` / ``checkpoint_load()`` and ``timed_badput()``,
         which the Lightning integration uses for validation).
     host : str | None
         Host name, as the collector reported it.
@@ -118,7 +118,7 @@ class HangDetector:
     rank completes a step again (or enters a declared phase).
 
     A rank gone (stale heartbeat) or stuck while the others progress is
-    :class:`~detectors.dead_rank.DeadRankDetector`'s ``dead_rank``; when the others then block
+    :class:`~trainhealth.detectors.dead_rank.DeadRankDetector`'s ``dead_rank``; when the others then block
     on it, the job hangs as well and both are open.
 
     Parameters

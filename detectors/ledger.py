@@ -12,9 +12,9 @@ import math
 from collections import deque
 from typing import Any
 
-from detectors.aggregate import StepAggregate
 from trainhealth import defaults
-from trainhealth.events import Event
+from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.wire import Event
 
 #: Ledger categories; their seconds sum to the wall time exactly.
 CATEGORIES = (
@@ -64,8 +64,8 @@ class GoodputLedger:
     checkpoint after step 3, crashes after step 5, restarts at t=20, loads the checkpoint
     (1 s) and redoes steps 4-5:
 
-    >>> from detectors.aggregate import StepAggregate
-    >>> from trainhealth.events import Event
+    >>> from trainhealth.detectors.aggregate import StepAggregate
+    >>> from trainhealth.wire import Event
     >>> led = GoodputLedger(world_size=8)
     >>> led.note_start(0.0)
     >>> def step(s, gen, inc, end):

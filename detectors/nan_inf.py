@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly
+from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.aggregate import StepAggregate
 
 
 class NanInfDetector:
@@ -16,14 +16,14 @@ class NanInfDetector:
     scaling it is the usual overflow, and the optimizer skips that step (Micikevicius et
     al., 2018); many in a row are not usual and keep the anomaly open. When the step is
     marked ``skipped`` the overflow was handled and it is not reported here: runs of skipped
-    steps are :class:`~detectors.skipped_steps.SkippedStepsDetector`'s.
+    steps are :class:`~trainhealth.detectors.skipped_steps.SkippedStepsDetector`'s.
 
     Evidence: ``loss``, ``grad_norm`` (as strings ``nan``/``inf`` when non-finite),
     ``steps`` (non-finite steps so far in this run of them).
 
     Examples
     --------
-    >>> from detectors.aggregate import StepAggregate
+    >>> from trainhealth.detectors.aggregate import StepAggregate
     >>> def agg(step, loss):
     ...     return StepAggregate(step, 0, 0.0, None, float(step), loss, 1.0, None, None, None, 1, (None,), 0.0,
     ...                          () if math.isfinite(loss) else (0,))

@@ -13,11 +13,11 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from collectors.importers._common import MAX_STEP, show
-from collectors.importers.base import LogPoint
-from detectors.anomaly import Anomaly
-from detectors.pipeline import Output, RunPipeline
-from trainhealth.events import Event, StepRecord
+from trainhealth.anomaly import Anomaly
+from trainhealth.detectors.pipeline import Output, RunPipeline
+from trainhealth.logpoint import LogPoint
+from trainhealth.text import show
+from trainhealth.wire import MAX_STEP, Event, StepRecord
 
 #: Largest assumed seconds per step (``--step-seconds``): one day. Beyond it the value is a typo, and an
 #: infinite one makes every time on the timeline infinite (records with ``"inc": -Infinity, "t": NaN``).

@@ -1,6 +1,6 @@
 """One run's detection pipeline, without I/O: records in, aggregates, anomalies and ledger out.
 
-The service (:mod:`detectors.service`) feeds it from Redis; ``trainhealth replay`` and the
+The service (:mod:`trainhealth.detectors.service`) feeds it from Redis; ``trainhealth replay`` and the
 tests feed it directly. Everything here is deterministic given the same input order, which
 is what lets the service rebuild its state by replaying the streams after a restart.
 """
@@ -14,26 +14,27 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from detectors.advisor import Checkpoint, Recommendation, RollbackAdvisor
-from detectors.aggregate import StepAggregate, StepAggregator
-from detectors.anomaly import Anomaly
-from detectors.dead_rank import DeadRankDetector
-from detectors.divergence import DivergenceDetector
-from detectors.grad_norm_explosion import GradNormExplosionDetector
-from detectors.grad_norm_spike import GradNormSpikeDetector
-from detectors.hang import HangDetector
-from detectors.ledger import GoodputLedger
-from detectors.loss_spike import LossSpikeDetector
-from detectors.nan_inf import NanInfDetector
-from detectors.rank_outlier import RankOutlierDetector
-from detectors.restart import RestartDetector
-from detectors.restart_storm import RestartStormDetector
-from detectors.skipped_steps import SkippedStepsDetector
-from detectors.slow_node import SlowNodeDetector
-from detectors.slow_step import SlowStepDetector
-from detectors.straggler import StragglerDetector
-from detectors.throughput import ThroughputDropDetector, step_seconds
-from trainhealth.events import ROW_DATA, ROW_SOURCE, Event, StepRecord, step_record
+from trainhealth.anomaly import Anomaly
+from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
+from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
+from trainhealth.detectors.dead_rank import DeadRankDetector
+from trainhealth.detectors.divergence import DivergenceDetector
+from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector
+from trainhealth.detectors.grad_norm_spike import GradNormSpikeDetector
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.ledger import GoodputLedger
+from trainhealth.detectors.loss_spike import LossSpikeDetector
+from trainhealth.detectors.nan_inf import NanInfDetector
+from trainhealth.detectors.rank_outlier import RankOutlierDetector
+from trainhealth.detectors.restart import RestartDetector
+from trainhealth.detectors.restart_storm import RestartStormDetector
+from trainhealth.detectors.skipped_steps import SkippedStepsDetector
+from trainhealth.detectors.slow_node import SlowNodeDetector
+from trainhealth.detectors.slow_step import SlowStepDetector
+from trainhealth.detectors.straggler import StragglerDetector
+from trainhealth.detectors.throughput import ThroughputDropDetector, step_seconds
+from trainhealth.recommendations import Recommendation
+from trainhealth.wire import ROW_DATA, ROW_SOURCE, Event, StepRecord, step_record
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class RunPipeline:
     def _add(self, rec: StepRecord | tuple) -> list[StepAggregate]:
         # Per-record work goes here: :meth:`feed` (the service) calls this, not feed_step.
         agg = self.aggregator
-        if type(rec) is tuple:  # a row (trainhealth.events.decode_step_rows), as the service feeds them
+        if type(rec) is tuple:  # a row (trainhealth.wire.decode_step_rows), as the service feeds them
             rank = rec[12]
             if rank >= agg.world_size:
                 self.set_world_size(rank + 1)
@@ -142,7 +143,7 @@ class RunPipeline:
         return agg.add(rec)
 
     def feed(self, items: Iterable[StepRecord | tuple | Event]) -> Iterator[Output]:
-        """Feed records (or their rows, :func:`trainhealth.events.decode_step_rows`) and events in order;
+        """Feed records (or their rows, :func:`trainhealth.wire.decode_step_rows`) and events in order;
         yield the non-empty outputs, each before the next item is fed.
 
         The same as :meth:`feed_step` / :meth:`feed_event` on each item, without building an empty

@@ -7,12 +7,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly, run_ended
-from detectors.loss_spike import MAD_TO_SIGMA
-from detectors.slow_node import busy_matrix, column_quantiles
 from trainhealth import defaults
-from trainhealth.events import StepRecord
+from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.persistence import Persistence
+from trainhealth.detectors.robust import MAD_TO_SIGMA
+from trainhealth.detectors.slow_node import busy_matrix, column_quantiles
+from trainhealth.wire import StepRecord
 
 #: Per-rank features of a window, all oriented so that larger is worse.
 FEATURES = ("busy_rel", "busy_iqr_rel", "data_share", "missing_rate")
@@ -195,21 +196,16 @@ class RankOutlierDetector:
         self._data: list[float] = []
         self._window_start = 0
         self._last_step_prev_window = 0
-        self._count: dict[int, int] = {}
-        self._first: dict[int, int] = {}
-        self._open: dict[int, Anomaly] = {}
+        self._persist: Persistence[int] = Persistence(min_windows)
         self._confirmed: dict[int, float] = {}  # candidate rank -> isolation score that confirmed it
         self._cooldown = 0
         #: Windows in which the forest was fitted (a cost figure for benchmarks).
         self.forest_fits = 0
 
     def finish(self, step: int) -> list[Anomaly]:
-        """Every rank ended at ``step``: resolve the open rank outliers (:func:`detectors.anomaly.run_ended`)
+        """Every rank ended at ``step``: resolve the open rank outliers (:func:`trainhealth.anomaly.run_ended`)
         and start afresh."""
-        out = [run_ended(a, step) for a in self._open.values()]
-        self._open.clear()
-        self._count.clear()
-        self._first.clear()
+        out = self._persist.finish(step)
         self._confirmed.clear()
         self._rows.clear()
         self._data.clear()
@@ -252,7 +248,7 @@ class RankOutlierDetector:
     def _judge_window(self, b: np.ndarray, data: np.ndarray, agg: StepAggregate) -> list[Anomaly]:
         out: list[Anomaly] = []
         skip = frozenset(self.exclude()) if self.exclude is not None else frozenset()
-        for r in [r for r in self._count if r in skip] + [r for r in self._open if r in skip]:
+        for r in [r for r in self._persist.tracked() if r in skip]:
             out += self._clear(r, "now explained by another anomaly (straggler or slow node)")
         if skip:
             keep = np.ones(b.shape[1], dtype=bool)
@@ -269,7 +265,8 @@ class RankOutlierDetector:
         idx = {int(r): i for i, r in enumerate(ranks.tolist())}
         # A forest confirmation lasts while the rank stays a candidate: one fit per incident, not per window.
         self._confirmed = {r: v for r, v in self._confirmed.items() if r in idx and cand[idx[r]]}
-        new = [r for r, i in idx.items() if cand[i] and r not in self._open and r not in self._confirmed]
+        opened = self._persist.open
+        new = [r for r, i in idx.items() if cand[i] and r not in opened and r not in self._confirmed]
         if self._cooldown:
             self._cooldown -= 1
         elif new:
@@ -283,27 +280,19 @@ class RankOutlierDetector:
                 # Candidates the forest does not isolate (a group of similar ranks): do not refit every
                 # window for them; retry after min_windows windows.
                 self._cooldown = self.min_windows - 1
-        flagged = {r for r, i in idx.items() if (still[i] if r in self._open else r in self._confirmed)}
-        for r in [r for r in self._count if r not in flagged] + [r for r in self._open if r not in flagged]:
+        flagged = {r for r, i in idx.items() if (still[i] if r in opened else r in self._confirmed)}
+        for r in [r for r in self._persist.tracked() if r not in flagged]:
             out += self._clear(r, "back in line with the other ranks")
         for r in sorted(flagged):
             i = idx[r]
-            n = self._count.get(r, 0) + 1
-            self._count[r] = n
-            self._first.setdefault(r, self._window_start)
-            ev = {"score": self._confirmed.get(r, self._open[r].evidence["score"] if r in self._open else None),
+            ev = {"score": self._confirmed.get(r, opened[r].evidence["score"] if r in opened else None),
                   "z": {f: round(float(z[i, k]), 2) for k, f in enumerate(FEATURES)},
                   "values": {f: round(float(x[i, k]), 4) for k, f in enumerate(FEATURES)},
                   "typical": {f: round(float(med[k]), 4) for k, f in enumerate(FEATURES)},
-                  "n_ranks": int(ranks.size), "windows": n}
-            cur = self._open.get(r)
-            if cur is not None:
-                self._open[r] = replace(cur, evidence=ev)  # kept, sent with the next transition
-            elif n >= self.min_windows:
-                onset = self._first[r]
-                self._open[r] = Anomaly(kind="rank_outlier", severity="warning", step=onset, ranks=(r,), gen=agg.gen,
-                                        evidence=ev, message=self._message(r, onset, ev))
-                out.append(self._open[r])
+                  "n_ranks": int(ranks.size)}
+            out += self._persist.flag(r, self._window_start, ev, lambda onset, r=r, ev=ev: Anomaly(
+                kind="rank_outlier", severity="warning", step=onset, ranks=(r,), gen=agg.gen, evidence=ev,
+                message=self._message(r, onset, ev)))
         return out
 
     def _message(self, r: int, onset: int, ev: dict) -> str:
@@ -320,9 +309,7 @@ class RankOutlierDetector:
                 "loader, CPU affinity and GPU")
 
     def _clear(self, r: int, why: str) -> list[Anomaly]:
-        self._count.pop(r, None)
-        self._first.pop(r, None)
-        cur = self._open.pop(r, None)
+        cur = self._persist.clear(r)
         if cur is None:
             return []
         end = self._last_step_prev_window

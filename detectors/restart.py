@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly
+from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.text import plural
 
 
@@ -20,7 +20,7 @@ class RestartDetector:
 
     Examples
     --------
-    >>> from detectors.aggregate import StepAggregate
+    >>> from trainhealth.detectors.aggregate import StepAggregate
     >>> det = RestartDetector()
     >>> steps = [(10, 0, 100.0), (11, 0, 101.0), (12, 0, 102.0), (8, 1, 130.0), (9, 1, 131.0)]
     >>> for step, gen, t in steps:

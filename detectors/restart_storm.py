@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly
 from trainhealth import defaults
+from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.aggregate import StepAggregate
 
 
 class RestartStormDetector:
     """Flags ``count`` or more restarts within ``window_s`` seconds of wall time, once per storm.
 
     A restart is the first step of a new generation (new processes, or a rollback to an earlier
-    step: what :class:`~detectors.restart.RestartDetector` reports one by one), timed by when that
+    step: what :class:`~trainhealth.detectors.restart.RestartDetector` reports one by one), timed by when that
     step ended (unix s of the records, so a replay finds the same storm). Each restart costs the
     downtime plus the steps recomputed since the last checkpoint; a job failing more often than
     every ``window_s / count`` seconds spends much of its time restarting, and an automatic

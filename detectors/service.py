@@ -1,7 +1,7 @@
 """The detector service: consumes every run's streams from Redis and writes results back.
 
 Loop (like rq's worker): discover runs → blocking ``XREADGROUP`` over their ``steps`` and
-``events`` streams → feed each run's :class:`~detectors.pipeline.RunPipeline` in entry-id
+``events`` streams → feed each run's :class:`~trainhealth.detectors.pipeline.RunPipeline` in entry-id
 order → write aggregates, anomaly changes and the ``XACK`` in one ``MULTI/EXEC`` → hang
 checks and ledger snapshots on a timer → heartbeat key with TTL. Connection errors back off
 exponentially (capped); SIGTERM/SIGINT stop it after the current batch.
@@ -29,24 +29,19 @@ from typing import Any
 
 import redis
 
-from detectors.advisor import Recommendation, RollbackAdvisor
-from detectors.anomaly import Anomaly
-from detectors.hang import HangDetector
-from detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth import defaults
-from trainhealth.events import MAX_RANKS, Event, decode_event, decode_step_rows
+from trainhealth.anomaly import Anomaly
+from trainhealth.detectors.advisor import RollbackAdvisor
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth.keys import RUNS, RunKeys, run_keys, service_heartbeat
+from trainhealth.loop import LEASE_LUA, Backoff
+from trainhealth.recommendations import Recommendation
+from trainhealth.wire import MAX_RANKS, Event, decode_event, decode_step_rows
 
 log = logging.getLogger(__name__)
 
 _VOLATILE = ("first_seen", "last_seen")
-# Renew the run lease only if we still hold it.
-_RENEW_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('EXPIRE', KEYS[1], ARGV[2])
-end
-return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0
-"""
 #: Modules detectors import on first use, imported when the service starts (see run_forever).
 _LAZY_IMPORTS = ("sklearn.ensemble",)
 #: A run whose newest heartbeat or step is older than this is not watched for hangs any more.
@@ -70,7 +65,7 @@ def _entry_ms(e: tuple[tuple[int, int], str, dict]) -> int:
 
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
-_t = operator.itemgetter(2)  # a row's t (trainhealth.events.ROW_FIELDS)
+_t = operator.itemgetter(2)  # a row's t (trainhealth.wire.ROW_FIELDS)
 
 
 def _time_order(group: list[tuple[int, list[Any]]]) -> list[Any]:
@@ -179,7 +174,7 @@ class DetectorService:
         # Unique per process: two services must never share a consumer (they would split a run's entries).
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.lease_s = lease_s
-        self._renew = client.register_script(_RENEW_LUA)
+        self._renew = client.register_script(LEASE_LUA)
         self.group = group
         self.block_ms = block_ms
         self.count = count
@@ -209,7 +204,7 @@ class DetectorService:
 
     def run_forever(self) -> None:
         """Process until :meth:`stop`; back off exponentially (capped) while Redis is away."""
-        backoff = 0.0
+        backoff = Backoff()
         log.info("detector service %s started", self.consumer)
         # Detectors import heavy libraries on first use (the rank-outlier forest: scikit-learn, 1-3 s):
         # import them now, not in the middle of a batch, where every anomaly behind it would wait.
@@ -219,19 +214,19 @@ class DetectorService:
         while not self._stop.is_set():
             try:
                 self.run_once()
-                backoff = 0.0
+                backoff.reset()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                backoff = min(defaults.RECONNECT_BACKOFF_MAX_S, max(defaults.RECONNECT_BACKOFF_S, backoff * 2))
-                log.warning("Redis unreachable (%s); retrying in %.1f s", exc, backoff)
+                wait = backoff.failed()
+                log.warning("Redis unreachable (%s); retrying in %.1f s", exc, wait)
                 self.runs.clear()  # rebuild from the streams after reconnecting
-                self._stop.wait(backoff)
+                self._stop.wait(wait)
             except redis.ResponseError as exc:
                 # E.g. a run's streams deleted under a blocking read ("UNBLOCKED ... no longer exists"):
                 # start over from what is stored rather than die.
-                backoff = min(defaults.RECONNECT_BACKOFF_MAX_S, max(defaults.RECONNECT_BACKOFF_S, backoff * 2))
-                log.error("Redis refused a command (%s); rebuilding the runs' state in %.1f s", exc, backoff)
+                wait = backoff.failed()
+                log.error("Redis refused a command (%s); rebuilding the runs' state in %.1f s", exc, wait)
                 self.runs.clear()
-                self._stop.wait(backoff)
+                self._stop.wait(wait)
         with contextlib.suppress(redis.RedisError):
             self.client.delete(service_heartbeat(self.consumer))
             for run in self.runs.values():  # hand the runs over now instead of after the lease
@@ -436,7 +431,7 @@ class DetectorService:
                        collect: Output | None) -> None:
         keys = run.keys
         data_sections = run.pipeline.aggregator.data_sections
-        ordered: list[tuple | Event] = []  # rows (trainhealth.events.decode_step_rows) and events
+        ordered: list[tuple | Event] = []  # rows (trainhealth.wire.decode_step_rows) and events
         group: list[tuple[int, list[tuple] | list[Event]]] = []  # (seq, records) of one ms's entries
         group_ms = -1
         for sid, stream, fields in chunk:

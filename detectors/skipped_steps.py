@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly
 from trainhealth import defaults
+from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.aggregate import StepAggregate
 
 
 class SkippedStepsDetector:
@@ -40,7 +40,7 @@ class SkippedStepsDetector:
 
     Examples
     --------
-    >>> from detectors.aggregate import StepAggregate
+    >>> from trainhealth.detectors.aggregate import StepAggregate
     >>> def agg(step, skipped):
     ...     return StepAggregate(step, 0, 0.0, None, float(step), 2.0, 1.0, None, None, None, 1, (None,), 0.0,
     ...                          skipped=skipped)

@@ -8,9 +8,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly, run_ended
 from trainhealth import defaults
+from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.persistence import Persistence
 
 
 def busy_matrix(rows: Sequence[Sequence[float | None]]) -> np.ndarray:
@@ -95,7 +96,7 @@ class SlowNodeDetector:
     step, and it resolves at the first window where the host is not slow. A second host with
     data is required: on a single host there is nothing to compare a node with.
 
-    Interaction with :class:`~detectors.straggler.StragglerDetector`: it runs before the
+    Interaction with :class:`~trainhealth.detectors.straggler.StragglerDetector`: it runs before the
     straggler detector, whose ``exclude`` is :meth:`covered_ranks` (the ranks of hosts with an
     open slow-node anomaly), so a slow node is one ``slow_node`` anomaly, not one ``straggler``
     per rank; with the same window and no more windows of persistence, the node opens in the
@@ -169,23 +170,18 @@ class SlowNodeDetector:
         self._rows: list[tuple[float | None, ...]] = []
         self._window_start = 0
         self._last_step_prev_window = 0
-        self._slow_windows: dict[str, int] = {}
-        self._first_slow_step: dict[str, int] = {}
-        self._open: dict[str, Anomaly] = {}
+        self._persist: Persistence[str] = Persistence(min_windows)
 
     def finish(self, step: int) -> list[Anomaly]:
-        """Every rank ended at ``step``: resolve the open slow nodes (:func:`detectors.anomaly.run_ended`)
+        """Every rank ended at ``step``: resolve the open slow nodes (:func:`trainhealth.anomaly.run_ended`)
         and start afresh."""
-        out = [run_ended(a, step) for a in self._open.values()]
-        self._open.clear()
-        self._slow_windows.clear()
-        self._first_slow_step.clear()
+        out = self._persist.finish(step)
         self._rows.clear()
         return out
 
     def covered_ranks(self) -> frozenset[int]:
         """Ranks of the hosts with an open slow-node anomaly (for the straggler detector to skip)."""
-        return frozenset(r for a in self._open.values() for r in a.ranks)
+        return frozenset(r for a in self._persist.open.values() for r in a.ranks)
 
     def update(self, agg: StepAggregate) -> list[Anomaly]:
         """Feed one complete step; return anomaly states that changed (at window ends only).
@@ -226,7 +222,7 @@ class SlowNodeDetector:
                 continue
             n_slow = sum(slow[i] for i in idx)
             is_slow = n_slow > self.fraction * len(idx)
-            if not (is_slow or host in self._open or host in self._slow_windows):
+            if not (is_slow or self._persist.counting(host)):
                 continue  # nothing to start, extend or end: the common case costs no evidence
             sc = [float(scores[i]) for i in idx]
             ev = {
@@ -240,32 +236,18 @@ class SlowNodeDetector:
         return out
 
     def _judge(self, host: str, slow: bool, ev: dict, agg: StepAggregate) -> list[Anomaly]:
-        cur = self._open.get(host)
         if slow:
-            n = self._slow_windows.get(host, 0) + 1
-            self._slow_windows[host] = n
-            self._first_slow_step.setdefault(host, self._window_start)
-            ev["windows"] = n
-            if cur is None and n >= self.min_windows:
-                onset = self._first_slow_step[host]
-                self._open[host] = Anomaly(
-                    kind="slow_node", severity="warning", step=onset, ranks=tuple(ev["ranks"]), gen=agg.gen,
-                    evidence=ev, scope=host,
-                    message=(f"node {host} is slow: {ev['slow_ranks']} of its {ev['n_ranks']} ranks score below "
-                             f"{self.threshold} (node score {ev['node_score']:.2f}: sections take "
-                             f"{ev['node_median_s'] * 1e3:.1f} ms vs {ev['best_median_s'] * 1e3:.1f} ms on the fastest "
-                             f"rank) since step {onset}; a node-level cause (GPU clocks/thermals, PCIe/NVLink, host "
-                             "CPU): the whole job waits for it, drain or replace the node"),
-                )
-                return [self._open[host]]
-            if cur is not None:
-                self._open[host] = replace(cur, evidence=ev)  # kept, sent with the next transition
-            return []
-        self._slow_windows.pop(host, None)
-        self._first_slow_step.pop(host, None)
+            return self._persist.flag(host, self._window_start, ev, lambda onset: Anomaly(
+                kind="slow_node", severity="warning", step=onset, ranks=tuple(ev["ranks"]), gen=agg.gen,
+                evidence=ev, scope=host,
+                message=(f"node {host} is slow: {ev['slow_ranks']} of its {ev['n_ranks']} ranks score below "
+                         f"{self.threshold} (node score {ev['node_score']:.2f}: sections take "
+                         f"{ev['node_median_s'] * 1e3:.1f} ms vs {ev['best_median_s'] * 1e3:.1f} ms on the fastest "
+                         f"rank) since step {onset}; a node-level cause (GPU clocks/thermals, PCIe/NVLink, host "
+                         "CPU): the whole job waits for it, drain or replace the node")))
+        cur = self._persist.clear(host)
         if cur is None:
             return []
-        del self._open[host]
         end = self._last_step_prev_window
         return [replace(cur, status=RESOLVED, end_step=end, evidence={**cur.evidence, "node_score": ev["node_score"]},
                         message=(f"node {host} was slow from step {cur.step} to {end}; back to node score "

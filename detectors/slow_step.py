@@ -5,17 +5,17 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly
-from detectors.loss_spike import SortedWindow
-from detectors.throughput import step_seconds
 from trainhealth import defaults
+from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.robust import SortedWindow
+from trainhealth.detectors.throughput import step_seconds
 
 
 class SlowStepDetector:
     """Steps many times the recent normal while their neighbours are normal (severity ``info``).
 
-    On ``y = log(step time)`` (see :func:`~detectors.throughput.step_seconds`) against the
+    On ``y = log(step time)`` (see :func:`~trainhealth.detectors.throughput.step_seconds`) against the
     median ``m`` and robust SD ``s = max(1.4826 x MAD, min_scale)`` of the last ``window``
     normal timed steps (a Hampel identifier): a step **opens** a slow run when it takes at
     least ``ratio`` x the median and ``z = (y - m) / s >= z_open``; following steps at least
@@ -23,7 +23,7 @@ class SlowStepDetector:
     reported when the next normal step arrives — one anomaly per run, created ``resolved`` (a
     point event, like a restart) with ``step`` = its first and ``end_step`` = its last step.
     A run longer than ``max_run`` steps is a level shift, left to
-    :class:`~detectors.throughput.ThroughputDropDetector`. Not reported either:
+    :class:`~trainhealth.detectors.throughput.ThroughputDropDetector`. Not reported either:
 
     - the first ``warmup`` timed steps of each generation (compilation, warm-up);
     - slow steps that are the run's rhythm: a slow step at ``s`` when slow steps were also seen

@@ -7,9 +7,10 @@ from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import replace
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly, run_ended
 from trainhealth import defaults
+from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.persistence import Persistence
 
 
 class StragglerDetector:
@@ -38,7 +39,7 @@ class StragglerDetector:
         Minimum seconds a rank's median exceeds the best's.
     exclude : callable, optional
         Returns ranks not to judge in this window (the pipeline passes
-        :meth:`detectors.slow_node.SlowNodeDetector.covered_ranks`: a slow node is reported once as
+        :meth:`trainhealth.detectors.slow_node.SlowNodeDetector.covered_ranks`: a slow node is reported once as
         ``slow_node``, not as a straggler per rank). Their counters restart; an open straggler
         anomaly of such a rank is resolved. They still count as the reference (best, typical).
 
@@ -82,9 +83,7 @@ class StragglerDetector:
         self._busy: list[deque[float]] = []
         self._steps: deque[int] = deque(maxlen=window)
         self._n = 0
-        self._slow_windows: dict[int, int] = {}
-        self._first_slow_step: dict[int, int] = {}
-        self._open: dict[int, Anomaly] = {}
+        self._persist: Persistence[int] = Persistence(min_windows)
         self._last_step_prev_window = 0
 
     def update(self, agg: StepAggregate) -> list[Anomaly]:
@@ -119,12 +118,9 @@ class StragglerDetector:
         return out
 
     def finish(self, step: int) -> list[Anomaly]:
-        """Every rank ended at ``step``: resolve the open stragglers (:func:`detectors.anomaly.run_ended`)
+        """Every rank ended at ``step``: resolve the open stragglers (:func:`trainhealth.anomaly.run_ended`)
         and start afresh."""
-        out = [run_ended(a, step) for a in self._open.values()]
-        self._open.clear()
-        self._slow_windows.clear()
-        self._first_slow_step.clear()
+        out = self._persist.finish(step)
         for d in self._busy:
             d.clear()
         return out
@@ -132,13 +128,11 @@ class StragglerDetector:
     @property
     def open_ranks(self) -> frozenset[int]:
         """Ranks with an open straggler anomaly."""
-        return frozenset(self._open)
+        return frozenset(self._persist.open)
 
     def _covered(self, r: int) -> list[Anomaly]:
         # The rank's whole node is reported as slow: not judged on its own meanwhile.
-        self._slow_windows.pop(r, None)
-        self._first_slow_step.pop(r, None)
-        cur = self._open.pop(r, None)
+        cur = self._persist.clear(r)
         if cur is None:
             return []
         end = self._last_step_prev_window
@@ -148,27 +142,13 @@ class StragglerDetector:
 
     def _judge(self, r: int, slow: bool, ev: dict, window_start: int, agg: StepAggregate) -> list[Anomaly]:
         if slow:
-            n = self._slow_windows.get(r, 0) + 1
-            self._slow_windows[r] = n
-            self._first_slow_step.setdefault(r, window_start)
-            ev["windows"] = n
-            cur = self._open.get(r)
-            if cur is None and n >= self.min_windows:
-                onset = self._first_slow_step[r]
-                self._open[r] = Anomaly(
-                    kind="straggler", severity="warning", step=onset, ranks=(r,), gen=agg.gen, evidence=ev,
-                    message=(f"rank {r} is a straggler: its sections take {ev['rank_median_s'] * 1e3:.1f} ms "
-                             f"(median) vs {ev['best_median_s'] * 1e3:.1f} ms on the fastest rank "
-                             f"(score {ev['score']:.2f} < {self.threshold}) since step {onset}; "
-                             "every rank waits for it at the all-reduce"),
-                )
-                return [self._open[r]]
-            if cur is not None:
-                self._open[r] = replace(cur, evidence=ev)  # kept, sent with the next transition
-            return []
-        self._slow_windows.pop(r, None)
-        self._first_slow_step.pop(r, None)
-        cur = self._open.pop(r, None)
+            return self._persist.flag(r, window_start, ev, lambda onset: Anomaly(
+                kind="straggler", severity="warning", step=onset, ranks=(r,), gen=agg.gen, evidence=ev,
+                message=(f"rank {r} is a straggler: its sections take {ev['rank_median_s'] * 1e3:.1f} ms "
+                         f"(median) vs {ev['best_median_s'] * 1e3:.1f} ms on the fastest rank "
+                         f"(score {ev['score']:.2f} < {self.threshold}) since step {onset}; "
+                         "every rank waits for it at the all-reduce")))
+        cur = self._persist.clear(r)
         if cur is None:
             return []
         return [replace(cur, status=RESOLVED, end_step=self._last_step_prev_window,

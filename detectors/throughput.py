@@ -8,10 +8,10 @@ import statistics
 from dataclasses import replace
 from typing import NamedTuple
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import RESOLVED, Anomaly, run_ended
-from detectors.loss_spike import SortedWindow
 from trainhealth import defaults
+from trainhealth.anomaly import RESOLVED, Anomaly, run_ended
+from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.robust import SortedWindow
 
 
 def step_seconds(agg: StepAggregate) -> float | None:
@@ -212,7 +212,7 @@ class ThroughputDropDetector:
         self._back: list[_Point] = []  # the current return excursion while open
 
     def finish(self, step: int) -> list[Anomaly]:
-        """Every rank ended at ``step``: resolve an open drop (:func:`detectors.anomaly.run_ended`); the next
+        """Every rank ended at ``step``: resolve an open drop (:func:`trainhealth.anomaly.run_ended`); the next
         step, of a relaunch, is judged afresh as after a restart."""
         out = [run_ended(self._open, step)] if self._open is not None else []
         self._open = None

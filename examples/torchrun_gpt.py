@@ -1,7 +1,7 @@
 """A real multi-process PyTorch job instrumented with trainhealth: a tiny GPT trained with DDP.
 
 Every rank runs this file (``torchrun`` starts them); each creates its own
-:class:`collectors.Monitor` and reports its sections, loss, grad norm, learning rate, tokens,
+:class:`trainhealth.Monitor` and reports its sections, loss, grad norm, learning rate, tokens,
 checkpoints and restores. CPU only (backend gloo), so it runs anywhere; the model is a
 2-layer byte-level GPT (vocab 256) learning a short built-in text, which it quickly can.
 
@@ -58,8 +58,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # Run from a source checkout without installing: make the repository importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from collectors import Monitor
-from collectors.integrations.torch import grad_norm_value
+from trainhealth import Monitor
+from trainhealth.collectors.integrations.torch import grad_norm_value
 
 log = logging.getLogger("torchrun_gpt")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from trainhealth.server import find_redis_server, free_port, ping
+from trainhealth.embedded_redis import find_redis_server, free_port, ping
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import redis
 
-from collectors import Monitor
-from detectors.hang import HangDetector
-from detectors.service import DetectorService
+from trainhealth import Monitor
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.service import DetectorService
 
 T0 = 1_800_000_000.0
 
 
 def cli(redis_url: str, *argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
-    return subprocess.run([sys.executable, "-m", "trainhealth.cli", "advise", *argv], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "trainhealth", "advise", *argv], env=env, capture_output=True,
                           text=True, timeout=60)
 
 

@@ -7,13 +7,13 @@ import json
 import pytest
 import redis
 
-from collectors import Monitor
-from detectors import recommendations
-from detectors.advisor import Checkpoint, RollbackAdvisor, fmt_cost, fmt_gpu_hours, fmt_usd
-from detectors.anomaly import Anomaly
-from detectors.hang import HangDetector
-from detectors.service import DetectorService
+from trainhealth import Monitor, recommendations
+from trainhealth.anomaly import Anomaly
+from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.service import DetectorService
 from trainhealth.exceptions import ConfigError
+from trainhealth.text import fmt_cost, fmt_gpu_hours, fmt_usd
 
 CKPTS = [Checkpoint(s, consumed_samples=(s + 1) * 256, batch_index=s) for s in range(199, 3000, 200)]
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from detectors.alerts.config import load, parse_duration
-from detectors.alerts.inhibition import DEFAULT_RULES
-from detectors.alerts.secrets import Secret, redact
+from trainhealth.alerts.config import load
+from trainhealth.alerts.inhibition import DEFAULT_RULES
+from trainhealth.alerts.secrets import Secret, redact
 from trainhealth.exceptions import ConfigError
+from trainhealth.text import parse_duration
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "docs" / "alerts.example.toml"

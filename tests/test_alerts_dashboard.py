@@ -14,12 +14,12 @@ import redis
 from pytest_httpserver import HTTPServer
 from streamlit.testing.v1 import AppTest
 
-from detectors.alerts import store
-from detectors.alerts.config import DeliveryConfig
-from detectors.alerts.notification import Alert, Notification
-from detectors.alerts.outbox import Deliverer, enqueue
-from detectors.alerts.secrets import Secret
-from detectors.alerts.sinks import SlackSink
+from trainhealth import alert_store as store
+from trainhealth.alerts.config import DeliveryConfig
+from trainhealth.alerts.notification import Alert, Notification
+from trainhealth.alerts.outbox import Deliverer, enqueue
+from trainhealth.alerts.secrets import Secret
+from trainhealth.alerts.sinks import SlackSink
 from trainhealth.keys import ALERTS_DEAD, ALERTS_OUTBOX, RUNS, alerts_worker_heartbeat, run_keys
 
 PAGE = Path(__file__).resolve().parent.parent / "dashboard" / "pages" / "alerts.py"

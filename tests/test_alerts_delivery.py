@@ -17,14 +17,14 @@ import redis
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
-from detectors.alerts import store
-from detectors.alerts.config import DeliveryConfig
-from detectors.alerts.notification import Alert, Notification
-from detectors.alerts.outbox import Deliverer, backoff_delay, enqueue
-from detectors.alerts.secrets import Secret
-from detectors.alerts.signing import verify
-from detectors.alerts.sinks import SlackSink, WebhookSink
-from detectors.alerts.sinks.base import parse_retry_after
+from trainhealth import alert_store as store
+from trainhealth.alerts.config import DeliveryConfig
+from trainhealth.alerts.notification import Alert, Notification
+from trainhealth.alerts.outbox import Deliverer, backoff_delay, enqueue
+from trainhealth.alerts.secrets import Secret
+from trainhealth.alerts.signing import verify
+from trainhealth.alerts.sinks import SlackSink, WebhookSink
+from trainhealth.alerts.sinks.base import parse_retry_after
 from trainhealth.keys import ALERTS_ATTEMPTS, ALERTS_DEAD, ALERTS_OUTBOX, ALERTS_RETRY, ALERTS_SENT
 
 T = 1_800_000_000.0

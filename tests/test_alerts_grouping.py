@@ -9,12 +9,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from detectors.alerts.grouping import Grouper
-from detectors.alerts.inhibition import DEFAULT_RULES
-from detectors.alerts.matchers import Matcher, parse_all
-from detectors.alerts.notification import Alert, Notification, idempotency_key
-from detectors.alerts.routing import Route, Timers
-from detectors.alerts.silences import Silence
+from trainhealth.alerts.grouping import Grouper
+from trainhealth.alerts.inhibition import DEFAULT_RULES
+from trainhealth.alerts.notification import Alert, Notification, idempotency_key
+from trainhealth.alerts.routing import Route, Timers
+from trainhealth.matchers import Matcher, parse_all
+from trainhealth.silences import Silence
 
 AM = Timers(group_wait=30.0, group_interval=300.0, repeat_interval=14400.0)  # Alertmanager's defaults
 

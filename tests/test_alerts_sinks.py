@@ -14,14 +14,14 @@ import pytest
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
-from detectors.alerts.notification import Alert, Notification
-from detectors.alerts.preview import DASHBOARD, example_notifications, mrkdwn_html, slack_html
-from detectors.alerts.secrets import Secret
-from detectors.alerts.signing import SignatureError, verify
-from detectors.alerts.sinks import PagerDutySink, SlackSink, WebhookSink
-from detectors.alerts.sinks.pagerduty import dedup_key, pagerduty_event
-from detectors.alerts.sinks.slack import render_slack
-from detectors.alerts.sinks.webhook import webhook_payload
+from trainhealth.alerts.notification import Alert, Notification
+from trainhealth.alerts.preview import DASHBOARD, example_notifications, mrkdwn_html, slack_html
+from trainhealth.alerts.secrets import Secret
+from trainhealth.alerts.signing import SignatureError, verify
+from trainhealth.alerts.sinks import PagerDutySink, SlackSink, WebhookSink
+from trainhealth.alerts.sinks.pagerduty import dedup_key, pagerduty_event
+from trainhealth.alerts.sinks.slack import render_slack
+from trainhealth.alerts.sinks.webhook import webhook_payload
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "whsec-test-123"

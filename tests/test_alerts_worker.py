@@ -22,16 +22,16 @@ import redis
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
-from detectors.alerts import store
-from detectors.alerts.config import AlertsConfig, parse
-from detectors.alerts.health import doctor_report
-from detectors.alerts.intake import Intake
-from detectors.alerts.notification import idempotency_key
-from detectors.alerts.outbox import Deliverer
-from detectors.alerts.signing import verify
-from detectors.alerts.worker import AlertWorker
-from detectors.hang import HangDetector
-from detectors.service import DetectorService
+from trainhealth import alert_store as store
+from trainhealth.alerts.config import AlertsConfig, parse
+from trainhealth.alerts.health import doctor_report
+from trainhealth.alerts.intake import Intake
+from trainhealth.alerts.notification import idempotency_key
+from trainhealth.alerts.outbox import Deliverer
+from trainhealth.alerts.signing import verify
+from trainhealth.alerts.worker import AlertWorker
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.service import DetectorService
 from trainhealth.keys import (
     ALERTS_GROUPS,
     ALERTS_LEADER,
@@ -258,7 +258,7 @@ def worker_env(redis_url: str) -> dict[str, str]:
 
 def _start(cfg: Path, env: dict[str, str], tmp_path: Path, name: str) -> subprocess.Popen:
     out = (tmp_path / f"{name}.log").open("w")
-    return subprocess.Popen([PYTHON, "-m", "trainhealth.cli", "alerts", "--config", str(cfg), "--consumer", name],
+    return subprocess.Popen([PYTHON, "-m", "trainhealth", "alerts", "--config", str(cfg), "--consumer", name],
                             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
@@ -363,7 +363,7 @@ def test_doctor_without_alerting_is_not_a_failure(r: redis.Redis) -> None:
 def test_cli_silences_deadletters_check_and_doctor(r: redis.Redis, redis_url: str, tmp_path: Path,
                                                    worker_env: dict[str, str]) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([PYTHON, "-m", "trainhealth.cli", *args], cwd=ROOT, env=worker_env,
+        return subprocess.run([PYTHON, "-m", "trainhealth", *args], cwd=ROOT, env=worker_env,
                               capture_output=True, text=True, timeout=60)
 
     out = cli("silence", "add", "--run", "r1", "--kind", "straggler", "--rank", "5", "--duration", "2h",
@@ -468,7 +468,7 @@ def test_a_malformed_entry_is_skipped_with_one_warning_and_other_runs_still_noti
     log(r, "opened", anomaly(run="good", kind="hang", ranks=(), severity="critical", last=T + 2))
     intake = Intake(r, config(), consumer="w1", clock=Clock(T + 60))
     out: list[list[Any]] = []
-    with caplog.at_level("WARNING", logger="detectors.alerts.intake"):
+    with caplog.at_level("WARNING", logger="trainhealth.alerts.intake"):
         # in a thread: before the fix, last_seen = 1e308 made the grouping engine spin forever
         t = threading.Thread(target=lambda: out.append(intake.run_once()), daemon=True)
         t.start()

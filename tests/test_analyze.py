@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from plotly.offline import get_plotlyjs
 
-from collectors import importers
-from detectors.offline import OfflineRun, timeline
-from trainhealth.analyze import SCHEMA, SCHEMA_VERSION, ChartSeries, analyze_file
+from trainhealth.collectors import importers
+from trainhealth.commands.analyze import SCHEMA, SCHEMA_VERSION, ChartSeries, analyze_file
+from trainhealth.detectors.offline import OfflineRun, timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 TROCR = "hf_trocr_large_gradnorm.trainer_state.json"
@@ -56,7 +56,7 @@ def values(v: list | dict) -> list:
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRAINHEALTH_REDIS_URL"}  # analyze needs no Redis
-    return subprocess.run([sys.executable, "-m", "trainhealth.cli", "analyze", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "trainhealth", "analyze", *map(str, args)], capture_output=True,
                           text=True, timeout=300, cwd=ROOT, env=env)
 
 
@@ -312,7 +312,7 @@ def test_a_reader_that_left_ends_it_quietly(real_logs: Path) -> None:
     r, w = os.pipe()
     os.close(r)
     try:
-        out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "analyze", "--json", str(real_logs / TROCR)],
+        out = subprocess.run([sys.executable, "-m", "trainhealth", "analyze", "--json", str(real_logs / TROCR)],
                              stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
     finally:
         os.close(w)

@@ -10,9 +10,9 @@ from typing import ClassVar
 import pytest
 import redis
 
-from collectors import Monitor, detect_rank
-from trainhealth.events import decode_event, decode_steps
+from trainhealth.collectors import Monitor, detect_rank
 from trainhealth.exceptions import ConfigError
+from trainhealth.wire import decode_event, decode_steps
 
 
 def steps_of(r: redis.Redis, run: str) -> list:
@@ -261,7 +261,7 @@ def test_spill_to_disk_while_redis_is_down_delivers_everything_in_order_once(own
 
 
 def test_spill_bound_drops_oldest_segments_and_counts_them(tmp_path) -> None:
-    from collectors.spill import Spill
+    from trainhealth.collectors.spill import Spill
 
     sp = Spill(tmp_path, "p", max_bytes=5_000, segment_records=100)
     sp.write([("steps", {"step": i, "loss": "1.0"}) for i in range(1000)])
@@ -312,7 +312,7 @@ def test_in_process_rollback_is_recorded_as_a_resume_event(r: redis.Redis, redis
 
 
 def _script(body: str) -> str:
-    return "import logging, sys, time\nlogging.basicConfig()\nfrom collectors import Monitor\n" + body
+    return "import logging, sys, time\nlogging.basicConfig()\nfrom trainhealth import Monitor\n" + body
 
 
 def test_interpreter_exit_flushes_without_close(r: redis.Redis, redis_url: str) -> None:
@@ -332,7 +332,7 @@ def test_exit_with_redis_unreachable_never_hangs_the_job(tmp_path) -> None:
     import subprocess
     import sys
 
-    from trainhealth.server import free_port
+    from trainhealth.embedded_redis import free_port
 
     body = (f"mon = Monitor('run-dead', redis_url='redis://127.0.0.1:{free_port()}/0', rank=0, world_size=1,"
             f" close_timeout=1.0, spill_dir={str(tmp_path)!r})\n"
@@ -418,8 +418,8 @@ def test_int_fields_must_be_finite_int64_and_float_fields_fit_a_float(
 ) -> None:
     from fractions import Fraction
 
-    from collectors.sender import INT_FIELDS
-    from trainhealth.events import _STEP_INTS
+    from trainhealth.collectors.sender import INT_FIELDS
+    from trainhealth.wire import _STEP_INTS
 
     assert set(INT_FIELDS) == {"rank", "step", *_STEP_INTS}  # the collector knows the wire format's int fields
     caplog.set_level(logging.WARNING)
@@ -615,7 +615,7 @@ def test_bad_constructor_arguments_raise_config_error_naming_field_and_value(
 def test_spill_over_warning_is_rate_limited_and_the_count_exact(
     tmp_path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from collectors import spill as spill_mod
+    from trainhealth.collectors import spill as spill_mod
 
     caplog.set_level(logging.WARNING)
     sp = spill_mod.Spill(tmp_path, "p", max_bytes=2_000, segment_records=10)
@@ -670,7 +670,7 @@ def test_close_with_one_record_left_says_record(own_redis, caplog: pytest.LogCap
 
 
 def test_spill_batch_in_flight_when_its_segment_is_dropped_is_delivered_once_and_not_counted(tmp_path) -> None:
-    from collectors.spill import Spill
+    from trainhealth.collectors.spill import Spill
 
     sp = Spill(tmp_path, "p", max_bytes=3_000, segment_records=10)
     sp.write([("steps", {"step": i}) for i in range(30)])
@@ -691,7 +691,7 @@ def test_spill_batch_in_flight_when_its_segment_is_dropped_is_delivered_once_and
 
 
 def test_spill_close_removes_delivered_segments_and_keeps_undelivered_ones(tmp_path) -> None:
-    from collectors.spill import Spill
+    from trainhealth.collectors.spill import Spill
 
     sp = Spill(tmp_path, "p", max_bytes=1_000_000, segment_records=10)
     sp.write([("steps", {"step": i}) for i in range(25)])

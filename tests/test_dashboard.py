@@ -22,10 +22,11 @@ import redis
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from dashboard import charts, data, frame
-from dashboard.common import anomaly_delta, fmt_age, fmt_duration, fmt_pct, fmt_rate, fmt_usd, plural, redact_url
+from trainhealth.dashboard import charts, data, frame
+from trainhealth.dashboard.common import anomaly_delta, redact_url
+from trainhealth.embedded_redis import free_port
 from trainhealth.keys import RUNS, run_keys, service_heartbeat
-from trainhealth.server import free_port
+from trainhealth.text import fmt_duration, fmt_pct, fmt_rate, fmt_usd, plural
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 T0 = 1796000000.0  # 2026-11-30 00:53:20 UTC
@@ -441,8 +442,8 @@ def test_compact_formats() -> None:
         "573", "41,600", "804.8k", "2.50M", "—", "—"]
     assert [fmt_usd(x) for x in (0.0791, 12.3, 1234.5, 123_456.0, None)] == ["$0.08", "$12.30", "$1,234", "$123k", "—"]
     assert [fmt_pct(x) for x in (71.5, 99.94, 99.986, 100.0, None)] == ["71.5%", "99.9%", "100%", "100%", "—"]
-    assert [fmt_age(x) for x in (42.0, 210.0, 7300.0, 200_000.0)] == ["42 s", "3.5 min", "2.0 h", "2.3 d"]
-    assert [fmt_duration(x) for x in (114.9, 5060.0, 8280.0, 200_000.0, math.nan)] == [
+    assert [fmt_duration(x) for x in (42.0, 210.0, 7300.0, 200_000.0)] == ["42 s", "3.5 min", "2.0 h", "2.3 d"]
+    assert [fmt_duration(x, minute_digits=0) for x in (114.9, 5060.0, 8280.0, 200_000.0, math.nan)] == [
         "115 s", "84 min", "2.3 h", "2.3 d", "—"]
     assert [plural(1, "rank"), plural(4, "rank"), plural(1400, "step"), plural(1, "anomaly", "anomalies"),
             plural(0, "anomaly", "anomalies")] == ["1 rank", "4 ranks", "1,400 steps", "1 anomaly", "0 anomalies"]
@@ -622,7 +623,7 @@ def test_no_runs_message(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Non
     at = app()
     assert not at.exception
     assert [i.value for i in at.info] == [
-        "No runs yet — start `trainhealth demo` or instrument a job with `collectors.Monitor` "
+        "No runs yet — start `trainhealth demo` or instrument a job with `trainhealth.Monitor` "
         "(and run `trainhealth serve` to aggregate it)."]
     assert not at.metric and not at.get("plotly_chart")
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import redis
 
-from trainhealth.server import free_port
+from trainhealth.embedded_redis import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "tests" / "artifacts"

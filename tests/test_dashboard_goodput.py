@@ -2,7 +2,7 @@
 
 The run is seeded as the detector service writes it (docs/architecture.md): ledger snapshots as
 ``XADD th:{run}:ledger json=<snapshot>`` plus ``SET th:{run}:ledger:latest``, and
-recommendations from the real :class:`detectors.advisor.RollbackAdvisor` stored as
+recommendations from the real :class:`trainhealth.detectors.advisor.RollbackAdvisor` stored as
 ``Recommendation.to_dict()`` + ``status``/``created_at``/``updated_at`` in
 ``th:{run}:recommendations``. The pages are rendered with AppTest; the last test drives a real
 ``streamlit run`` in headless Chromium and saves screenshots under ``tests/artifacts/``.
@@ -27,11 +27,12 @@ import redis
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from dashboard import cards, charts, data
-from dashboard.common import rates_table
-from detectors.advisor import Checkpoint, Recommendation, RollbackAdvisor
-from detectors.anomaly import Anomaly
+from trainhealth.anomaly import Anomaly
+from trainhealth.dashboard import cards, charts, data
+from trainhealth.dashboard.common import rates_table
+from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.keys import RUNS, run_keys, service_heartbeat
+from trainhealth.recommendations import Recommendation
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 T0 = 1796000000.0  # 2026-11-30 00:53:20 UTC
@@ -590,7 +591,7 @@ def test_goodput_page_before_the_first_snapshot(r: redis.Redis, redis_url: str,
 
 
 def test_goodput_page_is_listed_after_overview() -> None:
-    import dashboard.frame as frame
+    import trainhealth.dashboard.frame as frame
     source = Path(frame.__file__).read_text()
     pages = [line.split('"pages" / "')[1].split('"')[0] for line in source.splitlines() if '"pages" / "' in line]
     assert pages[:2] == ["overview.py", "goodput.py"]
@@ -714,7 +715,7 @@ def test_run_picker_follows_the_page_when_the_run_ends_in_chromium(r: redis.Redi
 
 
 def test_status_moved_only_for_a_change_of_the_same_run() -> None:
-    from dashboard.common import status_moved
+    from trainhealth.dashboard.common import status_moved
 
     assert [status_moved(None, RUN, "finished"), status_moved((RUN, "running"), RUN, "running"),
             status_moved((RUN, "running"), RUN, "finished"), status_moved(("other", "running"), RUN, "finished")] == [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from trainhealth.server import free_port, ping
+from trainhealth.embedded_redis import free_port, ping
 
 
 def test_demo_starts_everything_and_ctrl_c_stops_it(tmp_path: Path) -> None:
@@ -24,7 +24,7 @@ def test_demo_starts_everything_and_ctrl_c_stops_it(tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "TRAINHEALTH_HOME": str(home)}
     env.pop("TRAINHEALTH_REDIS_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "demo", "--steps", "120", "--ranks", "4",
+    proc = subprocess.Popen([sys.executable, "-m", "trainhealth", "demo", "--steps", "120", "--ranks", "4",
                              "--port", str(port), "--run", "cli-demo"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -91,7 +91,7 @@ def test_demo_and_replay_reject_bad_arguments_before_starting_anything(tmp_path:
     cases.append((["replay", str(bad)], "binary.json: a binary file of unknown format; supported formats: "))
     try:
         for argv, message in cases:
-            out = subprocess.run([sys.executable, "-m", "trainhealth.cli", *argv], env=env, capture_output=True,
+            out = subprocess.run([sys.executable, "-m", "trainhealth", *argv], env=env, capture_output=True,
                                  text=True, timeout=60)
             assert out.returncode == 2, (argv, out.stdout, out.stderr)
             assert message in out.stderr, (argv, out.stderr)
@@ -104,7 +104,7 @@ def test_demo_and_replay_reject_bad_arguments_before_starting_anything(tmp_path:
 def _dashboard(home: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "TRAINHEALTH_HOME": str(home)}
     env.pop("TRAINHEALTH_REDIS_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "dashboard", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "trainhealth", "dashboard", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -142,7 +142,7 @@ def test_dashboard_stops_the_embedded_redis_it_started_unless_someone_else_uses_
             "stop` stops it).") in out
     assert ping(url)
     other.close()
-    subprocess.run([sys.executable, "-m", "trainhealth.cli", "redis", "stop"], check=True, capture_output=True,
+    subprocess.run([sys.executable, "-m", "trainhealth", "redis", "stop"], check=True, capture_output=True,
                    env={**os.environ, "TRAINHEALTH_HOME": str(home)})
     assert not ping(url)
 
@@ -150,8 +150,8 @@ def test_dashboard_stops_the_embedded_redis_it_started_unless_someone_else_uses_
 def test_demo_alert_routes_wait_a_minute_for_throughput_drops(monkeypatch) -> None:
     import tomllib
 
-    from detectors.alerts.config import parse
-    from trainhealth.demo import alerts_config
+    from trainhealth.alerts.config import parse
+    from trainhealth.commands.demo import alerts_config
 
     monkeypatch.setenv("TRAINHEALTH_DEMO_WEBHOOK_SECRET", "s3cret")
     cfg = parse(tomllib.loads(alerts_config("http://127.0.0.1:9/alerts", "http://127.0.0.1:8501")))
@@ -169,7 +169,7 @@ def test_demo_alert_routes_wait_a_minute_for_throughput_drops(monkeypatch) -> No
 def test_demo_receiver_prints_each_alerts_own_state() -> None:
     import httpx
 
-    from trainhealth.demo import start_alert_receiver
+    from trainhealth.commands.demo import start_alert_receiver
 
     lines: list[str] = []
     server, url = start_alert_receiver(lines.append)

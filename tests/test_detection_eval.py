@@ -19,7 +19,7 @@ import detection_eval as de  # noqa: E402
 import eval_corpus as ec  # noqa: E402
 import eval_peers as ep  # noqa: E402
 
-from detectors.anomaly import KINDS  # noqa: E402
+from trainhealth.anomaly import KINDS  # noqa: E402
 
 L = ec.Label
 D = de.Det
@@ -123,7 +123,7 @@ def test_lightning_spike_detection_real_rule_and_fast_running_mean_agree() -> No
 
 
 def test_peer_alerts_on_consecutive_points_are_one_detection() -> None:
-    from detectors.aggregate import StepAggregate
+    from trainhealth.detectors.aggregate import StepAggregate
 
     fd = de._Feeder(peers=False)
     fd.peers = [ep.LlmFoundryPeer()]

@@ -7,15 +7,15 @@ import random
 
 import pytest
 
-from detectors.aggregate import StepAggregate, StepAggregator
-from detectors.dead_rank import DeadRankDetector
-from detectors.divergence import DivergenceDetector
-from detectors.hang import HangDetector
-from detectors.ledger import CATEGORIES, GoodputLedger
-from detectors.loss_spike import LossSpikeDetector
-from detectors.nan_inf import NanInfDetector
-from detectors.straggler import StragglerDetector
-from trainhealth.events import Event, StepRecord
+from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
+from trainhealth.detectors.dead_rank import DeadRankDetector
+from trainhealth.detectors.divergence import DivergenceDetector
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.ledger import CATEGORIES, GoodputLedger
+from trainhealth.detectors.loss_spike import LossSpikeDetector
+from trainhealth.detectors.nan_inf import NanInfDetector
+from trainhealth.detectors.straggler import StragglerDetector
+from trainhealth.wire import Event, StepRecord
 
 
 def agg(step: int, loss: float | None = 1.0, *, gen: int = 0, busy: tuple = (), gn: float | None = 1.0,

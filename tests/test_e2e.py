@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from trainhealth.demo import DemoConfig, run_job
+from trainhealth.commands.demo import DemoConfig, run_job
 
 FAST = dict(ranks=4, ranks_per_node=2, steps=260, data_s=0.002, fb_s=0.01, optim_s=0.001, spike_step=120,
             straggler_rank=2, straggler_from=40, straggler_to=180, straggler_factor=3.0, crash_step=230,
@@ -19,7 +19,7 @@ FAST = dict(ranks=4, ranks_per_node=2, steps=260, data_s=0.002, fb_s=0.01, optim
 
 def test_demo_job_through_serve_flags_spike_straggler_and_restart(r: redis.Redis, redis_url: str,
                                                                    tmp_path: Path, wait_for) -> None:
-    serve = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "serve", "--redis-url", redis_url,
+    serve = subprocess.Popen([sys.executable, "-m", "trainhealth", "serve", "--redis-url", redis_url,
                               "--consumer", "e2e"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         cfg = DemoConfig(run="e2e", **FAST)

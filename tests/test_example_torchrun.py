@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from trainhealth.events import decode_event, decode_steps
+from trainhealth.wire import decode_event, decode_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torchrun_gpt.py"
@@ -27,7 +27,7 @@ TOKENS_PER_RANK_STEP = 8 * 64  # --batch-size 8 x --seq-len 64 (the example's de
 @pytest.fixture
 def serve(redis_url: str) -> Iterator[subprocess.Popen]:
     """`trainhealth serve` as a subprocess on the test Redis (as tests/test_e2e.py runs it)."""
-    proc = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "serve", "--redis-url", redis_url,
+    proc = subprocess.Popen([sys.executable, "-m", "trainhealth", "serve", "--redis-url", redis_url,
                              "--consumer", "torchrun"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     yield proc
     proc.send_signal(signal.SIGTERM)

@@ -17,9 +17,9 @@ import math
 
 import pytest
 
-from detectors.aggregate import StepAggregate
-from detectors.ledger import GoodputLedger
-from trainhealth.events import Event
+from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.ledger import GoodputLedger
+from trainhealth.wire import Event
 
 
 def google_productive_time(events: list[dict]) -> tuple[float, dict[str, float]]:

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from collectors.importers import detect, read
-from collectors.importers.base import LogPoint
-from detectors.hang import HangDetector
-from detectors.service import DetectorService
+from trainhealth.collectors.importers import detect, read
+from trainhealth.commands.replay import read_points, replay
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.service import DetectorService
 from trainhealth.exceptions import InputFormatError
-from trainhealth.replay import read_points, replay
+from trainhealth.logpoint import LogPoint
 
 # file → (format, points read (train + eval)); None format = refused (the error's text instead).
 REAL: dict[str, tuple[str | None, int | str]] = {
@@ -237,7 +237,7 @@ def test_replay_of_real_logs_flags_what_current_detectors_can(r: redis.Redis, re
 def test_cli_replays_a_megatron_log(r: redis.Redis, redis_url: str, real_logs: Path) -> None:
     path = real_logs / "megatron_deepspeed_bloom176b_excerpt.log"
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
-    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(path), "--run", "bloom"],
+    out = subprocess.run([sys.executable, "-m", "trainhealth", "replay", str(path), "--run", "bloom"],
                          env=env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert out.returncode == 0, out.stderr
     assert "replayed 18 steps and 0 evaluations" in out.stdout
@@ -248,7 +248,7 @@ def test_cli_replays_a_megatron_log(r: redis.Redis, redis_url: str, real_logs: P
 def test_cli_refuses_a_broken_profiler_trace_before_touching_redis() -> None:
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": "redis://127.0.0.1:1/0"}  # never reached
     path = Path(__file__).parent / "data" / "importers" / "kineto_bad_dur.json"
-    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(path)], env=env,
+    out = subprocess.run([sys.executable, "-m", "trainhealth", "replay", str(path)], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr == (f"trainhealth: error: {path}: traceEvents[1] (ProfilerStep#2): field 'dur' is not a "

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from collectors.importers import FORMATS, detect, read
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers import FORMATS, detect, read
+from trainhealth.commands.replay import read_points
 from trainhealth.exceptions import ConfigError, InputFormatError
-from trainhealth.replay import read_points
+from trainhealth.logpoint import LogPoint
 
 DATA = Path(__file__).resolve().parent / "data" / "importers"
 ROOT = DATA.parent.parent.parent
@@ -26,7 +26,8 @@ def rows(path: Path, *fields: str, **kw) -> list[tuple]:
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "collectors.importers" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records
+            if r.name == "trainhealth.collectors.importers" and r.levelno == logging.WARNING]
 
 
 @pytest.mark.parametrize(("name", "fmt"), [
@@ -139,7 +140,7 @@ def test_deepspeed_overflow_lines_count_as_skipped_steps() -> None:
 
 def test_megatron_wrapped_comments_and_bad_lines(caplog: pytest.LogCaptureFixture) -> None:
     path = DATA / "megatron_wrapped_partly_bad.log"
-    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
         got = rows(path, "loss", "lr", "grad_norm", "skipped", "tokens", "source_line")
     assert got == [
         (8600, 3.407058, 6e-05, 3035.816, 0, None, 3),
@@ -168,7 +169,7 @@ def test_nanogpt(caplog: pytest.LogCaptureFixture) -> None:
     assert [p.loss for p in pts[:3]] == [10.9321, 9.6543, 8.1234] and math.isnan(pts[3].loss)
     assert [p.step_seconds for p in pts] == pytest.approx([30.72883, 0.4125, 0.41025, 0.40975])
     path = DATA / "nanogpt_partly_bad.log"
-    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
         assert rows(path, "loss", "lr") == [(0, 10.9321, 6e-06), (10, 9.6543, 6e-05)]
     assert warnings_of(caplog) == [f"{path}: skipped 2 malformed nanoGPT iter line(s); the first: line 3: "
                                    "not 'iter N: loss X, time Yms, mfu Z%': 'iter 20: loss 8.12'"]
@@ -188,7 +189,7 @@ def test_modded_nanogpt() -> None:
 
 def test_word_lm(caplog: pytest.LogCaptureFixture) -> None:
     path = DATA / "word_lm.log"
-    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
         pts = list(read(path))
     assert [(p.step, p.lr, p.source_line) for p in pts] == [(200, 20.0, 2), (400, 20.0, 3), (3183, 5.0, 7)]
     assert [p.loss for p in pts[:2]] == [7.63, 6.85] and math.isnan(pts[2].loss)
@@ -237,7 +238,7 @@ def test_wandb_chart_export() -> None:
 
 def test_wandb_jsonl(caplog: pytest.LogCaptureFixture) -> None:
     path = DATA / "wandb-history.jsonl"
-    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
         pts = list(read(path))
     assert [(p.step, p.lr) for p in pts] == [(49, 0.001), (99, 0.001), (149, 0.0005)]  # trainer/global_step
     assert pts[0].loss == 7.5 and math.isnan(pts[1].loss) and pts[2].loss == 7.25
@@ -400,7 +401,7 @@ def test_logpoint_keeps_its_positional_fields() -> None:
 
 
 def test_collectors_import_stays_standard_library_plus_redis() -> None:
-    code = ("import sys, collectors, collectors.importers; "
+    code = ("import sys, collectors, trainhealth.collectors.importers; "
             "heavy = {'tensorboard', 'numpy', 'pandas', 'torch', 'google.protobuf'} & set(sys.modules); "
             "assert not heavy, heavy")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -465,7 +466,7 @@ def test_huge_numbers_in_text_logs_and_trainer_state_skip_the_entry(tmp_path: Pa
                     "| epoch   1 |   400/ 2983 batches | lr 20.00 | ms/batch 11.61 | loss  6.25 | ppl 518\n")
     bench = tmp_path / "bench.log"
     bench.write_text(f"{BIG}:\n duration: 1.0 sec\n0:\n duration: 0.5 sec\n")
-    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
         assert rows(state, "loss", "source_line") == [(1, 1.0, 0), (4, 0.5, 3)]
         assert rows(megatron, "loss") == [(4, 1.25)]
         assert rows(nanogpt, "loss") == [(1, 1.5)]
@@ -494,7 +495,7 @@ def test_trainer_state_skips_a_bad_entry_with_one_warning(tmp_path: Path, caplog
     state.write_text('{"log_history": [{"step": 1, "loss": 1.0, "num_tokens": 100}, {"step": 2, "loss": "abc"},'
                      ' {"step": "3", "loss": 0.9}, [1], {"step": 4, "loss": 0.8, "num_tokens": 400},'
                      ' {"step": 4, "eval_runtime": 2.5}]}')
-    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
         assert rows(state, "loss", "tokens", "eval_seconds", "source_line") == [
             (1, 1.0, 100, None, 0), (4, 0.8, 300, None, 4), (4, None, None, 2.5, 5)]
     assert warnings_of(caplog) == [f"{state}: skipped 3 malformed log_history entry(s); the first: log_history[1] "

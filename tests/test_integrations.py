@@ -1,5 +1,5 @@
 """Framework integrations against real parts: torch's clip_grad_norm_, a real transformers.Trainer and a real
-Lightning Trainer on tiny CPU models, each writing to the test redis-server through collectors.Monitor."""
+Lightning Trainer on tiny CPU models, each writing to the test redis-server through trainhealth.Monitor."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import redis
 import torch
 
-from trainhealth.events import Event, StepRecord, decode_event, decode_steps
+from trainhealth.wire import Event, StepRecord, decode_event, decode_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def events_of(r: redis.Redis, run: str, kind: str | None = None) -> list[Event]:
 
 # -- import isolation ----------------------------------------------------------------------------------
 def test_importing_collectors_and_integrations_loads_no_framework() -> None:
-    code = ("import sys, collectors, collectors.integrations, collectors.integrations._common; "
+    code = ("import sys, collectors, trainhealth.collectors.integrations, trainhealth.collectors.integrations._common; "
             "print(sorted(m for m in ('torch', 'transformers', 'lightning', 'pytorch_lightning', 'numpy') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
@@ -50,7 +50,7 @@ def _model_with_grads() -> torch.nn.Module:
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
 def test_global_grad_norm_equals_clip_grad_norm(norm_type: float) -> None:
-    from collectors.integrations.torch import _total_norm, global_grad_norm
+    from trainhealth.collectors.integrations.torch import _total_norm, global_grad_norm
 
     model = _model_with_grads()
     ours = global_grad_norm(model.parameters(), norm_type)
@@ -62,7 +62,7 @@ def test_global_grad_norm_equals_clip_grad_norm(norm_type: float) -> None:
 
 
 def test_global_grad_norm_does_not_clip_and_handles_no_grads() -> None:
-    from collectors.integrations.torch import global_grad_norm
+    from trainhealth.collectors.integrations.torch import global_grad_norm
 
     model = _model_with_grads()
     with_grad = [p for p in model.parameters() if p.grad is not None]
@@ -76,7 +76,7 @@ def test_global_grad_norm_does_not_clip_and_handles_no_grads() -> None:
 
 
 def test_grad_norm_value() -> None:
-    from collectors.integrations.torch import grad_norm_value
+    from trainhealth.collectors.integrations.torch import grad_norm_value
 
     model = _model_with_grads()
     returned = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -108,7 +108,7 @@ class _TokenData(torch.utils.data.Dataset):
 def _hf_trainer(out: Path, redis_url: str, callbacks: list | None = None, delay_s: float = 0.0):
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from collectors.integrations.hf import TrainHealthCallback
+    from trainhealth.collectors.integrations.hf import TrainHealthCallback
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
@@ -175,7 +175,7 @@ def test_hf_slow_data_loader_is_data_loading_not_idle(r: redis.Redis, redis_url:
 
 def _data_wait_booked(recs: list, steps: int, min_wait_s: float) -> bool:
     """Each step's data section holds its loader wait, and the ledger counts exactly that as data loading."""
-    from detectors.pipeline import RunPipeline
+    from trainhealth.detectors.pipeline import RunPipeline
 
     assert [x.step for x in recs] == list(range(1, steps + 1))
     for x in recs:
@@ -210,12 +210,12 @@ def test_hf_hook_errors_never_reach_training(caplog: pytest.LogCaptureFixture, r
                                             tmp_path: Path) -> None:
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from collectors.integrations.hf import TrainHealthCallback
+    from trainhealth.collectors.integrations.hf import TrainHealthCallback
 
     cb = TrainHealthCallback(redis_url=redis_url, run="hf-broken")
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     cb.on_train_begin(args, TrainerState(), TrainerControl())
-    caplog.set_level(logging.ERROR, logger="collectors.integrations")
+    caplog.set_level(logging.ERROR, logger="trainhealth.collectors.integrations")
     for _ in range(3):  # a state without global_step: the hook fails inside, training goes on
         assert cb.on_step_begin(args, object(), TrainerControl()) is None
     errors = [rec for rec in caplog.records if "on_step_begin failed" in rec.getMessage()]
@@ -242,7 +242,7 @@ def _lightning_parts(tmp_path: Path, redis_url: str, max_steps: int, delay_s: fl
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from collectors.integrations.lightning import TrainHealthCallback
+    from trainhealth.collectors.integrations.lightning import TrainHealthCallback
 
     class Regressor(pl.LightningModule):
         def __init__(self) -> None:

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from detectors.aggregate import StepAggregate
-from detectors.anomaly import Anomaly
-from detectors.divergence import DivergenceDetector
-from detectors.grad_norm_explosion import GradNormExplosionDetector
-from detectors.grad_norm_spike import GradNormSpikeDetector
-from detectors.loss_spike import LossSpikeDetector
-from detectors.nan_inf import NanInfDetector
-from detectors.offline import OfflineRun
-from detectors.skipped_steps import SkippedStepsDetector
-from trainhealth.replay import read_points
+from trainhealth.anomaly import Anomaly
+from trainhealth.commands.replay import read_points
+from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.divergence import DivergenceDetector
+from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector
+from trainhealth.detectors.grad_norm_spike import GradNormSpikeDetector
+from trainhealth.detectors.loss_spike import LossSpikeDetector
+from trainhealth.detectors.nan_inf import NanInfDetector
+from trainhealth.detectors.offline import OfflineRun
+from trainhealth.detectors.skipped_steps import SkippedStepsDetector
 
 LOSS_FAMILY = {"nan_inf", "skipped_steps", "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion"}
 
@@ -314,8 +314,8 @@ def test_overflow_skips_during_a_spike_make_it_divergence_at_once() -> None:
     assert (got[1].evidence["skipped_run"], got[2].evidence["reason"]) == (3, "overflow_skips")
 
 
-@pytest.mark.parametrize("module", ["detectors.loss_spike", "detectors.grad_norm_spike", "detectors.divergence",
-                                    "detectors.grad_norm_explosion", "detectors.skipped_steps", "detectors.nan_inf"])
+@pytest.mark.parametrize("module", [f"trainhealth.detectors.{name}" for name in (
+    "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion", "skipped_steps", "nan_inf")])
 def test_doctests(module: str) -> None:
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0

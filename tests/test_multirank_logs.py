@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from collectors.importers import PER_RANK_FORMATS, detect, read
-from collectors.importers.base import LogPoint
-from detectors.hang import HangDetector
-from detectors.offline import OfflineRun, arrange, timeline
-from detectors.service import DetectorService
-from trainhealth.analyze import analyze_paths, format_text
+from trainhealth.collectors.importers import PER_RANK_FORMATS, detect, read
+from trainhealth.commands.analyze import analyze_paths, format_text
+from trainhealth.commands.replay import read_run, replay
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.offline import OfflineRun, arrange, timeline
+from trainhealth.detectors.service import DetectorService
 from trainhealth.exceptions import InputFormatError
-from trainhealth.replay import read_run, replay
+from trainhealth.logpoint import LogPoint
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "importers"
@@ -40,12 +40,13 @@ FIRST_ITERATION = {0: 1.8093, 1: 1.8395, 2: 1.7637, 3: 1.7691, 4: 1.7526, 5: 2.0
 def cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     if env is None:
         env = {k: v for k, v in os.environ.items() if k != "TRAINHEALTH_REDIS_URL"}  # analyze needs no Redis
-    return subprocess.run([sys.executable, "-m", "trainhealth.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trainhealth", *map(str, args)], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env=env)
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "collectors.importers" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records
+            if r.name == "trainhealth.collectors.importers" and r.levelno == logging.WARNING]
 
 
 def by_rank(points: list[LogPoint]) -> dict[int, list[LogPoint]]:
@@ -189,7 +190,7 @@ def test_allreduce_fixture_interleaved_ranks_and_hosts() -> None:
 
 def test_allreduce_fixture_bad_lines(caplog: pytest.LogCaptureFixture) -> None:
     path = DATA / "allreduce_bench_partly_bad.log"
-    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
         got = [(p.rank, p.step, p.step_seconds, p.source_line) for p in read(path)]
     # rank 1's malformed iteration 1 still counts: its next duration is iteration 2
     assert got == [(0, 1, 1.1, 3), (0, 2, 0.7, 7), (1, 2, 0.71, 9)]

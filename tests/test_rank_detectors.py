@@ -11,13 +11,13 @@ import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from collectors.importers import allreduce_bench
-from detectors.anomaly import Anomaly
-from detectors.pipeline import RunPipeline
-from detectors.rank_outlier import RankOutlierDetector
-from detectors.slow_node import SlowNodeDetector
-from detectors.straggler import StragglerDetector
-from trainhealth.events import Event, StepRecord
+from trainhealth.anomaly import Anomaly
+from trainhealth.collectors.importers import allreduce_bench
+from trainhealth.detectors.pipeline import RunPipeline
+from trainhealth.detectors.rank_outlier import RankOutlierDetector
+from trainhealth.detectors.slow_node import SlowNodeDetector
+from trainhealth.detectors.straggler import StragglerDetector
+from trainhealth.wire import Event, StepRecord
 
 T0 = 1_796_000_000.0
 Busy = Callable[[int, int], tuple[float, float]]  # (step, rank) -> (forward s, data s)
@@ -306,7 +306,7 @@ def test_checkpoint_save_phase_raises_nothing() -> None:
 
 class Staggered:
     """A job whose ranks' heartbeat threads write every 5 s, rank r at offset 0.3 + 0.6 r s (as
-    ``collectors.Monitor``: each carries the job's last step, when and the phase as they were then),
+    ``trainhealth.Monitor``: each carries the job's last step, when and the phase as they were then),
     while the service checks every 5 s (at T0 + 5 k); steps are fed through :func:`run_steps`."""
 
     def __init__(self, world: int = 8) -> None:

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from collectors.importers.base import LogPoint
-from detectors.hang import HangDetector
-from detectors.service import DetectorService
+from trainhealth.commands.replay import ReplayInterrupted, plan, plan_line, read_points, replay
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.service import DetectorService
 from trainhealth.exceptions import ConfigError, InputFormatError
-from trainhealth.replay import ReplayInterrupted, plan, plan_line, read_points, replay
+from trainhealth.logpoint import LogPoint
 
 ROOT = Path(__file__).resolve().parent.parent
 TROCR = "hf_trocr_large_gradnorm.trainer_state.json"
@@ -46,7 +46,7 @@ def anomalies(client: redis.Redis, run: str) -> dict[str, dict]:
 def test_cli_replay_of_trocr_flags_the_one_spike_at_step_682(r: redis.Redis, redis_url: str, real_logs: Path) -> None:
     trocr = real_logs / TROCR
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
-    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(trocr), "--run", "trocr"],
+    out = subprocess.run([sys.executable, "-m", "trainhealth", "replay", str(trocr), "--run", "trocr"],
                          env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "replayed 700 steps and 7 evaluations" in out.stdout
@@ -98,7 +98,7 @@ def test_replay_bad_input_is_a_clear_error(tmp_path: Path, r: redis.Redis, real_
 
 def test_cli_errors_are_one_line_with_exit_2(redis_url: str, real_logs: Path) -> None:
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": "http://nope"}
-    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(real_logs / TROCR)], env=env,
+    out = subprocess.run([sys.executable, "-m", "trainhealth", "replay", str(real_logs / TROCR)], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == ("trainhealth: error: TRAINHEALTH_REDIS_URL='http://nope' is not a Redis URL: "
@@ -107,7 +107,7 @@ def test_cli_errors_are_one_line_with_exit_2(redis_url: str, real_logs: Path) ->
 
 def test_doctor_reports_redis_and_missing_service(redis_url: str) -> None:
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
-    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "doctor"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "trainhealth", "doctor"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 1
     assert f"Redis: {redis_url} ok" in out.stdout
@@ -117,13 +117,13 @@ def test_doctor_reports_redis_and_missing_service(redis_url: str) -> None:
 def test_cli_replay_of_a_generic_csv_with_a_column_mapping(r: redis.Redis, redis_url: str) -> None:
     data = ROOT / "tests" / "data" / "importers" / "loss_log.csv"
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
-    out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(data), "--run", "csvrun", "--format",
+    out = subprocess.run([sys.executable, "-m", "trainhealth", "replay", str(data), "--run", "csvrun", "--format",
                           "csv", "--map", "step=it", "--map", "loss=my_loss", "--map", "grad_norm=gnorm"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     steps = [rec for _, f in r.xrange("th:{csvrun}:steps") for rec in json.loads(f[b"recs"])]
     assert [(d["step"], d.get("loss"), d.get("grad_norm")) for d in steps][:2] == [(100, 3.5, 1.25), (200, 3.25, 1.5)]
-    bad = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", str(data), "--map", "loss"], env=env,
+    bad = subprocess.run([sys.executable, "-m", "trainhealth", "replay", str(data), "--map", "loss"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--map 'loss' is not FIELD=COLUMN" in bad.stderr
 
@@ -162,7 +162,7 @@ def test_replay_options_are_refused_with_one_line_naming_option_and_value(tmp_pa
                                                    "one job (formats allreduce_bench, kineto_trace)"),
     ]
     for args, message in cases:
-        out = subprocess.run([sys.executable, "-m", "trainhealth.cli", "replay", *map(str, args)], env=env, cwd=ROOT,
+        out = subprocess.run([sys.executable, "-m", "trainhealth", "replay", *map(str, args)], env=env, cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
         assert (out.returncode, out.stderr, out.stdout) == (2, f"trainhealth: error: {message}\n", ""), args
 
@@ -193,7 +193,7 @@ def test_cli_paced_replay_says_what_happens_and_ctrl_c_ends_it_as_interrupted(
     log = _untimed_csv(tmp_path / "slow.csv", 1000)
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
     # Started with SIGINT ignored, as `nohup` or `cmd &` in a script start it: both signals must still stop it.
-    proc = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "replay", str(log), "--run", "paced",
+    proc = subprocess.Popen([sys.executable, "-m", "trainhealth", "replay", str(log), "--run", "paced",
                              "--speed", "10"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
@@ -294,7 +294,7 @@ def test_paced_replay_shows_a_progress_bar_on_a_terminal(tmp_path: Path, r: redi
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty has 0 columns
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "trainhealth.cli", "replay", str(log), "--run", "bar",
+        proc = subprocess.Popen([sys.executable, "-m", "trainhealth", "replay", str(log), "--run", "bar",
                                  "--speed", "10"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=slave, text=True)
         os.close(slave)
         seen = b""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from trainhealth import server
+from trainhealth import embedded_redis as server
 from trainhealth.exceptions import RedisUnavailableError
 
 
@@ -70,7 +70,7 @@ def test_password_and_unix_socket_urls_work_for_collectors(tmp_path: Path) -> No
     import subprocess
     import time
 
-    from collectors import Monitor
+    from trainhealth import Monitor
 
     port, sock = server.free_port(), tmp_path / "r.sock"
     proc = subprocess.Popen([server.find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
@@ -95,7 +95,7 @@ def test_password_and_unix_socket_urls_work_for_collectors(tmp_path: Path) -> No
 
 
 def test_step_stream_is_trimmed_to_the_retention(r: redis.Redis, redis_url: str) -> None:
-    from collectors import Monitor
+    from trainhealth import Monitor
 
     # one record per entry here (batch_records=1), so entries = steps
     mon = Monitor("trim", redis_url=redis_url, rank=0, world_size=1, retention=1000, batch_records=1,

@@ -8,9 +8,9 @@ import time
 
 import redis
 
-from collectors import Monitor
-from detectors.hang import HangDetector
-from detectors.service import DetectorService
+from trainhealth import Monitor
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.service import DetectorService
 
 T0 = 1_800_000_000.0
 
@@ -219,8 +219,8 @@ def varied_entries(world: int = 16, steps: int = 240) -> list[dict[bytes, bytes]
 def test_service_rows_match_the_step_record_pipeline(r: redis.Redis) -> None:
     """The service decodes straight into aggregator rows (no StepRecord per record): its aggregates and
     anomalies equal those of a pipeline fed the StepRecords of decode_steps (the reference)."""
-    from detectors.pipeline import RunPipeline, agg_fields
-    from trainhealth.events import decode_steps
+    from trainhealth.detectors.pipeline import RunPipeline, agg_fields
+    from trainhealth.wire import decode_steps
 
     entries = varied_entries()
     ref = RunPipeline(16, hang=HangDetector(floor_s=1e9))
@@ -268,7 +268,7 @@ def test_malformed_entries_are_logged_counted_and_skipped(r: redis.Redis, caplog
     r.xadd("th:{bad}:steps", {"rank": 0, "n": 1, "recs": "not json"})
     write_run(r, "bad", range(10, 20))
     svc = DetectorService(r, consumer="m", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
-    with caplog.at_level(logging.WARNING, logger="detectors.service"):
+    with caplog.at_level(logging.WARNING, logger="trainhealth.detectors.service"):
         drain(svc)
     assert [int(f[b"step"]) for _, f in r.xrange("th:{bad}:agg")] == list(range(20))
     assert r.xpending("th:{bad}:steps", "th-detectors")["pending"] == 0
@@ -287,7 +287,7 @@ def test_a_failing_detector_is_isolated_counted_and_survives_a_rebuild(r: redis.
     restart replays the same entries), and the heartbeat reports the errors per run for the dashboard."""
     import logging
 
-    from detectors.grad_norm_explosion import GradNormExplosionDetector
+    from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector
 
     real = GradNormExplosionDetector.update
 
@@ -299,11 +299,11 @@ def test_a_failing_detector_is_isolated_counted_and_survives_a_rebuild(r: redis.
     monkeypatch.setattr(GradNormExplosionDetector, "update", buggy)
     write_run(r, "bug", range(0, 120), spike_at=80, nan_at=100)
     svc = DetectorService(r, consumer="b", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
-    with caplog.at_level(logging.ERROR, logger="detectors.pipeline"):
+    with caplog.at_level(logging.ERROR, logger="trainhealth.detectors.pipeline"):
         drain(svc)
     assert len(r.xrange("th:{bug}:agg")) == 120
     assert sorted(k.decode() for k in r.hgetall("th:{bug}:anomalies")) == ["loss_spike:*:80:0", "nan_inf:*:100:0"]
-    errors = [rec for rec in caplog.records if rec.name == "detectors.pipeline"]
+    errors = [rec for rec in caplog.records if rec.name == "trainhealth.detectors.pipeline"]
     assert [rec.getMessage() for rec in errors] == [
         "run bug: GradNormExplosionDetector failed at step 50 (error 1); the other detectors go on"]
     assert errors[0].exc_info is not None and errors[0].exc_info[0] is ZeroDivisionError
@@ -329,10 +329,10 @@ def test_one_bad_record_costs_only_itself_not_its_entry(r: redis.Redis, caplog) 
     r.zadd("th:runs", {"one": T0})
     r.hset("th:{one}:meta", mapping={"world_size": 1, "status": "running"})
     svc = DetectorService(r, consumer="o", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
-    with caplog.at_level(logging.WARNING, logger="detectors.service"):
+    with caplog.at_level(logging.WARNING, logger="trainhealth.detectors.service"):
         drain(svc)
     assert [int(f[b"step"]) for _, f in r.xrange("th:{one}:agg")] == [0, 1, 2, 4, 5]
-    assert [rec.getMessage() for rec in caplog.records if rec.name == "detectors.service"] == [
+    assert [rec.getMessage() for rec in caplog.records if rec.name == "trainhealth.detectors.service"] == [
         f"run one: skipping malformed record in entry {entry} in th:{{one}}:steps: record 3: field 'tokens' has "
         "non-numeric value nan"]
     assert svc.malformed == 1
@@ -351,14 +351,14 @@ def test_garbage_in_a_runs_keys_never_stops_the_service(r: redis.Redis, caplog) 
         [{"rank": 0, "step": 10**30, "inc": T0, "t": T0 + 50}])}).decode()
     r.zadd("th:runs", {"ünïcode run": T0})
     svc = DetectorService(r, consumer="j", clock=lambda: T0 + 45, hang_factory=lambda: HangDetector(floor_s=1e9))
-    with caplog.at_level(logging.WARNING, logger="detectors.service"):
+    with caplog.at_level(logging.WARNING, logger="trainhealth.detectors.service"):
         drain(svc)
         svc._tick(T0 + 46)
         svc._tick(T0 + 52)
         drain(svc)
     assert [int(f[b"step"]) for _, f in r.xrange("th:{junk}:agg")] == list(range(30))
     assert svc.broken == {} and "junk" in svc.runs
-    msgs = [rec.getMessage() for rec in caplog.records if rec.name == "detectors.service"]
+    msgs = [rec.getMessage() for rec in caplog.records if rec.name == "trainhealth.detectors.service"]
     for want in (
         "run junk: ignoring field 'world_size' = 'eight' of th:{junk}:meta (not a valid value)",
         "run junk: ignoring field 'gpu_hour_usd' = 'two dollars' of th:{junk}:meta (not a valid value)",
@@ -375,7 +375,7 @@ def test_a_run_whose_processing_raises_is_set_aside_and_the_others_go_on(r: redi
                                                                          monkeypatch) -> None:
     import logging
 
-    from detectors.aggregate import StepAggregator
+    from trainhealth.detectors.aggregate import StepAggregator
 
     real = StepAggregator.add_row
 
@@ -388,11 +388,12 @@ def test_a_run_whose_processing_raises_is_set_aside_and_the_others_go_on(r: redi
     write_run(r, "sick", range(0, 10), world=3)
     write_run(r, "well", range(0, 10))
     svc = DetectorService(r, consumer="q", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
-    with caplog.at_level(logging.ERROR, logger="detectors.service"):
+    with caplog.at_level(logging.ERROR, logger="trainhealth.detectors.service"):
         drain(svc)
     assert r.xlen("th:{well}:agg") == 10 and r.xlen("th:{sick}:agg") == 0
     assert "sick" not in svc.runs and svc.broken["sick"][1] == 1
-    (err,) = [rec for rec in caplog.records if rec.name == "detectors.service" and rec.levelno == logging.ERROR]
+    (err,) = [rec for rec in caplog.records
+              if rec.name == "trainhealth.detectors.service" and rec.levelno == logging.ERROR]
     assert err.getMessage().startswith("run sick: error while ")
     assert err.getMessage().endswith(": aggregator bug; set aside, retried in 60 s from its streams; the other "
                                      "runs go on")
@@ -412,7 +413,7 @@ def test_event_decode_errors_name_the_field_and_value() -> None:
 
     import pytest
 
-    from trainhealth.events import decode_event
+    from trainhealth.wire import decode_event
 
     base = {"kind": "checkpoint_save", "rank": "0", "t": "100.0", "step": "5", "seconds": "2.5"}
     assert decode_event(base).seconds == 2.5

@@ -12,19 +12,18 @@ from pathlib import Path
 import pytest
 import redis
 
-from collectors import Monitor
-from collectors.importers.base import LogPoint
-from detectors.aggregate import StepAggregate, StepAggregator
-from detectors.anomaly import Anomaly
-from detectors.hang import HangDetector
-from detectors.offline import OfflineRun, timeline
-from detectors.pipeline import RunPipeline
-from detectors.service import DetectorService
-from detectors.slow_step import SlowStepDetector
-from detectors.throughput import ThroughputDropDetector, goodput_step_deviation, step_seconds
-from trainhealth import defaults
-from trainhealth.events import Event, StepRecord, decode_steps
-from trainhealth.replay import read_points, replay
+from trainhealth import Monitor, defaults
+from trainhealth.anomaly import Anomaly
+from trainhealth.commands.replay import read_points, replay
+from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
+from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.offline import OfflineRun, timeline
+from trainhealth.detectors.pipeline import RunPipeline
+from trainhealth.detectors.service import DetectorService
+from trainhealth.detectors.slow_step import SlowStepDetector
+from trainhealth.detectors.throughput import ThroughputDropDetector, goodput_step_deviation, step_seconds
+from trainhealth.logpoint import LogPoint
+from trainhealth.wire import Event, StepRecord, decode_steps
 
 TIMING = ("throughput_drop", "slow_step")
 MIXTRAL = "megatron_mixtral8x7b_h100.golden_values.json"
@@ -296,7 +295,7 @@ def test_replayed_bloom_log_shows_the_drop_in_the_anomalies_hash(r: redis.Redis,
 
 
 def test_sorted_window_caches_median_and_scale_until_its_values_change() -> None:
-    from detectors.loss_spike import SortedWindow
+    from trainhealth.detectors.robust import SortedWindow
 
     w = SortedWindow(3)
     w.extend([1.0, 2.0, 4.0])

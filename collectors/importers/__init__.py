@@ -29,7 +29,7 @@ Formats (name: what — how :func:`detect` recognises it; the file name first, t
 - ``csv``: any CSV with a header holding a step column (``step``, ``global_step``, ``iteration``, …).
 - ``jsonl``: any JSON lines with a step field.
 
-Per-rank logs (their points carry ``LogPoint.rank``; see :mod:`collectors.importers.base`):
+Per-rank logs (their points carry ``LogPoint.rank``; see :mod:`trainhealth.logpoint`):
 
 - ``kineto_trace``: PyTorch profiler (Kineto) Chrome trace, one rank per file — name
   ``*.pt.trace.json[.gz]``, or a JSON object with ``traceEvents``.
@@ -46,7 +46,7 @@ Errors: a file that cannot be parsed raises :class:`~trainhealth.exceptions.Inpu
 naming the file, the line (or entry, metric, record) and the field. Where lines stand alone —
 text logs, and torn (not valid JSON) lines of a JSON-lines log — skipping a malformed line
 misreads nothing else, so such lines are skipped with ONE warning on the
-``collectors.importers`` logger, counting them and naming the first; a file with no good line
+``trainhealth.collectors.importers`` logger, counting them and naming the first; a file with no good line
 is an error naming its first bad line. The entries of a ``trainer_state.json`` are
 independent records with their own step and fixed keys: a bad entry is skipped the same way.
 A well-formed row whose field is not a number (CSV, a valid JSON line, golden values,
@@ -65,7 +65,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from collectors.importers import (
+from trainhealth.collectors.importers import (
     allreduce_bench,
     generic,
     hf_trainer_state,
@@ -80,9 +80,9 @@ from collectors.importers import (
     wandb_history,
     word_lm_log,
 )
-from collectors.importers._common import GZIP_MAGIC, json_loads
-from collectors.importers.base import LogEvent, LogPoint
+from trainhealth.collectors.importers._common import GZIP_MAGIC, json_loads
 from trainhealth.exceptions import ConfigError, InputFormatError
+from trainhealth.logpoint import LogEvent, LogPoint
 
 __all__ = ["FORMATS", "PER_RANK_FORMATS", "InputFormatError", "LogEvent", "LogPoint", "detect", "read", "read_items"]
 

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from trainhealth.exceptions import InputFormatError
+from trainhealth.wire import MAX_STEP
 
-log = logging.getLogger("collectors.importers")
+log = logging.getLogger("trainhealth.collectors.importers")
 
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -48,9 +49,8 @@ def read_lines(path: Path) -> Iterator[tuple[int, str]]:
         raise InputFormatError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
 
 
-#: Largest step accepted: the largest integer a float holds exactly. The timeline computes in floats
-#: (a 400-digit step overflows it) and JSON readers of the reports lose integers beyond it.
-MAX_STEP = 2**53 - 1
+#: Largest step accepted is :data:`trainhealth.wire.MAX_STEP`, the wire's own (2**53 - 1: the largest integer a
+#: float holds exactly; the timeline computes in floats and JSON readers of the reports lose integers beyond it).
 #: Largest rank accepted: rank ids index the per-rank columns (world size = highest rank + 1), so a
 #: garbled rank must not make a run millions of ranks wide.
 MAX_RANK = 2**20 - 1

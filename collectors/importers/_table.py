@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from collectors.importers._common import (
+from trainhealth.collectors.importers._common import (
     NOT_A_STEP,
     BadLines,
     CumulativeTokens,
@@ -27,8 +27,8 @@ from collectors.importers._common import (
     to_seconds,
     to_step,
 )
-from collectors.importers.base import LogPoint
 from trainhealth.exceptions import ConfigError, InputFormatError
+from trainhealth.logpoint import LogPoint
 
 #: What a mapping may name: the LogPoint fields plus the clocks and counters they are derived from.
 FIELDS = ("step", "loss", "grad_norm", "lr", "step_seconds", "tokens", "tokens_total", "consumed_samples",

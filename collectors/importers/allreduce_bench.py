@@ -40,8 +40,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from collectors.importers._common import MAX_RANK, BadLines, read_lines, show
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers._common import MAX_RANK, BadLines, read_lines, show
+from trainhealth.logpoint import LogPoint
 
 HEADER = re.compile(r"^\s*(\d+):\s*$")
 DURATION_START = re.compile(r"^\s*duration:")

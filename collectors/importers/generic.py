@@ -1,7 +1,7 @@
 """Generic CSV (with a header) and JSON-lines logs: one row per logged step, columns named by common names or a mapping.
 
 Step column: ``step``, ``global_step``, ``iteration``, ``iter``, … ; metric columns as in
-:mod:`collectors.importers._table`; ``mapping={"loss": "my_loss", "step": "it"}`` names others.
+:mod:`trainhealth.collectors.importers._table`; ``mapping={"loss": "my_loss", "step": "it"}`` names others.
 Optional clocks: ``wall_time``/``timestamp`` (unix seconds) or ``elapsed`` (seconds since the start)
 give each point its seconds per step.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from collectors.importers import _table
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers import _table
+from trainhealth.logpoint import LogPoint
 
 CANDIDATES = {"step": _table.GENERIC_STEP, **_table.COMMON, "wall_time": ("wall_time", "timestamp", "_timestamp"),
               "elapsed": ("elapsed", "elapsed_s", "_runtime")}

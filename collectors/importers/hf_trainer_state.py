@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from collectors.importers._common import (
+from trainhealth.collectors.importers._common import (
     NOT_A_NUMBER,
     STEP_RANGE,
     BadLines,
@@ -20,8 +20,8 @@ from collectors.importers._common import (
     show,
     to_float,
 )
-from collectors.importers.base import LogPoint
 from trainhealth.exceptions import InputFormatError
+from trainhealth.logpoint import LogPoint
 
 
 class _BadEntry(ValueError):

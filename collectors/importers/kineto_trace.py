@@ -36,9 +36,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from collectors.importers._common import GZIP_MAGIC, MAX_RANK, NUMBER_RANGE, json_loads, show, step_of, to_float
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers._common import (
+    GZIP_MAGIC,
+    MAX_RANK,
+    NUMBER_RANGE,
+    json_loads,
+    show,
+    step_of,
+    to_float,
+)
 from trainhealth.exceptions import InputFormatError
+from trainhealth.logpoint import LogPoint
 
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
 #: ``rank0``, ``rank-1``, ``rank_12`` in a file name (HTA's ``sampled_rank-0.json.gz``).

@@ -1,7 +1,7 @@
 """PyTorch Lightning ``CSVLogger`` ``metrics.csv``: a sparse row per ``log()`` call; columns ``epoch``, ``step``, ….
 
 A row with a training loss, grad norm or learning rate is a step (``train_loss_step``, ``train_loss``,
-``loss``, ``lr-<Optimizer>``, … — see :mod:`collectors.importers._table`); validation and epoch-end
+``loss``, ``lr-<Optimizer>``, … — see :mod:`trainhealth.collectors.importers._table`); validation and epoch-end
 rows (``val_loss``, ``train_loss_epoch``) carry none of these and are not steps.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from collectors.importers import _table
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers import _table
+from trainhealth.logpoint import LogPoint
 
 CANDIDATES = {"step": ("step",), **_table.COMMON}
 

@@ -15,9 +15,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from collectors.importers import _table
-from collectors.importers._common import BadLines
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers import _table
+from trainhealth.collectors.importers._common import BadLines
+from trainhealth.logpoint import LogPoint
 
 CANDIDATES = {"step": ("current_steps",), "loss": ("loss",), "grad_norm": ("grad_norm",),
               "lr": ("lr", "learning_rate"), "tokens_total": ("total_tokens",), "elapsed": ("elapsed_time",)}

@@ -16,10 +16,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from collectors.importers import _table
-from collectors.importers._common import NOT_A_STEP, json_loads, open_text, reason, show, to_float, to_step
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers import _table
+from trainhealth.collectors.importers._common import NOT_A_STEP, json_loads, open_text, reason, show, to_float, to_step
 from trainhealth.exceptions import ConfigError, InputFormatError
+from trainhealth.logpoint import LogPoint
 
 CANDIDATES = {"loss": ("lm loss", "reduced_train_loss", "loss", "train_loss"),
               "grad_norm": ("grad norm", "grad-norm", "grad_norm"),

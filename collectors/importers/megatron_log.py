@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from collectors.importers._common import (
+from trainhealth.collectors.importers._common import (
     NOT_A_NUMBER,
     BadLines,
     CumulativeTokens,
@@ -51,7 +51,7 @@ from collectors.importers._common import (
     to_float,
     to_step,
 )
-from collectors.importers.base import LogPoint
+from trainhealth.logpoint import LogPoint
 
 START = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)")
 RECORD = re.compile(r"\biteration\s+\d+\s*/\s*\d+\s*\|")

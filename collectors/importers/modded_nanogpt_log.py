@@ -19,8 +19,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from collectors.importers._common import BadLines, read_lines, reason, show, step_of, to_float
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers._common import BadLines, read_lines, reason, show, step_of, to_float
+from trainhealth.logpoint import LogPoint
 
 START = re.compile(r"^step:(\d+)/(\d+)\s")
 FIELD = re.compile(r"(\w+):(\S+)")

@@ -13,8 +13,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from collectors.importers._common import BadLines, read_lines, reason, show, step_of, to_float
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers._common import BadLines, read_lines, reason, show, step_of, to_float
+from trainhealth.logpoint import LogPoint
 
 START = re.compile(r"^iter (\d+):")
 LINE = re.compile(r"^iter (\d+): loss (\S+?)(?:, lr (\S+?))?, time (\S+?)ms(?:, mfu (\S+?)%)?\s*$")

@@ -7,7 +7,7 @@ in file order; a directory is read as its event files in name (= creation time) 
 Scalar tags map to fields by common names — ``train/loss``, ``loss``, ``lm loss`` (Megatron),
 ``train/lm_loss`` (GPT-NeoX), ``reduced_train_loss`` (NeMo); ``train/grad_norm``, ``grad-norm``;
 ``train/learning_rate``, ``learning-rate``, ``lr``; ``iteration-time`` (seconds per iteration) …
-(see :mod:`collectors.importers._table`) — or by ``mapping={"loss": "my/tag", …}``. The values
+(see :mod:`trainhealth.collectors.importers._table`) — or by ``mapping={"loss": "my/tag", …}``. The values
 logged at one step (consecutive records with the same step) make one point; a step is a
 training step when its loss, grad norm or learning rate is there. The records' wall times give
 the seconds per step between points when no iteration-time tag is mapped. A truncated last
@@ -21,10 +21,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from collectors.importers import _table
-from collectors.importers._common import MAX_STEP, STEP_RANGE, CumulativeTokens, Timeline
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers import _table
+from trainhealth.collectors.importers._common import MAX_STEP, STEP_RANGE, CumulativeTokens, Timeline
 from trainhealth.exceptions import InputFormatError
+from trainhealth.logpoint import LogPoint
 
 CANDIDATES = dict(_table.COMMON)
 MAGIC = b"brain.Event:"

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from collectors.importers import _table
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers import _table
 from trainhealth.exceptions import InputFormatError
+from trainhealth.logpoint import LogPoint
 
 CANDIDATES = {"step": ("train/global_step", "trainer/global_step", "global_step", "_step", "Step"),
               **_table.COMMON, "elapsed": ("_runtime",), "wall_time": ("_timestamp",)}

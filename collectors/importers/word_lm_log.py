@@ -13,8 +13,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from collectors.importers._common import BadLines, check_step, read_lines, reason, show, step_of, to_float
-from collectors.importers.base import LogPoint
+from trainhealth.collectors.importers._common import BadLines, check_step, read_lines, reason, show, step_of, to_float
+from trainhealth.logpoint import LogPoint
 
 START = re.compile(r"^\|\s*epoch\s+\d")
 LINE = re.compile(r"^\|\s*epoch\s+(\d+)\s*\|\s*(\d+)\s*/\s*(\d+)\s+batches\s*\|(.*)$")

@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-log = logging.getLogger("collectors.integrations")
+log = logging.getLogger("trainhealth.collectors.integrations")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _NOT_RUN_ID = re.compile(r"[^A-Za-z0-9._-]+")

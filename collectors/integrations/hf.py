@@ -1,8 +1,8 @@
-"""Hugging Face ``transformers.Trainer`` → :class:`collectors.Monitor`, as a ``TrainerCallback``.
+"""Hugging Face ``transformers.Trainer`` → :class:`trainhealth.Monitor`, as a ``TrainerCallback``.
 
 ::
 
-    from collectors.integrations.hf import TrainHealthCallback
+    from trainhealth.collectors.integrations.hf import TrainHealthCallback
 
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[TrainHealthCallback(gpu_hour_usd=2.5)])
     trainer.train()
@@ -49,8 +49,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from collectors.integrations._common import guarded, run_id
-from collectors.monitor import Monitor
+from trainhealth.collectors.integrations._common import guarded, run_id
+from trainhealth.collectors.monitor import Monitor
 
 __all__ = ["TrainHealthCallback"]
 
@@ -60,19 +60,19 @@ class TrainHealthCallback(TrainerCallback):
 
     Parameters
     ----------
-    monitor : collectors.Monitor, optional
+    monitor : trainhealth.Monitor, optional
         Use this Monitor (the caller closes it). Default: one is created at
         ``on_train_begin`` and closed at ``on_train_end``.
     run : str, optional
         Run id for the created Monitor; default ``args.run_name``, else the name of
         ``args.output_dir``, made a valid run id (``[A-Za-z0-9._-]``, see
-        :func:`collectors.integrations._common.run_id`).
+        :func:`trainhealth.collectors.integrations._common.run_id`).
         Every rank must get the same id.
     time_forward : bool
         Time the model's forward passes as section ``forward`` (module hooks; off under
         ``torch_compile``).
     **monitor_kwargs
-        Passed to :class:`collectors.Monitor` (``redis_url``, ``gpu_hour_usd``, ``host``...);
+        Passed to :class:`trainhealth.Monitor` (``redis_url``, ``gpu_hour_usd``, ``host``...);
         ``rank``/``world_size`` default to ``args.process_index``/``args.world_size``.
 
     Notes

@@ -1,8 +1,8 @@
-"""Lightning (``lightning.pytorch``) → :class:`collectors.Monitor`, as a ``Callback``.
+"""Lightning (``lightning.pytorch``) → :class:`trainhealth.Monitor`, as a ``Callback``.
 
 ::
 
-    from collectors.integrations.lightning import TrainHealthCallback
+    from trainhealth.collectors.integrations.lightning import TrainHealthCallback
 
     trainer = L.Trainer(callbacks=[TrainHealthCallback(run="llama-8b-sft", gpu_hour_usd=2.5)], ...)
     trainer.fit(model, datamodule)
@@ -27,7 +27,7 @@ and world size from ``trainer.global_rank`` / ``trainer.world_size``). Mapping, 
   it by ``accumulate_grad_batches``, so the sum over the window is the step's mean loss.
 - Grad norm: in ``on_before_optimizer_step`` — after backward (and the DDP all-reduce),
   after AMP unscaling, **before** gradient clipping — with
-  :func:`collectors.integrations.torch.global_grad_norm` (``grad_norm=False`` skips it; it
+  :func:`trainhealth.collectors.integrations.torch.global_grad_norm` (``grad_norm=False`` skips it; it
   costs one pass over the gradients and a GPU sync). Learning rate: the first optimizer's
   first param group, read there too (before the scheduler steps).
 - Checkpoint save: ``on_save_checkpoint`` runs while the checkpoint dict is built, before
@@ -56,9 +56,9 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from collectors.integrations._common import guarded, run_id
-from collectors.integrations.torch import global_grad_norm
-from collectors.monitor import Monitor
+from trainhealth.collectors.integrations._common import guarded, run_id
+from trainhealth.collectors.integrations.torch import global_grad_norm
+from trainhealth.collectors.monitor import Monitor
 
 __all__ = ["TrainHealthCallback"]
 
@@ -68,12 +68,12 @@ class TrainHealthCallback(Callback):
 
     Parameters
     ----------
-    monitor : collectors.Monitor, optional
+    monitor : trainhealth.Monitor, optional
         Use this Monitor (the caller closes it). Default: one is created in ``setup("fit")``
         and closed at ``on_train_end``.
     run : str, optional
         Run id for the created Monitor; default the name of ``trainer.default_root_dir``
-        made a valid run id (see :func:`collectors.integrations._common.run_id`). Every rank
+        made a valid run id (see :func:`trainhealth.collectors.integrations._common.run_id`). Every rank
         must get the same id.
     grad_norm : bool
         Compute the global gradient norm in ``on_before_optimizer_step``.
@@ -82,7 +82,7 @@ class TrainHealthCallback(Callback):
         step's micro-batches and recorded as the step's ``tokens`` (e.g.
         ``lambda b: b["input_ids"].numel()``). Lightning has no notion of tokens.
     **monitor_kwargs
-        Passed to :class:`collectors.Monitor` (``redis_url``, ``gpu_hour_usd``, ``host``...);
+        Passed to :class:`trainhealth.Monitor` (``redis_url``, ``gpu_hour_usd``, ``host``...);
         ``rank``/``world_size`` default to ``trainer.global_rank``/``trainer.world_size``.
 
     Notes

@@ -1,6 +1,6 @@
-"""PyTorch helpers for :meth:`collectors.Monitor.log_step`: the global gradient norm as a float.
+"""PyTorch helpers for :meth:`trainhealth.Monitor.log_step`: the global gradient norm as a float.
 
-``import collectors.integrations.torch`` imports torch; ``import collectors`` does not.
+``import trainhealth.collectors.integrations.torch`` imports torch; ``import collectors`` does not.
 
 When to read the value: ``.item()`` (and so both functions here, on a CUDA tensor) waits
 until the GPU has finished all queued work. Read it **after** ``optimizer.step()``, once per

@@ -1,6 +1,6 @@
 """Alerts page: the alert worker and its sinks, recent notifications, silences (add / expire), dead letters.
 
-Every Redis read and write goes through :mod:`detectors.alerts.store` (the alerting keys are the alert
+Every Redis read and write goes through :mod:`trainhealth.alert_store` (the alerting keys are the alert
 worker's, see docs/alerts.md); this page only lays them out. Silences added here mute matching alerts at
 the worker's next flush; requeued dead letters are delivered again with their idempotency key.
 """
@@ -15,13 +15,13 @@ import pandas as pd
 import redis
 import streamlit as st
 
-from dashboard import data
-from dashboard.common import client, fmt_age, redis_trouble, to_datetime, viewer_tz
-from dashboard.frame import page_run
-from detectors.alerts import store
-from detectors.alerts.config import parse_duration
-from detectors.alerts.matchers import INTERNAL_KINDS, MatcherError
-from detectors.anomaly import KINDS, SEVERITIES
+from trainhealth import alert_store as store
+from trainhealth.anomaly import KINDS, SEVERITIES
+from trainhealth.dashboard import data
+from trainhealth.dashboard.common import client, redis_trouble, to_datetime, viewer_tz
+from trainhealth.dashboard.frame import page_run
+from trainhealth.matchers import INTERNAL_KINDS, MatcherError
+from trainhealth.text import fmt_duration, parse_duration
 
 #: Seconds between refreshes of the live parts of the page.
 REFRESH_S = 5.0
@@ -88,7 +88,7 @@ def sinks_frame(states: dict[str, dict[str, Any]], now: float) -> pd.DataFrame:
             state += f", rate-limited {paused - now:.0f} s"
         last_ok = _number(st_.get("last_ok_at"))
         rows.append({"sink": name, "type": str(st_.get("type", "")), "state": state,
-                     "last_ok": f"{fmt_age(now - last_ok)} ago" if last_ok else "never",
+                     "last_ok": f"{fmt_duration(now - last_ok)} ago" if last_ok else "never",
                      "delivered": _count(st_.get("delivered")), "dead": _count(st_.get("dead")),
                      "last_error": str(st_.get("last_error", "")) if fails else ""})
     return pd.DataFrame(rows, columns=SINK_COLUMNS)
@@ -111,7 +111,7 @@ def live(run: str | None) -> None:
         redis_trouble(exc)
         return
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        # detectors.alerts.store parses the alert keys strictly: say which read failed, not a traceback.
+        # trainhealth.alert_store parses the alert keys strictly: say which read failed, not a traceback.
         st.warning(f"The alert worker's state in Redis (`th:{{alerts}}:*`) is unreadable: {exc!r}",
                    icon=":material/report:")
         return
@@ -120,7 +120,7 @@ def live(run: str | None) -> None:
     leader_t = _number(leader.get("t")) if leader else 0.0
     m1, m2, m3, m4 = st.columns(4)
     m1.metric("Alert worker", "running" if leader else "NOT RUNNING",
-              f"heartbeat {fmt_age(now - leader_t)} ago" if leader else "start `trainhealth alerts`",
+              f"heartbeat {fmt_duration(now - leader_t)} ago" if leader else "start `trainhealth alerts`",
               delta_color="off" if leader else "inverse")
     m2.metric("Pending deliveries", f"{stats['pending']:,}")
     m3.metric("Dead letters", f"{stats['dead']:,}", "resend below" if stats["dead"] else None, delta_color="off")

@@ -9,19 +9,12 @@ import pandas as pd
 import redis
 import streamlit as st
 
-from dashboard import data
-from dashboard.charts import SEVERITY_COLORS
-from dashboard.common import (
-    client,
-    fmt_int,
-    plural,
-    redis_trouble,
-    show_problems,
-    to_datetime,
-    viewer_tz,
-)
-from dashboard.frame import page_run
+from trainhealth.dashboard import data
+from trainhealth.dashboard.charts import SEVERITY_COLORS
+from trainhealth.dashboard.common import client, redis_trouble, show_problems, to_datetime, viewer_tz
+from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S
+from trainhealth.text import fmt_int, plural
 
 TABLE_COLUMNS = ["severity", "kind", "status", "step", "end_step", "message", "ranks", "hosts", "first_seen",
                  "last_seen", "id"]

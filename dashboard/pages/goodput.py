@@ -3,7 +3,7 @@
 KPIs (goodput as a share of time, goodput and throughput tokens/s for the whole run and the last 1 min /
 10 min / 1 h, badput cost in USD and GPU-hours), the breakdown of wall time by ledger
 category over time, throughput vs goodput over time, and what each cause of badput cost;
-and the rollback advisor's open recommendations (:mod:`dashboard.cards`) under the KPIs.
+and the rollback advisor's open recommendations (:mod:`trainhealth.dashboard.cards`) under the KPIs.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pandas as pd
 import redis
 import streamlit as st
 
-from dashboard import cards, charts, data
-from dashboard.common import (
+from trainhealth.dashboard import cards, charts, data
+from trainhealth.dashboard.common import (
     GOODPUT_TIME,
     GOODPUT_TIME_HELP,
     GOODPUT_TOKENS,
@@ -26,22 +26,16 @@ from dashboard.common import (
     TOKEN_GAP_NOTE,
     URL_KEY,
     client,
-    fmt_age,
-    fmt_duration,
-    fmt_gpu_hours,
-    fmt_pct,
-    fmt_rate,
-    fmt_usd,
     get_client,
-    plural,
     rates_table,
     redis_trouble,
     show_problems,
     to_datetime,
     viewer_tz,
 )
-from dashboard.frame import page_run
+from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S
+from trainhealth.text import fmt_duration, fmt_gpu_hours, fmt_pct, fmt_rate, fmt_usd, plural
 
 #: History windows offered (label → ledger snapshots read: one per 2 s) and how long a read is
 #: reused (s): the charts' history is one ``XREVRANGE … COUNT`` per period, the KPIs stay live.
@@ -117,8 +111,9 @@ def summary_line(snap: dict, meta: dict, now: float) -> str:
     """Wall time, productive and badput time, GPUs and price, restarts, and how old the snapshot is."""
     wall = snap.get("wall_s") or 0.0
     productive = (snap.get("seconds") or {}).get("productive") or 0.0
-    bits = [f"wall time {fmt_duration(wall)}", f"productive {fmt_duration(productive)}",
-            f"badput {fmt_duration(max(0.0, wall - productive))}"]
+    bits = [f"wall time {fmt_duration(wall, minute_digits=0)}",
+            f"productive {fmt_duration(productive, minute_digits=0)}",
+            f"badput {fmt_duration(max(0.0, wall - productive), minute_digits=0)}"]
     world = snap.get("world_size") or meta.get("world_size")
     if world:
         price = snap.get("gpu_hour_usd") or meta.get("gpu_hour_usd")
@@ -127,7 +122,7 @@ def summary_line(snap: dict, meta: dict, now: float) -> str:
         bits.append(plural(snap["restarts"], "restart"))
     t = snap.get("t")
     if isinstance(t, (int, float)) and math.isfinite(t):
-        bits.append(f"ledger snapshot {fmt_age(now - t)} old")
+        bits.append(f"ledger snapshot {fmt_duration(now - t)} old")
     return " · ".join(bits)
 
 

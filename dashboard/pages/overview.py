@@ -10,8 +10,8 @@ import pandas as pd
 import redis
 import streamlit as st
 
-from dashboard import cards, charts, data
-from dashboard.common import (
+from trainhealth.dashboard import cards, charts, data
+from trainhealth.dashboard.common import (
     GOODPUT_TIME,
     GOODPUT_TIME_HELP,
     GOODPUT_TOKENS,
@@ -21,20 +21,14 @@ from dashboard.common import (
     URL_KEY,
     anomaly_delta,
     client,
-    fmt_age,
-    fmt_duration,
-    fmt_int,
-    fmt_pct,
-    fmt_rate,
-    fmt_usd,
     get_client,
-    plural,
     redis_trouble,
     show_problems,
     viewer_tz,
 )
-from dashboard.frame import page_run
+from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS
+from trainhealth.text import fmt_duration, fmt_int, fmt_pct, fmt_rate, fmt_usd, plural
 
 #: Slow-moving reads (checkpoint markers, hour-long ledger history) are re-read at most this
 #: often (s) instead of on every 2 s refresh; the KPIs and loss curve stay fully live.
@@ -87,7 +81,7 @@ def kpis(snap: dict | None, anomalies: pd.DataFrame, meta: dict) -> None:
                        help="USD spent on badput: non-productive wall time × ranks × the GPU-hour price.")
     else:
         badput_s = (snap.get("wall_s") or math.nan) - ((snap.get("seconds") or {}).get("productive") or 0.0)
-        cols[4].metric("Badput time", fmt_duration(badput_s), delta="no price set", **unit,
+        cols[4].metric("Badput time", fmt_duration(badput_s, minute_digits=0), delta="no price set", **unit,
                        help="Wall time not spent productively. Set `gpu_hour_usd` on the Monitor for USD cost.")
 
 
@@ -97,7 +91,7 @@ def status_line(steps: pd.DataFrame, meta: dict) -> None:
     if not steps.empty:
         last = steps.iloc[-1]
         if pd.notna(last["t_end"]):
-            bits.append(f"step {fmt_int(last['step'])} ended {fmt_age(time.time() - float(last['t_end']))} ago")
+            bits.append(f"step {fmt_int(last['step'])} ended {fmt_duration(time.time() - float(last['t_end']))} ago")
         if pd.notna(last["n_ranks"]) and meta.get("world_size"):
             bits.append(f"{int(last['n_ranks'])}/{plural(meta['world_size'], 'rank')} reported it")
         if pd.notna(last["gen"]) and int(last["gen"]) > 0:

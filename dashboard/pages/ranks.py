@@ -6,10 +6,11 @@ import pandas as pd
 import redis
 import streamlit as st
 
-from dashboard import charts, data
-from dashboard.common import URL_KEY, client, get_client, plural, redis_trouble, show_problems
-from dashboard.frame import page_run
+from trainhealth.dashboard import charts, data
+from trainhealth.dashboard.common import URL_KEY, client, get_client, redis_trouble, show_problems
+from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS, STRAGGLER_THRESHOLD
+from trainhealth.text import plural
 
 #: Hosts change only when ranks restart: re-read at most this often (s).
 HOSTS_TTL_S = 30

@@ -1,0 +1,71 @@
+"""``trainhealth doctor``'s alerting section: the alert worker's heartbeat and the sinks' states.
+
+:func:`doctor_report` returns printable lines and whether alerting is healthy. Alerting counts as
+*unhealthy* only when it is in use (some sink state, outbox entry or alert group exists) and no worker
+heartbeat is live, or when a sink's last try failed, or dead letters exist. A Redis that never saw an
+alert worker is not a failure (alerting is optional).
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from trainhealth import alert_store as store
+
+#: A sink with this many failures in a row counts as failing.
+FAILING_AFTER = 1
+
+
+def _age(now: float, t: float | None) -> str:
+    if t is None:
+        return "never"
+    s = max(0.0, now - float(t))
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
+
+
+def doctor_report(client: redis.Redis, now: float | None = None) -> tuple[list[str], bool]:
+    """Lines describing the alert worker(s), the sinks and the outbox, and True when all is well.
+
+    Never prints secrets: sink states hold names, types, times, HTTP statuses and redacted errors only.
+    """
+    now = time.time() if now is None else now
+    lines: list[str] = []
+    ok = True
+    beats = store.workers(client)
+    sinks = store.sink_states(client)
+    stats = store.outbox_stats(client)
+    in_use = bool(beats or sinks or any(stats.values()))
+    if not in_use:
+        return ["Alert worker: not configured (no heartbeat, no alert state): `trainhealth alerts --config FILE`"], True
+    leaders = [b for b in beats if b.get("role") == "leader"]
+    for b in beats:
+        errs = "; ".join(f"{k}: {v}" for k, v in (b.get("errors") or {}).items())
+        lines.append(f"Alert worker: {b.get('role')} pid {b.get('pid')} on {b.get('host')}, heartbeat "
+                     f"{_age(now, b.get('t'))}, {b.get('groups', 0)} groups, {b.get('delivered', 0)} delivered"
+                     + (", DETECTOR SERVICE DOWN alert raised" if b.get("service_down") else "")
+                     + (f", errors: {errs}" if errs else ""))
+        if errs:
+            ok = False
+    if not leaders:
+        ok = False
+        lines.append("Alert worker: NOT RUNNING (no live heartbeat): notifications are not being sent; start "
+                     "`trainhealth alerts --config FILE`")
+    for name, st in sinks.items():
+        fails = int(st.get("consecutive_failures") or 0)
+        paused = float(st.get("paused_until") or 0)
+        state = "ok" if fails < FAILING_AFTER else f"FAILING ({fails} in a row: {st.get('last_error', '')})"
+        if not leaders:  # nothing is sending: the state is history, not health
+            state = f"{state} when a worker last sent"
+        if fails >= FAILING_AFTER:
+            ok = False
+        extra = f", rate-limited for {paused - now:.0f} s more" if paused > now else ""
+        lines.append(f"Sink {name} ({st.get('type') or '?'}): {state}; last success {_age(now, st.get('last_ok_at'))}"
+                     f", {st.get('delivered', 0)} delivered, {st.get('dead', 0)} dead{extra}")
+    lines.append(f"Outbox: {stats['pending']} pending, {stats['dead']} dead letters, {stats['groups']} alert groups")
+    if stats["dead"]:
+        ok = False
+        lines.append("Dead letters: inspect with `trainhealth deadletters list`, resend with "
+                     "`trainhealth deadletters requeue --all`")
+    return lines, ok

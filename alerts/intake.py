@@ -1,0 +1,344 @@
+"""Intake: every run's ``anomaly_log`` → the grouping engine → the outbox, exactly once.
+
+For each run of ``th:runs`` the intake reads ``th:{run}:anomaly_log`` with the consumer group ``th-alerts``
+(created at id 0, so transitions written before the worker noticed the run are not missed). A batch of
+transitions is applied to the :class:`~trainhealth.alerts.grouping.Grouper` in event-time order (each
+transition's ``last_seen``, the detector service's clock), then the engine is advanced to the wall clock.
+The changed groups, the per-run cursor (last applied entry id) and the due notifications' outbox entries
+are written in **one** ``MULTI/EXEC`` on the ``{alerts}`` keys; the entries are acknowledged after it.
+
+Restart safety: on start the worker reloads the groups and cursors and claims every pending entry of the
+group (``XAUTOCLAIM``). Entries at or below a run's cursor were applied (the crash came between the
+commit and the ``XACK``) and are only acknowledged; later ones are applied now. So a notification is
+enqueued once, with the sequence number, hence the idempotency key, it had to have.
+
+On its very first start (no ``epoch`` in ``th:{alerts}:state``) the worker records the time and ignores
+transitions older than ``epoch - backfill`` (default 1 h), so enabling alerts on an old Redis does not
+page for last month's anomalies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from trainhealth import defaults
+from trainhealth.alert_store import prune_silences
+from trainhealth.alerts.config import AlertsConfig
+from trainhealth.alerts.grouping import Grouper
+from trainhealth.alerts.notification import FIRING, Alert, Notification
+from trainhealth.alerts.outbox import claim_all, enqueue
+from trainhealth.alerts.watchdog import SERVICE_DOWN_KEY, check_service, service_down_alert
+from trainhealth.anomaly import SEVERITIES
+from trainhealth.keys import ALERTS_GROUPS, ALERTS_SILENCES, ALERTS_STATE, RUNS, run_keys
+from trainhealth.silences import Silence
+
+log = logging.getLogger(__name__)
+
+#: Seconds between detector-service liveness checks (the ``service_down`` watchdog).
+WATCHDOG_EVERY_S = 10.0
+#: Timestamps further than this in the future (unix s) are invalid input, not clock skew.
+MAX_FUTURE_S = 365 * 86400.0
+TRANSITIONS = ("opened", "updated", "resolved")
+STATUSES = ("active", "resolved")
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bad_time(v: Any, now: float) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return True
+    # NaN/Inf, or so large that ``t + group_interval == t``: the grouping engine's timers would never move.
+    return not math.isfinite(v) or v < 0 or v > now + MAX_FUTURE_S
+
+
+def anomaly_problem(anomaly: Any, now: float) -> tuple[str, Any] | None:
+    """``(field, value)`` of the first field of an ``anomaly_log`` JSON that the worker cannot use, else None.
+
+    Checked against what grouping, the labels and every sink read (``detectors/anomaly.py`` writes them):
+    ``id``, ``kind`` non-empty strings; ``severity`` one of ``info``/``warning``/``critical``; ``status``
+    ``active``/``resolved``; ``step``/``end_step`` int or null; ``ranks`` ints and ``hosts`` strings (list
+    or null); ``evidence`` an object or null; ``message``/``run`` string or null; ``first_seen``/``last_seen``
+    finite unix seconds, not negative nor more than :data:`MAX_FUTURE_S` ahead of ``now``, or null.
+    """
+    if not isinstance(anomaly, dict):
+        return "json", anomaly
+    checks: tuple[tuple[str, Any], ...] = (
+        ("id", lambda v: isinstance(v, str) and v != ""),
+        ("kind", lambda v: isinstance(v, str) and v != ""),
+        ("severity", lambda v: v in SEVERITIES),
+        ("status", lambda v: v is None or v in STATUSES),
+        ("step", lambda v: v is None or _int(v)),
+        ("end_step", lambda v: v is None or _int(v)),
+        ("ranks", lambda v: v is None or (isinstance(v, list) and all(_int(x) for x in v))),
+        ("hosts", lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v))),
+        ("evidence", lambda v: v is None or isinstance(v, dict)),
+        ("message", lambda v: v is None or isinstance(v, str)),
+        ("run", lambda v: v is None or isinstance(v, str)),
+        ("first_seen", lambda v: v is None or not _bad_time(v, now)),
+        ("last_seen", lambda v: v is None or not _bad_time(v, now)),
+    )
+    for name, ok in checks:
+        value = anomaly.get(name)
+        if not ok(value):
+            return name, value
+    return None
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _sid(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def load_silences(client: redis.Redis) -> list[Silence]:
+    """Every stored silence (malformed records are skipped with a warning)."""
+    out = []
+    for sid, raw in client.hgetall(ALERTS_SILENCES).items():
+        try:
+            out.append(Silence.from_dict(json.loads(raw)))
+        except (KeyError, ValueError, TypeError) as exc:
+            log.warning("ignoring malformed silence %s: %s", _s(sid), exc)
+    return out
+
+
+class Intake:
+    """The grouping stage of the alert worker (see the module doc).
+
+    Parameters
+    ----------
+    client : redis.Redis
+    config : AlertsConfig
+    consumer : str
+        Consumer name in ``th-alerts``.
+    clock : callable
+        Unix time; tests pass a fake one.
+    group : str
+        Consumer group name.
+    count : int
+        Entries read per stream per ``XREADGROUP``.
+    """
+
+    def __init__(self, client: redis.Redis, config: AlertsConfig, *, consumer: str,
+                 clock: Callable[[], float] = time.time, group: str = defaults.ALERT_CONSUMER_GROUP,
+                 count: int = 1000) -> None:
+        self.client = client
+        self.config = config
+        self.consumer = consumer
+        self.clock = clock
+        self.group = group
+        self.count = count
+        self.grouper = Grouper(config.route, config.inhibit_rules)
+        self.runs: set[str] = set()
+        self.cursors: dict[str, str] = {}
+        self.epoch = 0.0
+        self.ready = False
+        self.enqueued = 0
+        #: anomaly_log entries skipped as malformed (each logged with run, entry id, field and value).
+        self.skipped = 0
+        self.last_ok: float | None = None
+        self._last_watchdog = -1e18
+        self.service_down = False
+        #: Entries read plus notifications made by the last :meth:`run_once` (0: it found nothing to do).
+        self.last_work = 0
+
+    # -- state --------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Load grouping state and cursors from Redis (first start: record the epoch)."""
+        now = self.clock()
+        self.client.hsetnx(ALERTS_STATE, "epoch", repr(now))
+        state = {_s(k): _s(v) for k, v in self.client.hgetall(ALERTS_STATE).items()}
+        self.epoch = float(state["epoch"])
+        self.cursors = {k.split(":", 1)[1]: v for k, v in state.items() if k.startswith("cursor:")}
+        # A first start replays the backfill window in event time, from its beginning.
+        start = float(state.get("now", self.epoch - self.config.backfill))
+        self.grouper = Grouper(self.config.route, self.config.inhibit_rules, now=start)
+        groups = {}
+        for k, raw in self.client.hgetall(ALERTS_GROUPS).items():
+            try:
+                groups[_s(k)] = json.loads(raw)
+            except ValueError:
+                log.warning("dropping unreadable alert group state %s", _s(k))
+        self.grouper.load(groups)
+        self.runs.clear()
+        self.service_down = any(a.key == SERVICE_DOWN_KEY and a.status == FIRING for _, a in self.grouper.alerts())
+        self.ready = True
+        log.info("intake: %d alert groups restored, %d run cursors", len(self.grouper.groups), len(self.cursors))
+
+    def _attach(self, run: str) -> list[tuple[str, str, dict]]:
+        """Ensure our consumer group on the run's log; return its pending entries (claimed) to re-examine."""
+        stream = run_keys(run).anomaly_log
+        try:
+            self.client.xgroup_create(stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        # Trimmed entries come back without fields ({}): skipped as malformed, and acknowledged.
+        return [(run, eid, fields or {}) for eid, fields in claim_all(self.client, stream, self.group, self.consumer)]
+
+    def discover(self) -> list[tuple[str, str, dict]]:
+        """Attach new runs of ``th:runs``; returns their claimed pending entries."""
+        pending: list[tuple[str, str, dict]] = []
+        for raw in self.client.zrange(RUNS, 0, -1):
+            run = _s(raw)
+            if run in self.runs:
+                continue
+            try:
+                run_keys(run)
+            except ValueError:
+                continue
+            pending += self._attach(run)
+            self.runs.add(run)
+        return pending
+
+    # -- one iteration ------------------------------------------------------------------------------------
+    def run_once(self, block_ms: int = 0) -> list[Notification]:
+        """Discover runs, read and apply transitions, advance to now, commit; returns the notifications enqueued."""
+        if not self.ready:
+            self.setup()
+        self.grouper.silences = load_silences(self.client)
+        entries = self.discover()
+        streams = {run_keys(r).anomaly_log: ">" for r in sorted(self.runs)}
+        if streams:
+            nxt = self.grouper.next_due()
+            if nxt is not None:
+                block_ms = max(0, min(block_ms, int((nxt - self.clock()) * 1000)))
+            reply = self.client.xreadgroup(self.group, self.consumer, streams, count=self.count,
+                                           block=block_ms or None)
+            for stream_raw, items in reply or []:
+                run = _s(stream_raw).split("{", 1)[1].split("}", 1)[0]
+                entries += [(run, _s(i), f) for i, f in items]
+        notes = self._apply(entries, self.clock())
+        now = self.clock()
+        if now - self._last_watchdog >= WATCHDOG_EVERY_S:
+            self._last_watchdog = now
+            prune_silences(self.client, now)
+            if self.config.watchdog.service_down:
+                notes += self._watch(now)
+        notes += self.grouper.advance(now)
+        self._commit(notes, entries, now)
+        self.last_ok = now
+        self.last_work = len(entries) + len(notes)
+        return notes
+
+    def _apply(self, entries: list[tuple[str, str, dict]], now: float) -> list[Notification]:
+        todo: list[tuple[float, str, tuple[int, int], str, Alert]] = []
+        cutoff = self.epoch - self.config.backfill
+        for run, eid, raw in entries:
+            cursor = self.cursors.get(run)
+            if cursor is not None and _sid(eid) <= _sid(cursor):
+                continue  # applied before a crash, only the XACK was missing
+            self.cursors[run] = eid if cursor is None or _sid(eid) > _sid(cursor) else cursor
+            # Any exception here would fail the whole batch, which is then re-read forever: one bad entry
+            # is logged, counted and skipped (acknowledged with the batch) instead.
+            try:
+                fields = {_s(k): _s(v) for k, v in raw.items()}
+                if "json" not in fields:
+                    self._skip(run, eid, "json", None)
+                    continue
+                try:
+                    anomaly = json.loads(fields["json"])
+                except ValueError:
+                    self._skip(run, eid, "json", fields["json"])
+                    continue
+                transition = fields.get("transition", "updated")
+                if transition not in TRANSITIONS:
+                    self._skip(run, eid, "transition", transition)
+                    continue
+                problem = anomaly_problem(anomaly, now)
+                if problem is not None:
+                    self._skip(run, eid, *problem)
+                    continue
+                t = float(anomaly.get("last_seen") or _sid(eid)[0] / 1000.0)
+                alert = Alert.from_transition(run, transition, anomaly)
+            except Exception:  # a case the checks above missed: still only this entry is lost
+                self.skipped += 1
+                log.exception("run %s: skipping anomaly_log entry %s that cannot be read", run, eid)
+                continue
+            if t < cutoff:
+                continue  # older than the backfill window of the first start
+            todo.append((t, run, _sid(eid), eid, alert))
+        todo.sort(key=lambda x: (x[0], x[1], x[2]))
+        self._enrich([x[4] for x in todo])
+        notes: list[Notification] = []
+        for t, run, _, eid, alert in todo:
+            try:
+                # Ahead of the wall clock (a skewed detector host): observed now, or the engine's clock
+                # would run ahead and hold back every group's flush until the wall clock caught up.
+                notes += self.grouper.observe(alert, min(t, now))
+            except Exception:  # one odd anomaly must not stop alerting on all the others
+                self.skipped += 1
+                log.exception("run %s: skipping anomaly_log entry %s that the grouping engine refused", run, eid)
+        return notes
+
+    def _skip(self, run: str, eid: str, name: str, value: Any) -> None:
+        self.skipped += 1
+        text = repr(value)
+        log.warning("run %s: skipping malformed anomaly_log entry %s: field %s = %s", run, eid, name,
+                    text if len(text) <= 200 else text[:199] + "…")
+
+    def _enrich(self, alerts: list[Alert]) -> None:
+        """Add the stored recommendation's ``summary`` (costs, skip range in words) to the anomaly's
+        ``recommendation``, which carries only its stable part (docs/advisor.md). Display only."""
+        wanted = [(a, a.anomaly["recommendation"]) for a in alerts
+                  if isinstance(a.anomaly.get("recommendation"), dict) and a.anomaly["recommendation"].get("id")
+                  and "summary" not in a.anomaly["recommendation"]]
+        if not wanted:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for a, rec in wanted:
+            pipe.hget(run_keys(a.run).recommendations, str(rec["id"]))
+        for (a, rec), raw in zip(wanted, pipe.execute(), strict=True):
+            try:
+                summary = json.loads(raw).get("summary") if raw else None
+            except (ValueError, AttributeError):
+                summary = None
+            if summary:
+                a.anomaly["recommendation"] = {**rec, "summary": summary}
+
+    def _watch(self, now: float) -> list[Notification]:
+        check = check_service(self.client, now, self.config.watchdog.service_stale)
+        if check.down == self.service_down:
+            return []
+        self.service_down = check.down
+        first = next((a.starts_at for _, a in self.grouper.alerts() if a.key == SERVICE_DOWN_KEY), None)
+        alert = service_down_alert(check, now, first_seen=first)
+        (log.error if check.down else log.info)("watchdog: %s", alert.anomaly["message"])
+        return self.grouper.observe(alert, now)
+
+    def _commit(self, notes: list[Notification], entries: list[tuple[str, str, dict]], now: float) -> None:
+        upserts, deleted = self.grouper.take_changes()
+        if notes or upserts or deleted or entries:
+            pipe = self.client.pipeline(transaction=True)
+            for k, st in upserts.items():
+                pipe.hset(ALERTS_GROUPS, k, json.dumps(st, separators=(",", ":")))
+            if deleted:
+                pipe.hdel(ALERTS_GROUPS, *deleted)
+            state = {"now": repr(self.grouper.now)}
+            state.update({f"cursor:{r}": c for r, c in self.cursors.items()})
+            pipe.hset(ALERTS_STATE, mapping=state)
+            for n in notes:
+                self.enqueued += enqueue(pipe, n, self.config.sinks, now)
+            pipe.execute()
+        if entries:  # after the commit: a crash in between only leaves entries the cursor already covers
+            pipe = self.client.pipeline(transaction=False)
+            by_run: dict[str, list[str]] = {}
+            for run, eid, _ in entries:
+                by_run.setdefault(run, []).append(eid)
+            for run, ids in by_run.items():
+                pipe.xack(run_keys(run).anomaly_log, self.group, *ids)
+            pipe.execute()
+        for n in notes:
+            log.info("notification #%d of %s (%s): %d firing, %d resolved -> %s", n.seq, n.group_key, n.reason,
+                     len(n.firing), len(n.resolved), ", ".join(n.receivers) or "(no receivers)")

@@ -1,0 +1,91 @@
+"""Watching the watchers: a dead detector service raises an alert; a dead alert worker stops a ping.
+
+Two dead-man's switches:
+
+- **service_down** (checked by the alert worker): some run's ranks sent heartbeats in the last
+  ``service_stale`` seconds, but no detector service wrote its ``th:service:<consumer>`` heartbeat in
+  that time. Training data then flows with nobody looking at it: the worker raises a critical alert of
+  kind ``service_down`` (run label ``*``), resolved when a service heartbeat is back. It is routed,
+  silenced and inhibited like any alert (``kind="service_down"``).
+- **deadman ping** (``[deadman]`` in the config, done by :mod:`trainhealth.alerts.worker`): while the worker
+  is healthy and the detector service is up, the worker POSTs to an external dead-man's-switch URL
+  (healthchecks.io, Dead Man's Snitch, a PagerDuty heartbeat...) every ``interval``. When the worker, its
+  Redis or the service dies the pings stop and the external service pages, the way Alertmanager's
+  always-firing ``Watchdog`` alert is used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from trainhealth.alerts.notification import FIRING, RESOLVED, Alert
+from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys
+
+SERVICE_DOWN_KEY = "*/service_down:*:0:0"
+#: Newest runs of ``th:runs`` whose rank heartbeats are examined.
+RUNS_EXAMINED = 50
+
+
+@dataclass(frozen=True)
+class ServiceCheck:
+    """Result of :func:`check_service`: ``down`` and the numbers behind it (ages in seconds)."""
+
+    down: bool
+    service_age_s: float | None
+    runs_sending: tuple[str, ...]
+
+
+def _t(raw: Any) -> float | None:
+    try:
+        return float(json.loads(raw).get("t"))
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def check_service(client: redis.Redis, now: float, stale_s: float) -> ServiceCheck:
+    """Is a detector service alive while ranks send data? (see the module doc; reads only)."""
+    ages = []
+    for key in client.scan_iter(SERVICE_HEARTBEAT_PATTERN, count=100):
+        t = _t(client.get(key))
+        if t is not None:
+            ages.append(now - t)
+    age = min(ages, default=None)
+    if age is not None and age < stale_s:
+        return ServiceCheck(False, age, ())
+    sending = []
+    for raw in client.zrevrange(RUNS, 0, RUNS_EXAMINED - 1):
+        run = raw.decode() if isinstance(raw, bytes) else str(raw)
+        try:
+            hb = client.hvals(run_keys(run).heartbeats)
+        except ValueError:
+            continue
+        if any((t := _t(b)) is not None and now - t < stale_s for b in hb):
+            sending.append(run)
+    return ServiceCheck(bool(sending), age, tuple(sorted(sending)))
+
+
+def service_down_alert(check: ServiceCheck, now: float, first_seen: float | None = None) -> Alert:
+    """The ``service_down`` alert for ``check`` (firing when down, else resolved)."""
+    age = check.service_age_s
+    if age is None:
+        why = "no detector service heartbeat at all"
+    else:
+        why = f"the last detector service heartbeat is {age:.0f} s old"
+    runs = ", ".join(check.runs_sending) or "-"
+    anomaly = {
+        "id": "service_down:*:0:0", "run": "*", "kind": "service_down", "severity": "critical",
+        "status": "active" if check.down else "resolved", "step": None, "end_step": None, "ranks": [], "hosts": [],
+        "evidence": {"service_heartbeat_age_s": None if age is None else round(age, 1),
+                     "runs_sending": list(check.runs_sending)},
+        "message": (f"Anomaly detection is down: {why} while run(s) {runs} send data. "
+                    "Start `trainhealth serve` (check `trainhealth doctor`)." if check.down
+                    else "A detector service heartbeat is back: anomaly detection runs again."),
+        "first_seen": first_seen if first_seen is not None else now, "last_seen": now,
+    }
+    return Alert(key=SERVICE_DOWN_KEY, labels={"run": "*", "kind": "service_down", "severity": "critical",
+                                               "rank": "", "host": ""},
+                 anomaly=anomaly, status=FIRING if check.down else RESOLVED)

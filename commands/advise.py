@@ -1,0 +1,81 @@
+"""``trainhealth advise RUN``: the rollback advisor's recommendations, for people and launchers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import redis
+
+from trainhealth import recommendations
+from trainhealth.exceptions import ConfigError
+from trainhealth.keys import RUNS, run_keys
+from trainhealth.recommendations import STATUSES, Recommendation
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register the ``advise`` subcommand on an argparse ``sub``-parsers object."""
+    summary = ("Show the rollback advisor's recommendations for a run, export them for a launcher, or move "
+               "one through its lifecycle (proposed → acknowledged → applied / dismissed).")
+    a = sub.add_parser("advise", help=summary, description=summary)
+    a.add_argument("run", help="run id")
+    a.add_argument("--json", action="store_true", help="print the recommendations as JSON")
+    a.add_argument("--id", dest="rec_id", help="one recommendation (default: the newest)")
+    a.add_argument("--set", dest="status", choices=[s for s in STATUSES if s != "proposed"],
+                   help="move the recommendation to this status")
+    a.add_argument("--by", default="", help="who sets the status (recorded in its history)")
+    a.add_argument("--note", default="", help="a note recorded with the status change")
+    a.add_argument("--megatron", action="store_true", help="print the Megatron arguments of the rollback")
+    a.add_argument("--lightning", metavar="FILE", help="write the skip_batches.json of the rollback to FILE")
+    return a
+
+
+def run_advise(client: redis.Redis, args: argparse.Namespace) -> int:
+    """Carry out ``trainhealth advise``; returns the exit status (1 when there is nothing to advise)."""
+    keys = run_keys(args.run)
+    if client.zscore(RUNS, args.run) is None:
+        raise ConfigError(f"run={args.run!r} is not in the run registry")
+    recs = recommendations.load(client, args.run)
+    if args.rec_id:
+        recs = [r for r in recs if r["id"] == args.rec_id]
+        if not recs:
+            raise ConfigError(f"--id={args.rec_id!r} is not a recommendation of run {args.run!r}")
+    if args.status:
+        if not recs:
+            raise ConfigError(f"run {args.run!r} has no recommendation to set")
+        d = recommendations.set_status(client, args.run, recs[0]["id"], args.status, by=args.by, note=args.note)
+        print(f"{d['id']}: {d['status']}")
+        return 0
+    if args.json:
+        print(json.dumps(recs, indent=2, sort_keys=True))
+        return 0 if recs else 1
+    if not recs:
+        print(f"No recommendation for run {args.run!r}: no loss spike, divergence or NaN needs one "
+              f"({keys.recommendations} is empty).")
+        return 1
+    rec = recs[0]
+    if args.megatron or args.lightning:
+        return _export(rec, args)
+    for d in recs:
+        print(f"[{d['status']}] {d['id']} — {d['action']}")
+        print(f"  {d['summary']}")
+        for line in d.get("reasoning", []):
+            print(f"  · {line}")
+        for opt in d.get("options", []):
+            print(f"  · {opt}")
+    return 0
+
+
+def _export(rec: dict[str, Any], args: argparse.Namespace) -> int:
+    r = Recommendation.from_dict(rec)
+    megatron, skip = r.megatron_args(), r.lightning_skip()
+    if megatron is None or skip is None or r.checkpoint_step is None:
+        raise ConfigError(f"recommendation {r.id!r} ({r.action}) has no rollback to export")
+    if args.megatron:
+        print(megatron)
+    if args.lightning:
+        with open(args.lightning, "w") as f:
+            json.dump(skip, f, indent=2)
+        print(f"wrote {args.lightning}")
+    return 0

@@ -1,0 +1,237 @@
+"""A simulated multi-rank training job for ``trainhealth demo`` (and the end-to-end tests).
+
+Each rank is its own process, as under ``torchrun``, instrumented with
+:class:`trainhealth.Monitor` exactly as a real job would be. A shared barrier stands in for the
+gradient all-reduce, so every rank's step takes as long as the slowest rank's sections,
+and a straggler shows only in its own section times. Scripted faults: one slow rank for a
+span of steps, a loss spike, and a crash of the whole job followed by a relaunch that
+resumes from the last checkpoint (as ``torchrun --max-restarts`` would).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """The simulated job. Times in seconds, steps as optimizer steps.
+
+    ``fb_s`` is a healthy rank's forward+backward time; the straggler's is ``straggler_factor``
+    times longer for steps in ``[straggler_from, straggler_to)``. The job crashes right after
+    step ``crash_step`` (set < 0 for no crash) and is relaunched ``restart_delay_s`` later from
+    the newest checkpoint (one every ``ckpt_every`` steps, blocking ``ckpt_s``).
+    """
+
+    run: str
+    ranks: int = 8
+    ranks_per_node: int = 4
+    steps: int = 1500
+    data_s: float = 0.008
+    fb_s: float = 0.045
+    optim_s: float = 0.004
+    spike_step: int = 450
+    straggler_rank: int = 5
+    straggler_from: int = 250
+    straggler_to: int = 800
+    straggler_factor: float = 2.0
+    crash_step: int = 620
+    ckpt_every: int = 100
+    ckpt_s: float = 0.5
+    load_s: float = 1.0
+    restart_delay_s: float = 3.0
+    tokens_per_rank: int = 8192
+    gpu_hour_usd: float = 2.5
+    heartbeat_interval: float = 1.0
+    seed: int = 0
+
+    def host(self, rank: int) -> str:
+        """Simulated node name of ``rank``."""
+        return f"demo-node-{rank // self.ranks_per_node}"
+
+    def loss(self, step: int, rank: int) -> float:
+        """Deterministic loss curve: decay + noise, plus the injected spike."""
+        rng = random.Random(self.seed * 1_000_003 + step)
+        x = 2.1 + 8.0 * math.exp(-step / 160.0) + 0.4 * math.exp(-step / 2000.0) + rng.gauss(0.0, 0.02)
+        x += random.Random(step * 131 + rank).gauss(0.0, 0.005)
+        if self.spike_step <= step < self.spike_step + 8:
+            x += 3.2 * 0.65 ** (step - self.spike_step)
+        return x
+
+    def grad_norm(self, step: int) -> float:
+        rng = random.Random(self.seed * 7 + step)
+        g = 0.9 + 1.5 * math.exp(-step / 200.0) + abs(rng.gauss(0.0, 0.05))
+        if self.spike_step - 2 <= step < self.spike_step + 4:
+            g *= 25.0
+        return g
+
+    def lr(self, step: int) -> float:
+        warm = 100
+        if step < warm:
+            return 3e-4 * (step + 1) / warm
+        return 3e-5 + 0.5 * (3e-4 - 3e-5) * (1 + math.cos(math.pi * min(1.0, step / max(self.steps, 1))))
+
+
+def _rank_main(cfg: DemoConfig, rank: int, start: int, barrier, url: str, ckpt_file: str, crash: bool) -> None:
+    # Runs in a spawned process: one rank of the job.
+    from trainhealth import Monitor
+
+    logging.basicConfig(level=logging.WARNING)
+    mon = Monitor(cfg.run, redis_url=url, rank=rank, world_size=cfg.ranks, host=cfg.host(rank),
+                  gpu_hour_usd=cfg.gpu_hour_usd, heartbeat_interval=cfg.heartbeat_interval,
+                  run_config={"demo": True, "ranks": cfg.ranks, "steps": cfg.steps})
+    if start > 0:
+        with mon.checkpoint_load(start - 1):
+            time.sleep(cfg.load_s)
+    barrier.wait()
+    jitter = random.Random(rank * 7919 + start)
+    for step in range(start, cfg.steps):
+        slow = rank == cfg.straggler_rank and cfg.straggler_from <= step < cfg.straggler_to
+        with mon.step(step):
+            with mon.section("data"):
+                time.sleep(cfg.data_s * jitter.uniform(0.9, 1.1))
+            with mon.section("forward_backward"):
+                time.sleep(cfg.fb_s * (cfg.straggler_factor if slow else 1.0) * jitter.uniform(0.97, 1.03))
+            barrier.wait()  # the gradient all-reduce: everyone waits for the slowest rank
+            with mon.section("optimizer"):
+                time.sleep(cfg.optim_s)
+        mon.log_step(step, loss=cfg.loss(step, rank), grad_norm=cfg.grad_norm(step), lr=cfg.lr(step),
+                     tokens=cfg.tokens_per_rank, samples=cfg.tokens_per_rank // 2048)
+        if crash and step == cfg.crash_step:
+            mon.flush(2.0)
+            os._exit(17)  # a node failure takes the whole job down, with no clean shutdown
+        if (step + 1) % cfg.ckpt_every == 0:
+            with mon.checkpoint_save(step):
+                time.sleep(cfg.ckpt_s)
+                if rank == 0:
+                    Path(ckpt_file).write_text(json.dumps({"step": step}))
+            barrier.wait()
+    mon.close()
+
+
+def run_job(cfg: DemoConfig, url: str, workdir: Path, max_restarts: int = 3,
+            watch: Callable[[], None] | None = None) -> int:
+    """Launch the ranks, relaunch from the last checkpoint after a crash; return restarts done.
+
+    Blocks until the job finishes, calling ``watch()`` every half second (it may raise to stop
+    the job). Raises ``RuntimeError`` when the job fails more than ``max_restarts`` times.
+    """
+    ctx = mp.get_context("spawn")
+    workdir.mkdir(parents=True, exist_ok=True)
+    ckpt_file = workdir / f"{cfg.run}.ckpt.json"
+    ckpt_file.unlink(missing_ok=True)
+    restarts, start = 0, 0
+    while True:
+        barrier = ctx.Barrier(cfg.ranks, timeout=120)
+        procs = [ctx.Process(target=_rank_main, name=f"rank{r}",
+                             args=(cfg, r, start, barrier, url, str(ckpt_file), restarts == 0 and cfg.crash_step >= 0))
+                 for r in range(cfg.ranks)]
+        for p in procs:
+            p.start()
+        try:
+            while any(p.is_alive() for p in procs):
+                mp.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.5)
+                if watch is not None:
+                    watch()
+        except BaseException:
+            for p in procs:
+                p.terminate()
+            raise
+        codes = [p.exitcode for p in procs]
+        if all(c == 0 for c in codes):
+            return restarts
+        if restarts >= max_restarts:
+            raise RuntimeError(f"demo job failed {restarts + 1} times (exit codes {codes})")
+        restarts += 1
+        last = json.loads(ckpt_file.read_text())["step"] if ckpt_file.exists() else -1
+        start = last + 1
+        log.warning("job crashed (exit codes %s); relaunching in %.0f s from the checkpoint of step %d",
+                     sorted(set(codes)), cfg.restart_delay_s, last)
+        time.sleep(cfg.restart_delay_s)
+
+
+def config_json(cfg: DemoConfig) -> str:
+    return json.dumps(asdict(cfg))
+
+
+def start_alert_receiver(print_fn: Callable[[str], None] = print):
+    """A local HTTP endpoint standing in for the on-call's webhook receiver in the demo.
+
+    Receives the alert worker's signed JSON webhook (docs/alerts.md) on 127.0.0.1 and prints one
+    line per alert. Returns ``(server, url)``; ``server.shutdown()`` stops it.
+    """
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            try:
+                doc = json.loads(body)
+                for a in doc.get("alerts", []):
+                    labels, anomaly = a.get("labels", {}), a.get("anomaly") or {}
+                    # Each alert's own state: a point event (a restart, over when first seen) never resolves.
+                    state = "EVENT" if a.get("point_event") else str(a.get("status") or doc.get("status", "?")).upper()
+                    print_fn(f"ALERT [{state}] {labels.get('severity', '')} "
+                             f"{labels.get('kind', '')} · run {labels.get('run', '')}: {anomaly.get('message', '')}")
+            except (ValueError, AttributeError):
+                pass
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass  # no access log on the demo's console
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, name="demo-alert-receiver", daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/alerts"
+
+
+def alerts_config(url: str, dashboard_url: str) -> str:
+    """The demo's alerting config: every warning and critical anomaly to the local receiver at once.
+
+    ``group_wait = "0s"``: the demo's loss spike is over in half a second, which the usual 30 s
+    would (rightly, for flapping) never notify; here every anomaly should show. ``info`` anomalies
+    (single slow steps) stay on the dashboard: nobody is woken for them. Throughput drops wait 60 s:
+    the simulated ranks share a laptop's cores, whose load moves the step time by a few percent for
+    seconds at a time; a drop that lasts a minute still notifies.
+    """
+    return f'''# Written by `trainhealth demo`: alerts go to a local receiver that prints them.
+version = 1
+dashboard_url = "{dashboard_url}"
+
+[route]
+receivers = []
+group_by = ["run", "kind"]
+group_wait = "0s"
+group_interval = "30s"
+repeat_interval = "4h"
+
+[[route.routes]]
+name = "throughput"
+matchers = ['kind="throughput_drop"']
+receivers = ["demo"]
+group_wait = "60s"
+
+[[route.routes]]
+name = "notify"
+matchers = ['severity=~"warning|critical"']
+receivers = ["demo"]
+
+[sinks.demo]
+type = "webhook"
+url = "{url}"
+secret_env = "TRAINHEALTH_DEMO_WEBHOOK_SECRET"
+'''

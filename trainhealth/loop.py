@@ -1,0 +1,61 @@
+"""What every Redis loop of the project shares: the reconnect backoff and the lease scripts.
+
+The collectors' sender, the detector service and the alert worker each keep working through a Redis
+outage: they wait :class:`Backoff` between attempts, and the two services hold a lease (a key with a
+TTL renewed while alive) so that several processes split the work without two owning the same thing.
+"""
+
+from __future__ import annotations
+
+from trainhealth import defaults
+
+#: Renew the lease ``KEYS[1]`` if ``ARGV[1]`` holds it, else take it when free, for ``ARGV[2]`` seconds.
+#: Returns 1 when ``ARGV[1]`` holds it afterwards, else 0 (one key: Redis Cluster safe).
+LEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0
+"""
+#: Delete the lease ``KEYS[1]`` only if ``ARGV[1]`` holds it (a clean exit hands it over at once).
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class Backoff:
+    """Capped exponential delay between reconnect attempts: ``base``, then doubling up to ``cap`` (seconds).
+
+    Call :meth:`failed` after each failed attempt (it returns the seconds to wait before the next one)
+    and :meth:`reset` after a success. The defaults are
+    :data:`~trainhealth.defaults.RECONNECT_BACKOFF_S` and :data:`~trainhealth.defaults.RECONNECT_BACKOFF_MAX_S`
+    (the schedule of rq's worker and redis-py's ``ExponentialBackoff``, without jitter: each process
+    reconnects to one server, so there is no herd to spread).
+
+    >>> b = Backoff(0.5, 4.0)
+    >>> [b.failed() for _ in range(5)], b.delay
+    ([0.5, 1.0, 2.0, 4.0, 4.0], 4.0)
+    >>> b.reset(); b.delay
+    0.0
+    """
+
+    def __init__(self, base: float = defaults.RECONNECT_BACKOFF_S, cap: float = defaults.RECONNECT_BACKOFF_MAX_S,
+                 ) -> None:
+        self.base = base
+        self.cap = cap
+        self._delay = 0.0
+
+    @property
+    def delay(self) -> float:
+        """The current wait (s); 0.0 before the first failure and after a success."""
+        return self._delay
+
+    def failed(self) -> float:
+        """Record a failed attempt; returns the seconds to wait before the next one."""
+        self._delay = min(self.cap, max(self.base, self._delay * 2))
+        return self._delay
+
+    def reset(self) -> None:
+        """Record a success: the next failure waits ``base`` again."""
+        self._delay = 0.0

@@ -1,0 +1,149 @@
+"""Recommendations: the record the advisor writes to ``th:{run}:recommendations``, and its lifecycle.
+
+The detector service writes them; people move them: ``proposed`` → ``acknowledged`` →
+``applied`` or ``dismissed`` (from ``trainhealth advise`` or the dashboard). A change of
+advice (another checkpoint or skip range) starts again at ``proposed``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from trainhealth.exceptions import ConfigError
+from trainhealth.keys import run_keys
+
+#: Lifecycle of a recommendation, in order.
+STATUSES = ("proposed", "acknowledged", "applied", "dismissed")
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What to do about one anomaly, with the numbers behind it.
+
+    Attributes
+    ----------
+    id : str
+        ``rec:<anomaly id>``: one recommendation per anomaly, updated as the anomaly evolves.
+    action : str
+        ``rollback`` (restart from ``checkpoint_step`` skipping the data range), ``wait``
+        (a spike that may recover: re-check at ``recheck_step``) or ``none_possible``.
+    checkpoint_step : int | None
+        Checkpoint to restart from.
+    skip_steps : tuple[int, int] | None
+        Inclusive range of steps whose batches to skip after restarting.
+    skip_samples, skip_batches : tuple[int, int] | None
+        The same range as half-open ``[first, end)`` consumed-sample and batch-index ranges,
+        when the collectors recorded data positions.
+    recompute_steps : int
+        Steps that a rollback discards and trains again.
+    cost : dict
+        ``gpu_hours`` and ``usd`` (None without a price) of the rollback's recomputation, and
+        ``wall_hours`` of the run's time it takes.
+    continue_cost : dict
+        What not acting costs: ``wasted_steps_so_far`` and ``gpu_hours_per_hour`` (``usd_per_hour``)
+        burnt while the run trains on a diverged model.
+    options : list[str]
+        Other levers (lower learning rate, tighter clipping), labelled as options.
+    reasoning : list[str]
+        The steps of the decision, in words, with the numbers used.
+    """
+
+    id: str
+    run: str
+    anomaly_id: str
+    kind: str
+    action: str
+    onset_step: int
+    current_step: int
+    checkpoint_step: int | None = None
+    skip_steps: tuple[int, int] | None = None
+    skip_samples: tuple[int, int] | None = None
+    skip_batches: tuple[int, int] | None = None
+    recheck_step: int | None = None
+    recompute_steps: int = 0
+    cost: dict[str, Any] = field(default_factory=dict)
+    continue_cost: dict[str, Any] = field(default_factory=dict)
+    options: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    summary: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (tuples as lists)."""
+        d = asdict(self)
+        for k in ("skip_steps", "skip_samples", "skip_batches"):
+            d[k] = list(d[k]) if d[k] is not None else None
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Recommendation:
+        """Rebuild from a stored dict (extra keys such as ``status`` and ``history`` are ignored)."""
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        for k in ("skip_steps", "skip_samples", "skip_batches"):
+            if kw.get(k) is not None:
+                kw[k] = tuple(kw[k])
+        return cls(**kw)
+
+    def megatron_args(self) -> str | None:
+        """``--train-range-to-skip FIRST LAST`` (Megatron-DeepSpeed; inclusive iterations) and
+        ``--iterations-to-skip`` (Megatron-LM; the iterations listed), plus the load step."""
+        if self.skip_steps is None or self.checkpoint_step is None:
+            return None
+        a, b = self.skip_steps
+        return (f"--ckpt-step {self.checkpoint_step} --train-range-to-skip {a} {b} "
+                f"--iterations-to-skip {' '.join(str(i) for i in range(a, b + 1))}")
+
+    def lightning_skip(self) -> dict[str, Any] | None:
+        """The ``skip_batches.json`` document: checkpoint, and the batch/sample/step ranges to skip."""
+        if self.skip_steps is None:
+            return None
+        return {"version": 1, "run": self.run, "resume_from_step": self.checkpoint_step,
+                "skip_steps": list(self.skip_steps),
+                "skip_batches": list(self.skip_batches) if self.skip_batches else None,
+                "skip_samples": list(self.skip_samples) if self.skip_samples else None}
+
+
+def load(client: redis.Redis, run: str) -> list[dict[str, Any]]:
+    """All recommendations of ``run``, newest update first (JSON dicts as stored)."""
+    raw = client.hgetall(run_keys(run).recommendations)
+    recs = [json.loads(v) for v in raw.values()]
+    return sorted(recs, key=lambda d: d.get("updated_at", 0.0), reverse=True)
+
+
+def set_status(client: redis.Redis, run: str, rec_id: str, status: str, *, by: str = "", note: str = "") -> dict:
+    """Move recommendation ``rec_id`` of ``run`` to ``status``; returns the stored dict.
+
+    The change is recorded in the recommendation's ``history`` (time, status, by, note).
+
+    Raises
+    ------
+    ConfigError
+        For an unknown ``status`` or ``rec_id`` (naming the value); nothing is changed then.
+    """
+    if status not in STATUSES:
+        raise ConfigError(f"status={status!r} is not one of {', '.join(STATUSES)}")
+    key = run_keys(run).recommendations
+    with client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(key)  # optimistic lock: the service may update the figures meanwhile
+                raw = pipe.hget(key, rec_id)
+                if raw is None:
+                    raise ConfigError(f"recommendation id={rec_id!r} does not exist in run {run!r}")
+                d = json.loads(raw)
+                d["status"] = status
+                d.setdefault("history", []).append({"t": time.time(), "status": status, "by": by, "note": note})
+                pipe.multi()
+                pipe.hset(key, rec_id, json.dumps(d, sort_keys=True))
+                pipe.execute()
+                return d
+            except redis.WatchError:
+                continue
