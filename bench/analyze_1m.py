@@ -82,7 +82,7 @@ WRITERS = {"megatron": (write_megatron, "log"), "jsonl": (write_jsonl, "jsonl")}
 def child(mode: str, path: str) -> None:
     """One measurement in this (fresh) process; prints a JSON line."""
     from trainhealth.collectors import importers
-    from trainhealth.commands.analyze import analyze_file
+    from trainhealth.commands.analyze_report import analyze_file
 
     base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out: dict = {"mode": mode, "baseline_rss_mb": base_kb / 1024}

@@ -330,8 +330,9 @@ def run_source(src: Source, peers: bool = True) -> RunResult:
     with ``flush_stale`` and ``check_heartbeats`` at every heartbeat check, as the service's tick does.
     """
     from trainhealth.commands.replay import read_points
-    from trainhealth.detectors.offline import OfflineRun, timeline
+    from trainhealth.detectors.offline import OfflineRun
     from trainhealth.detectors.pipeline import RunPipeline
+    from trainhealth.timeline import timeline
 
     t0 = time.perf_counter()
     fd = _Feeder(peers)

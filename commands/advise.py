@@ -9,16 +9,17 @@ from typing import Any
 import redis
 
 from trainhealth import recommendations
+from trainhealth.commands._shared import with_url
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import RUNS, run_keys
 from trainhealth.recommendations import STATUSES, Recommendation
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Register the ``advise`` subcommand on an argparse ``sub``-parsers object."""
+def register(sub: Any) -> None:
+    """Add ``advise`` to the ``trainhealth`` sub-parsers."""
     summary = ("Show the rollback advisor's recommendations for a run, export them for a launcher, or move "
                "one through its lifecycle (proposed → acknowledged → applied / dismissed).")
-    a = sub.add_parser("advise", help=summary, description=summary)
+    a = with_url(sub.add_parser("advise", help=summary, description=summary), starts=False)
     a.add_argument("run", help="run id")
     a.add_argument("--json", action="store_true", help="print the recommendations as JSON")
     a.add_argument("--id", dest="rec_id", help="one recommendation (default: the newest)")
@@ -28,7 +29,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     a.add_argument("--note", default="", help="a note recorded with the status change")
     a.add_argument("--megatron", action="store_true", help="print the Megatron arguments of the rollback")
     a.add_argument("--lightning", metavar="FILE", help="write the skip_batches.json of the rollback to FILE")
-    return a
+    a.set_defaults(func=run, extra=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``trainhealth advise``, on the Redis of ``--redis-url`` (never starting the embedded one)."""
+    from trainhealth.embedded_redis import connect, resolve_url
+
+    url, _ = resolve_url(args.redis_url, start=False)
+    return run_advise(connect(url), args)
 
 
 def run_advise(client: redis.Redis, args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""A simulated multi-rank training job for ``trainhealth demo`` (and the end-to-end tests).
+"""``trainhealth demo``: embedded Redis, the detector service, the alert worker, the dashboard and a simulated
+multi-rank training job (also used by the end-to-end tests).
 
 Each rank is its own process, as under ``torchrun``, instrumented with
 :class:`trainhealth.Monitor` exactly as a real job would be. A shared barrier stands in for the
@@ -10,6 +11,7 @@ resumes from the last checkpoint (as ``torchrun --max-restarts`` would).
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -17,10 +19,28 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import random
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+from trainhealth import config, defaults
+from trainhealth.commands._shared import (
+    check_port,
+    child_env,
+    command,
+    dashboard_command,
+    ignore_signals,
+    interrupt_on_signals,
+    release_embedded,
+    resolve,
+    with_url,
+)
+from trainhealth.exceptions import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -235,3 +255,122 @@ type = "webhook"
 url = "{url}"
 secret_env = "TRAINHEALTH_DEMO_WEBHOOK_SECRET"
 '''
+
+
+# -- the command ---------------------------------------------------------------------------------
+def register(sub: Any) -> None:
+    """Add ``demo`` to the ``trainhealth`` sub-parsers."""
+    d = with_url(command(sub, "demo", "Embedded Redis, detector service, dashboard and a simulated multi-rank job "
+                                      "with a straggler, a loss spike and a crash + restart."))
+    d.add_argument("--ranks", type=int, default=8, help="ranks (processes) of the simulated job, 2-64 (default 8)")
+    d.add_argument("--steps", type=int, default=1500, help="training steps (default 1500, about 2 minutes)")
+    d.add_argument("--port", type=int, default=defaults.DASHBOARD_PORT,
+                   help=f"dashboard port on 127.0.0.1 (default {defaults.DASHBOARD_PORT})")
+    d.add_argument("--run", help="run id (default demo-<date>-<time>)")
+    d.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard")
+    d.set_defaults(func=run, extra="server")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo until Ctrl-C or SIGTERM (0), or until one of its processes exits (1)."""
+    import secrets
+
+    import streamlit  # noqa: F401 - fail here, with the extra to install, not in a child process
+
+    from trainhealth.embedded_redis import connect
+    from trainhealth.keys import run_keys
+
+    if not 2 <= args.ranks <= 64:
+        raise ConfigError(f"--ranks={args.ranks} must be between 2 and 64 (each rank is a process)")
+    if args.steps < 1:
+        raise ConfigError(f"--steps={args.steps} must be >= 1")
+    if not args.no_dashboard:
+        check_port(args.port)
+    url, embedded = resolve(args)
+    run_id = args.run or time.strftime("demo-%Y%m%d-%H%M%S")
+    cfg = DemoConfig(run=run_id, ranks=args.ranks, steps=args.steps, straggler_rank=min(5, args.ranks - 1))
+    env = child_env(url)
+    children: dict[str, subprocess.Popen] = {}
+    receiver = None
+    # Explicitly for SIGINT too: Python leaves it ignored when started with it ignored (nohup, some launchers).
+    interrupt_on_signals()
+
+    def watch() -> None:
+        for name, child in children.items():
+            if child.poll() is not None:
+                raise RuntimeError(f"the {name} exited (code {child.returncode}); stopping the demo")
+
+    try:
+        children["detector service"] = subprocess.Popen(
+            [sys.executable, "-m", "trainhealth", "serve", "--hang-floor", "30"], env=env)
+        # Alerts: the worker sends to a local receiver that prints them here, as a webhook would.
+        receiver, hook_url = start_alert_receiver()
+        alerts_toml = config.home_dir() / "demo" / "alerts.toml"
+        alerts_toml.parent.mkdir(parents=True, exist_ok=True)
+        alerts_toml.write_text(alerts_config(hook_url, f"http://127.0.0.1:{args.port}"))
+        children["alert worker"] = subprocess.Popen(
+            [sys.executable, "-m", "trainhealth", "--log-level", "WARNING", "alerts", "--config",
+             str(alerts_toml)], env={**env, "TRAINHEALTH_DEMO_WEBHOOK_SECRET": secrets.token_hex(16)})
+        if not args.no_dashboard:
+            children["dashboard"] = subprocess.Popen(dashboard_command(url, args.port), env=env,
+                                                     stdout=subprocess.DEVNULL)
+            _wait_for_dashboard(args.port, children["dashboard"])
+            print(f"\nDashboard: http://127.0.0.1:{args.port}/?run={run_id}\n", flush=True)
+        print(f"Demo job: run {run_id!r}, {cfg.ranks} ranks, {cfg.steps} steps; {_faults(cfg)}. "
+              "Ctrl-C stops everything.", flush=True)
+        connect(url).hset(run_keys(run_id).meta, "source", "demo")
+        restarts = run_job(cfg, url, config.home_dir() / "demo", watch=watch)
+        print(f"Demo job finished ({restarts} restart{'s' if restarts != 1 else ''}). Dashboard and detectors "
+              "stay up; Ctrl-C to stop.", flush=True)
+        while True:
+            watch()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nStopping…", flush=True)
+        return 0
+    except RuntimeError as exc:
+        print(f"trainhealth demo: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        ignore_signals()  # a second Ctrl-C must not interrupt the cleanup and leave servers behind
+        if receiver is not None:
+            receiver.shutdown()
+        for c in children.values():
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+        for c in children.values():
+            try:
+                c.wait(10)
+            except subprocess.TimeoutExpired:
+                c.kill()
+        release_embedded(embedded, url, run_id)
+
+
+def _faults(cfg: DemoConfig) -> str:
+    parts = []
+    if cfg.straggler_from < cfg.steps:
+        parts.append(f"straggler rank {cfg.straggler_rank} (steps {cfg.straggler_from}-"
+                     f"{min(cfg.straggler_to, cfg.steps)})")
+    if cfg.spike_step < cfg.steps:
+        parts.append(f"loss spike at step {cfg.spike_step}")
+    if 0 <= cfg.crash_step < cfg.steps - 1:
+        parts.append(f"crash after step {cfg.crash_step} and resume from the last checkpoint")
+    return ", ".join(parts) if parts else "too few steps for the scripted faults (use --steps 1500)"
+
+
+def _wait_for_dashboard(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the dashboard exited (code {proc.returncode}) before serving on port {port}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1) as resp:
+                if resp.read() == b"ok":
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the dashboard did not answer on port {port} within {timeout:.0f} s")

@@ -2,24 +2,34 @@
 
 from __future__ import annotations
 
-import itertools
+import argparse
 import logging
 import math
-import re
+import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 
-from trainhealth.collectors import importers
+from trainhealth.collectors.importers.runs import log_stem, read_points, read_run
 from trainhealth.collectors.monitor import Monitor
-from trainhealth.detectors.offline import arrange, step_seconds_error
-from trainhealth.exceptions import ConfigError, InputFormatError
+from trainhealth.commands._shared import (
+    command,
+    interrupt_on_signals,
+    live_services,
+    log_options,
+    parse_map,
+    resolve,
+    with_url,
+)
+from trainhealth.exceptions import ConfigError
 from trainhealth.keys import validate_run_id
 from trainhealth.logpoint import LogPoint
 from trainhealth.text import fmt_duration
+from trainhealth.timeline import arrange, step_seconds_error
 
 log = logging.getLogger(__name__)
 
@@ -123,77 +133,9 @@ timeline assumed at 1 s per step); pushed at once (--speed 0)
     return f"replaying {what} of {name} as run {run!r}: {span}; {pace}"
 
 
-def log_stem(paths: Path | Sequence[Path]) -> str:
-    """The run's name from its file name(s): ``hf_x.trainer_state.json`` → ``hf_x``; for several files
-    (the ranks of one run) the names' common start without a trailing ``rank``:
-    ``trace_rank0.json.gz`` + ``trace_rank1.json.gz`` → ``trace``.
-
-    >>> log_stem([Path("kineto_trace_rank0_ws128.json.gz"), Path("kineto_trace_rank1_ws128.json.gz")])
-    'kineto_trace'
-    """
-    names = [p.name.split(".")[0] for p in ([paths] if isinstance(paths, Path) else paths)]
-    stem = names[0]
-    if len(names) > 1:
-        same = itertools.takewhile(lambda c: len(set(c)) == 1, zip(*names, strict=False))  # up to the shortest
-        common = "".join(c[0] for c in same)
-        common = re.sub(r"(?i)[-_.]*(rank)?[-_.]*$", "", common)
-        stem = common or stem
-    return re.sub(r"[^A-Za-z0-9._-]", "-", stem)[:100] or "log"
-
-
 def default_run_id(path: Path | Sequence[Path]) -> str:
     """A run id from the file name(s): ``hf_x.trainer_state.json`` → ``replay-hf_x`` (see :func:`log_stem`)."""
     return "replay-" + log_stem(path)
-
-
-def read_points(path: str | Path, fmt: str | None = None,
-                mapping: Mapping[str, str | None] | None = None) -> list[LogPoint]:
-    """Parse a supported training log (format detected, or ``fmt``; see :mod:`trainhealth.collectors.importers`).
-
-    Raises :class:`InputFormatError` when it cannot be parsed or holds no training step.
-    """
-    fmt = fmt or importers.detect(path)
-    points = list(importers.read(path, fmt, mapping))
-    if not any(not p.is_eval for p in points):
-        if fmt == "hf_trainer_state":
-            raise InputFormatError(f"{path}: no training steps (log_history entries with 'loss') to replay")
-        raise InputFormatError(f"{path}: no training steps to replay (read as {fmt})")
-    return points
-
-
-def read_run(paths: Sequence[str | Path], fmt: str | None = None,
-             mapping: Mapping[str, str | None] | None = None,
-             formats: Sequence[str] | None = None) -> tuple[list[LogPoint], list[str]]:
-    """Parse per-rank logs of one job (one file per rank or group of ranks) into one run's points.
-
-    Returns the points of every file (file order) and each file's format (``formats``, when the
-    caller detected them already; else ``fmt`` or detected). ``--one-run`` of
-    ``trainhealth analyze`` and ``trainhealth replay``.
-
-    Raises
-    ------
-    InputFormatError
-        When a file cannot be parsed or holds no training step, is a single-stream log (its points
-        have no rank), or holds a rank another file also holds.
-    """
-    points: list[LogPoint] = []
-    found: list[str] = []
-    owner: dict[int, str | Path] = {}
-    for i, path in enumerate(paths):
-        f = formats[i] if formats is not None else fmt or importers.detect(path)
-        pts = read_points(path, f, mapping)
-        found.append(f)
-        if any(p.rank is None for p in pts):
-            why = (" without distributedInfo.rank or 'rank<N>' in its name" if f == "kineto_trace" else "")
-            raise InputFormatError(f"{path}: a {f} log{why} has no rank: --one-run joins per-rank logs of one job "
-                                   f"(formats {', '.join(sorted(importers.PER_RANK_FORMATS))})")
-        for r in sorted({p.rank for p in pts if p.rank is not None}):
-            if r in owner:
-                raise InputFormatError(f"{path}: rank {r} is also in {owner[r]}: --one-run joins different ranks of "
-                                       "one job")
-            owner[r] = path
-        points += pts
-    return points, found
 
 
 #: Longest real time a paced replay may take (a year): a ``speed`` that stretches the log's timeline
@@ -249,7 +191,7 @@ def replay(
     A per-rank log (``LogPoint.rank`` set; or a list of paths, the per-rank logs of one job read
     with :func:`read_run`) goes through one Monitor per rank (``rank=r``, ``world_size`` = highest
     rank + 1, ``host`` where the log names it), each rank on its own timeline, pushed in the
-    order their steps end (:func:`trainhealth.detectors.offline.arrange`); a point's ``sections`` are that
+    order their steps end (:func:`trainhealth.timeline.arrange`); a point's ``sections`` are that
     rank's section times of the step (``sec.<name>``), so the service compares the ranks.
 
     The run's meta gets ``source``, ``replay_speed`` (``speed``) and ``timeline`` (:func:`timeline_kind`;
@@ -343,3 +285,112 @@ def replay(
     log.debug("replayed %d steps and %d evaluations of %s as run %s", n, evals, path, run)
     return ReplayResult(run=run, points=n, evals=evals, span_s=span, delivered=ok, ranks=arranged.ranks,
                         total=len(train), offset_s=off, timeline=timeline)
+
+
+# -- the command ---------------------------------------------------------------------------------
+def register(sub: Any) -> None:
+    """Add ``replay`` to the ``trainhealth`` sub-parsers."""
+    from trainhealth.collectors.importers import FORMATS
+
+    r = with_url(command(sub, "replay", "Push a training log through the collectors into Redis, so the detectors "
+                                        "and the dashboard act on it. Formats (detected, or --format): "
+                                        + ", ".join(FORMATS) + "."))
+    log_options(r)
+    r.add_argument("--run", help="run id (default replay-<file name>; only with one PATH or --one-run)")
+    r.add_argument("--speed", type=float, default=0.0, metavar="K",
+                   help="0 (default): push the whole log at once, its records stamped on the log's own timeline "
+                        "(ending now). K > 0: replay in real time at K times the log's pace, e.g. a log spanning "
+                        "30 days takes 7.2 h at --speed 100; records then carry the real clock, so the dashboard's "
+                        "rates are K times the log's. The line printed before pushing says how long it will take; "
+                        "Ctrl-C stops it (the run is marked 'interrupted')")
+    r.add_argument("--step-seconds", type=float, default=1.0,
+                   help="assumed seconds per step for steps the log gives no time for (default 1.0)")
+    r.set_defaults(func=run, extra="server")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Parse every PATH, then push it into Redis as a run; 0, or 130 when interrupted."""
+    from trainhealth.embedded_redis import connect
+
+    check_speed(args.speed, "--speed")
+    err = step_seconds_error(args.step_seconds, "--step-seconds")
+    if err is not None:
+        raise ConfigError(err)
+    one_run = args.one_run and len(args.paths) > 1  # the per-rank logs of one job: one run
+    if args.run is not None:
+        if len(args.paths) > 1 and not one_run:  # it would name only one of the runs: refuse, do not ignore
+            raise ConfigError(f"--run {args.run!r} names one run, but the {len(args.paths)} PATHs are replayed as "
+                              f"{len(args.paths)} runs; give one PATH, or --one-run for the per-rank logs of one job")
+        try:
+            validate_run_id(args.run)
+        except ConfigError as exc:
+            raise ConfigError("--run " + str(exc).removeprefix("run=")) from None
+
+    def progress_bar(span_s: float, total: int, what: str, run: str) -> tuple[Any, Any] | None:
+        # Over the log's seconds, so tqdm's ETA is the real time left (steps may be unevenly spaced).
+        try:
+            from tqdm import tqdm
+        except ImportError:  # the server extra brings tqdm; without it, no bar
+            return None
+        bar = tqdm(total=span_s, desc=f"{run[:40]}: 0/{total:,} {what}", file=sys.stderr, leave=False,
+                   dynamic_ncols=True, mininterval=0.25, delay=0.5,
+                   bar_format="{desc} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]")
+
+        def update(pushed: int, offset_s: float) -> None:
+            bar.set_description_str(f"{run[:40]}: {pushed:,}/{total:,} {what}", refresh=False)
+            bar.update(offset_s - bar.n)
+
+        return bar, update
+
+    runs = 1 if one_run else len(args.paths)
+    done = 0  # runs replayed completely, for the Ctrl-C message
+    interrupt_on_signals()  # SIGTERM too ends the run as "interrupted", not "running" for ever
+    try:
+        # Parse every file before touching Redis: a typo must not start a server or half-write a run.
+        mapping = parse_map(args.map)
+        if one_run:
+            parsed = [(args.paths, read_run(args.paths, args.format, mapping)[0])]
+        else:
+            parsed = [(path, read_points(path, args.format, mapping)) for path in args.paths]
+        plans = [plan(points, args.step_seconds) for _, points in parsed]
+        for pl in plans:  # a --speed that paces some file over years: refuse before replaying any
+            check_pace(pl.span_s, args.speed, "--speed")
+        url, _ = resolve(args)
+        client = connect(url)
+        # A bar only where someone watches (as analyze does): a paced replay may wait hours between two steps.
+        show = args.speed > 0 and sys.stderr.isatty()
+        for (path, points), pl in zip(parsed, plans, strict=True):
+            name = " + ".join(path) if isinstance(path, list) else path
+            run = (args.run if args.run is not None
+                   else default_run_id([Path(p) for p in path] if isinstance(path, list) else Path(path)))
+            print(plan_line(pl, name, run, args.speed, args.step_seconds), flush=True)
+            bar = progress_bar(pl.span_s, pl.points, "records" if pl.ranks else "steps", run) if show else None
+            try:
+                res = replay(path, client, run=run, speed=args.speed, step_seconds=args.step_seconds, points=points,
+                             progress=bar[1] if bar else None)
+            finally:
+                if bar:
+                    bar[0].close()
+            what = (f"{res.points} per-rank records of {len(res.ranks)} ranks" if res.ranks else f"{res.points} steps")
+            print(f"replayed {what} and {res.evals} evaluations of {name} as run {res.run!r} "
+                  f"(synthetic span {res.span_s:.0f} s)" + ("" if res.delivered else " — NOT all delivered"),
+                  flush=True)
+            done += 1
+        if not live_services(client):
+            print("No detector service is running: start `trainhealth serve` to analyse the replayed run(s).")
+    except ReplayInterrupted as exc:  # replay() closed the run as INTERRUPTED: say how far it got, no traceback
+        res = exc.result
+        left = runs - done - 1
+        print(f"trainhealth: interrupted after {res.points:,} of {res.total:,} "
+              f"{'per-rank records' if res.ranks else 'steps'} of run {res.run!r} "
+              f"({fmt_duration(res.offset_s, day=' days')} of the log's {fmt_duration(res.span_s, day=' days')}); "
+              f"run marked {INTERRUPTED!r}"
+              + ("" if res.delivered else " (NOT all delivered)")
+              + (f"; {left} more file{'s' if left > 1 else ''} not replayed" if left > 0 else ""),
+              file=sys.stderr, flush=True)
+        return 130
+    except KeyboardInterrupt:  # while parsing, or between two runs
+        print(f"trainhealth: interrupted after replaying {done} of {runs} run{'s' if runs > 1 else ''}",
+              file=sys.stderr, flush=True)
+        return 130
+    return 0

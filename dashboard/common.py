@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pandas as pd
 import redis
 import streamlit as st
 
 from trainhealth import config
+from trainhealth.config import redact_url
 from trainhealth.text import fmt_rate
 
 #: Session-state key of the selected run id (set by ``app.py``, read by every page).
@@ -50,18 +50,6 @@ def client() -> redis.Redis:
 def current_run() -> str | None:
     """The run selected in the sidebar (shared by all pages through session state)."""
     return st.session_state.get(RUN_KEY)
-
-
-def redact_url(url: str) -> str:
-    """``redis://user:secret@host:6379/0`` → ``redis://user:***@host:6379/0`` (for display)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
 
 
 def viewer_tz() -> str:

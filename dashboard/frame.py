@@ -19,6 +19,7 @@ import redis
 import streamlit as st
 from streamlit.navigation.page import StreamlitPage
 
+from trainhealth.config import redact_url
 from trainhealth.dashboard import data
 from trainhealth.dashboard.common import (
     NO_RUNS,
@@ -28,7 +29,6 @@ from trainhealth.dashboard.common import (
     client,
     current_run,
     get_client,
-    redact_url,
     resolve_url,
     status_moved,
 )

@@ -17,8 +17,9 @@ import pytest
 from plotly.offline import get_plotlyjs
 
 from trainhealth.collectors import importers
-from trainhealth.commands.analyze import SCHEMA, SCHEMA_VERSION, ChartSeries, analyze_file
-from trainhealth.detectors.offline import OfflineRun, timeline
+from trainhealth.commands.analyze_report import SCHEMA, SCHEMA_VERSION, ChartSeries, analyze_file
+from trainhealth.detectors.offline import OfflineRun
+from trainhealth.timeline import timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 TROCR = "hf_trocr_large_gradnorm.trainer_state.json"

@@ -22,8 +22,9 @@ import redis
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
+from trainhealth.config import redact_url
 from trainhealth.dashboard import charts, data, frame
-from trainhealth.dashboard.common import anomaly_delta, redact_url
+from trainhealth.dashboard.common import anomaly_delta
 from trainhealth.embedded_redis import free_port
 from trainhealth.keys import RUNS, run_keys, service_heartbeat
 from trainhealth.text import fmt_duration, fmt_pct, fmt_rate, fmt_usd, plural

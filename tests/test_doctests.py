@@ -38,7 +38,7 @@ def test_every_part_is_found() -> None:
     found = modules()
     for name in ("trainhealth.keys", "trainhealth.collectors.monitor", "trainhealth.collectors.importers.megatron_log",
                  "trainhealth.detectors.loss_spike", "trainhealth.alerts.worker", "trainhealth.alerts.sinks.slack",
-                 "trainhealth.dashboard.data", "trainhealth.commands.cli"):
+                 "trainhealth.dashboard.data", "trainhealth.commands.analyze"):
         assert name in found
 
 

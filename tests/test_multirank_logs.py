@@ -18,13 +18,14 @@ import pytest
 import redis
 
 from trainhealth.collectors.importers import PER_RANK_FORMATS, detect, read
-from trainhealth.commands.analyze import analyze_paths, format_text
+from trainhealth.commands.analyze_report import analyze_paths, format_text
 from trainhealth.commands.replay import read_run, replay
 from trainhealth.detectors.hang import HangDetector
-from trainhealth.detectors.offline import OfflineRun, arrange, timeline
+from trainhealth.detectors.offline import OfflineRun
 from trainhealth.detectors.service import DetectorService
 from trainhealth.exceptions import InputFormatError
 from trainhealth.logpoint import LogPoint
+from trainhealth.timeline import arrange, timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "importers"

@@ -17,12 +17,13 @@ from trainhealth.anomaly import Anomaly
 from trainhealth.commands.replay import read_points, replay
 from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
 from trainhealth.detectors.hang import HangDetector
-from trainhealth.detectors.offline import OfflineRun, timeline
+from trainhealth.detectors.offline import OfflineRun
 from trainhealth.detectors.pipeline import RunPipeline
 from trainhealth.detectors.service import DetectorService
 from trainhealth.detectors.slow_step import SlowStepDetector
 from trainhealth.detectors.throughput import ThroughputDropDetector, goodput_step_deviation, step_seconds
 from trainhealth.logpoint import LogPoint
+from trainhealth.timeline import timeline
 from trainhealth.wire import Event, StepRecord, decode_steps
 
 TIMING = ("throughput_drop", "slow_step")

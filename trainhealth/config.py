@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from trainhealth import defaults
 from trainhealth.exceptions import ConfigError
@@ -21,10 +23,42 @@ def home_dir() -> Path:
     return Path(os.environ.get(defaults.HOME_ENV) or defaults.HOME_DIR).expanduser()
 
 
+def redact_url(url: Any) -> str:
+    """A URL for display, its password hidden: ``redis://user:secret@host:6379/0`` → ``redis://user:***@host:6379/0``.
+
+    Never raises: a URL that does not parse (a port that is no number) keeps only its scheme and host part
+    without the credentials; anything else is shown as its type.
+
+    >>> redact_url("redis://:s3cret@db.example:6380/2"), redact_url("redis://u:pw@h:99999999/0")
+    ('redis://:***@db.example:6380/2', 'redis://***@h:99999999/0')
+    >>> redact_url("redis://127.0.0.1:6390/0")
+    'redis://127.0.0.1:6390/0'
+    """
+    if not isinstance(url, str):
+        return f"<{type(url).__name__}>"
+    try:
+        parts = urlsplit(url)
+        if parts.password is None and "@" not in parts.netloc:
+            return url
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+        return urlunsplit((parts.scheme, f"{parts.username or ''}:***@{host}", parts.path, parts.query,
+                           parts.fragment))
+    except ValueError:  # e.g. a port out of range: keep what follows the credentials
+        scheme, sep, rest = url.partition("://")
+        return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
 def validate_url(url: str, field: str = "redis_url") -> str:
-    """Return ``url`` when it is a ``redis://``, ``rediss://`` or ``unix://`` URL, else raise ConfigError."""
+    """Return ``url`` when it is a ``redis://``, ``rediss://`` or ``unix://`` URL with a valid port, else raise
+    :class:`ConfigError` naming ``field`` and the URL with its password hidden (:func:`redact_url`)."""
     if not isinstance(url, str) or not url.startswith(_SCHEMES):
-        raise ConfigError(f"{field}={url!r} is not a Redis URL: expected redis://, rediss:// or unix://")
+        raise ConfigError(f"{field}={redact_url(url)!r} is not a Redis URL: expected redis://, rediss:// or unix://")
+    try:
+        urlsplit(url).port  # noqa: B018 - parsing it raises for a port that is no number or out of range
+    except ValueError as exc:
+        raise ConfigError(f"{field}={redact_url(url)!r} is not a Redis URL: {exc}") from None
     return url
 
 

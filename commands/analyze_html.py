@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from trainhealth import __version__
-from trainhealth.commands.analyze import SCHEMA_VERSION, FileReport, exit_status
+from trainhealth.commands.analyze_report import SCHEMA_VERSION, FileReport, exit_status
 from trainhealth.dashboard.charts import SEVERITY_COLORS, category_color, label, training_curves
 
 #: Anomaly kinds about step time: their ranges are shaded on the step-time chart.

@@ -1,8 +1,4 @@
-"""The alerting commands of ``trainhealth``: ``alerts`` (the worker), ``silence``, ``deadletters``.
-
-``trainhealth/cli.py`` registers them with :func:`add_parsers` and its ``cmd_*`` functions call
-:func:`run_alerts`, :func:`run_silence` and :func:`run_deadletters` with a Redis client factory.
-"""
+"""The alerting commands: ``trainhealth alerts`` (the worker), ``silence`` and ``deadletters``."""
 
 from __future__ import annotations
 
@@ -10,13 +6,13 @@ import argparse
 import getpass
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import redis
 
 from trainhealth import alert_store as store
-from trainhealth.alerts.config import load
+from trainhealth.commands._shared import redis_client, with_url
 from trainhealth.exceptions import ConfigError
 from trainhealth.matchers import MatcherError
 from trainhealth.text import parse_duration
@@ -24,8 +20,7 @@ from trainhealth.text import parse_duration
 _LABEL_FLAGS = ("run", "kind", "severity", "rank", "host")
 
 
-def add_parsers(sub: Any, with_url: Callable[..., argparse.ArgumentParser],
-                funcs: Mapping[str, Callable[[argparse.Namespace], int]]) -> None:
+def register(sub: Any) -> None:
     """Add ``alerts``, ``silence`` and ``deadletters`` to the ``trainhealth`` sub-parsers."""
     summary = ("Run the alert worker: anomaly transitions -> grouped, silenced, inhibited, routed notifications "
                "-> Slack, JSON webhooks, PagerDuty (docs/alerts.md). Stop with SIGTERM or Ctrl-C.")
@@ -33,7 +28,7 @@ def add_parsers(sub: Any, with_url: Callable[..., argparse.ArgumentParser],
     a.add_argument("--config", required=True, metavar="FILE", help="alerting config (TOML; docs/alerts.example.toml)")
     a.add_argument("--check", action="store_true", help="validate the config, print its summary (no secrets), exit")
     a.add_argument("--consumer", help="consumer name (default: <host>-<pid>)")
-    a.set_defaults(func=funcs["alerts"])
+    a.set_defaults(func=lambda args: run_alerts(args, lambda: redis_client(args)), extra="server")
 
     summary = "Silence alerts by run, kind, rank, host or severity for a while (Alertmanager-style silences)."
     s = sub.add_parser("silence", help=summary, description=summary)
@@ -54,7 +49,7 @@ def add_parsers(sub: Any, with_url: Callable[..., argparse.ArgumentParser],
     exp = with_url(ss.add_parser("expire", help="end a silence now", description="End a silence now."),
                    starts=False)
     exp.add_argument("id", help="silence id (from `trainhealth silence list`)")
-    s.set_defaults(func=funcs["silence"])
+    s.set_defaults(func=lambda args: run_silence(args, lambda: redis_client(args)), extra=None)
 
     summary = "Notifications given up after the bounded number of tries (or refused): list them, or resend them."
     d = sub.add_parser("deadletters", help=summary, description=summary)
@@ -66,11 +61,13 @@ def add_parsers(sub: Any, with_url: Callable[..., argparse.ArgumentParser],
                   starts=False)
     dr.add_argument("ids", nargs="*", metavar="ID", help="outbox entry ids (from `deadletters list`)")
     dr.add_argument("--all", action="store_true", help="requeue every dead letter")
-    d.set_defaults(func=funcs["deadletters"])
+    d.set_defaults(func=lambda args: run_deadletters(args, lambda: redis_client(args)), extra=None)
 
 
 def run_alerts(args: argparse.Namespace, connect: Callable[[], redis.Redis]) -> int:
     """``trainhealth alerts --config FILE [--check]``."""
+    from trainhealth.alerts.config import load
+
     cfg = load(args.config)
     if args.check:
         print(cfg.describe())

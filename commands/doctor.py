@@ -1,0 +1,50 @@
+"""``trainhealth doctor``: is Redis reachable, is a detector service running, are the alert sinks well."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from trainhealth import config
+from trainhealth.commands._shared import SERVICE_STALE_S, command, live_services, with_url
+
+
+def register(sub: Any) -> None:
+    """Add ``doctor`` to the ``trainhealth`` sub-parsers."""
+    o = with_url(command(sub, "doctor", "Check Redis and the detector service; exit 1 when something is down."),
+                 starts=False)
+    o.set_defaults(func=run, extra=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print one line per component; returns 0 when all are up, else 1."""
+    import redis
+
+    from trainhealth.alerts.health import doctor_report
+    from trainhealth.keys import RUNS
+
+    url = config.redis_url(args.redis_url)
+    if url is None:
+        print("Redis: none configured (TRAINHEALTH_REDIS_URL unset, no embedded server running): "
+              "`trainhealth serve` or `trainhealth demo` starts the embedded one")
+        return 1
+    shown = config.redact_url(url)
+    client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        info = client.info("server")
+    except redis.RedisError as exc:
+        print(f"Redis: {shown} UNREACHABLE ({exc})")
+        return 1
+    print(f"Redis: {shown} ok (redis {info.get('redis_version')})")
+    live = live_services(client)
+    for s in live:
+        print(f"Detector service: pid {s.get('pid')} on {s.get('host')}, {s.get('runs')} runs, "
+              f"heartbeat {time.time() - s.get('t', 0):.0f} s ago")
+    if not live:
+        print(f"Detector service: NOT RUNNING (no heartbeat in the last {SERVICE_STALE_S:.0f} s): "
+              "start `trainhealth serve`")
+    print(f"Runs: {client.zcard(RUNS)}")
+    alert_lines, alerts_ok = doctor_report(client)
+    print("\n".join(alert_lines))
+    return 0 if live and alerts_ok else 1
