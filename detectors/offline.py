@@ -4,6 +4,11 @@
 the same :func:`timeline` (:func:`arrange` for a per-rank log), so a log analysed offline and the
 same log replayed into the live service see the same steps at the same (synthetic) times and
 produce the same anomalies.
+
+The items are a log's :class:`LogPoint` s and, from :func:`collectors.importers.read_items`, its
+:class:`LogEvent` s (a collective timeout, a restart of the worker group): an event is placed on the
+timeline where it is in the file — at the end of the point before it (the run's start before any) —
+and fed as the wire :class:`~trainhealth.events.Event` a collector would send.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from collectors.importers._common import MAX_STEP, show
-from collectors.importers.base import LogPoint
+from collectors.importers.base import LogEvent, LogPoint
 from detectors.anomaly import Anomaly
 from detectors.pipeline import Output, RunPipeline
 from trainhealth.events import Event, StepRecord
@@ -39,14 +44,15 @@ def _check_step_seconds(value: float) -> None:
 
 @dataclass(frozen=True)
 class TimedPoint:
-    """A log point placed on the synthetic timeline.
+    """A log point (or event) placed on the synthetic timeline.
 
     Attributes
     ----------
-    point : LogPoint
+    point : LogPoint | LogEvent
         As parsed.
     offset : float
-        Seconds from the run's start at which the point (step or evaluation) ended.
+        Seconds from the run's start at which the point (step or evaluation) ended; for an event, the
+        offset of the point before it in the file (0 before any).
     skipped : bool | None
         For a train point: whether every step since the previous logged one was skipped
         (fp16 overflow); None when the log cannot tell.
@@ -58,14 +64,18 @@ class TimedPoint:
         taken from wall-clock stamps would then include the evaluation, which is not a step).
     """
 
-    point: LogPoint
+    point: LogPoint | LogEvent
     offset: float
     skipped: bool | None
     timed: bool
     step_s: float | None = None
 
+    @property
+    def is_event(self) -> bool:
+        return isinstance(self.point, LogEvent)
 
-def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[TimedPoint]:
+
+def timeline(points: Iterable[LogPoint | LogEvent], step_seconds: float = 1.0) -> Iterator[TimedPoint]:
     """Place points on a timeline, lazily (a generator: a million-step log is never in memory).
 
     Step ``s`` ends after the previous logged step by ``(s - previous) x`` the seconds per step
@@ -80,6 +90,11 @@ def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[
     >>> [round(tp.offset) for tp in timeline([LogPoint(15), LogPoint(30)])]
     [1, 16]
 
+    An event takes no time: it is where the file has it, at the end of the point before it.
+
+    >>> [(tp.is_event, tp.offset) for tp in timeline([LogEvent("worker_restart"), LogPoint(15), LogEvent("x")])]
+    [(True, 0.0), (False, 1.0), (True, 1.0)]
+
     A time the log gives that would make the timeline infinite (a step time of ``1e300`` s; an
     infinite evaluation runtime) is not used: the step is placed at the assumed pace, the
     evaluation takes no time.
@@ -93,6 +108,9 @@ def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[
     _check_step_seconds(step_seconds)
     cursor, prev_step, after_eval = 0.0, None, False
     for p in points:
+        if isinstance(p, LogEvent):
+            yield TimedPoint(p, cursor, None, False)
+            continue
         skip, timed, own = None, False, None
         if p.is_eval:
             e = p.eval_seconds
@@ -141,15 +159,17 @@ class Arranged:
         return self.ranks[-1] + 1 if self.ranks else 1
 
 
-def arrange(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Arranged:
+def arrange(points: Iterable[LogPoint | LogEvent], step_seconds: float = 1.0) -> Arranged:
     """Place a log's points: a single stream lazily with :func:`timeline`; a per-rank log rank by rank.
 
     A log whose first point has no rank (every training-log importer) passes through
-    :func:`timeline` untouched and unread. A per-rank log (``LogPoint.rank`` set: a benchmark's
+    :func:`timeline` untouched and unread (the events before that point are held until it is seen; a
+    log of events only is a single stream). A per-rank log (``LogPoint.rank`` set: a benchmark's
     interleaved ranks, several ranks' profiler traces) is read whole (such logs are small), each
     rank is placed on its own timeline from the run's start, and the points come out in the
     order their steps ended on that synthetic clock (ties by step, then rank): what a live service would
-    have received, so each step's records are together.
+    have received, so each step's records are together. There an event goes on the timeline of its
+    rank (``LogEvent.rank``, else 0), right after the point of that rank before it in the file.
 
     >>> pts = [LogPoint(1, rank=1, step_seconds=2.0), LogPoint(1, rank=0, step_seconds=1.0),
     ...        LogPoint(2, rank=0, step_seconds=1.0), LogPoint(2, rank=1, step_seconds=0.5)]
@@ -165,22 +185,60 @@ def arrange(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Arranged:
     """
     _check_step_seconds(step_seconds)
     it = iter(points)
+    held: list[LogEvent] = []
     first = next(it, None)
+    while isinstance(first, LogEvent):
+        held.append(first)
+        first = next(it, None)
     if first is None:
-        return Arranged(iter(()))
+        return Arranged(timeline(held, step_seconds))
     if first.rank is None:
-        return Arranged(timeline(itertools.chain((first,), it), step_seconds))
-    by_rank: dict[int, list[LogPoint]] = {}
+        return Arranged(timeline(itertools.chain(held, (first,), it), step_seconds))
+    by_rank: dict[int, list[LogPoint | LogEvent]] = {}
     hosts: dict[int, str] = {}
-    for p in itertools.chain((first,), it):
+    for p in itertools.chain(held, (first,), it):
+        if isinstance(p, LogEvent):
+            by_rank.setdefault(p.rank or 0, []).append(p)
+            continue
         if p.rank is None:
             raise ValueError(f"step {p.step} has no rank in a per-rank log (line/entry {p.source_line})")
         by_rank.setdefault(p.rank, []).append(p)
         if p.host:
             hosts.setdefault(p.rank, p.host)
-    placed = [tp for pts in by_rank.values() for tp in timeline(pts, step_seconds)]
-    placed.sort(key=lambda tp: (tp.offset, tp.point.step, tp.point.rank))  # stable: a rank's order is kept
-    return Arranged(placed, tuple(sorted(by_rank)), hosts)
+    keyed = []
+    for rank, items in by_rank.items():
+        step = -math.inf  # an event sorts with the point of its rank before it
+        for tp in timeline(items, step_seconds):
+            if not tp.is_event:
+                step = tp.point.step
+            keyed.append(((tp.offset, step, rank), tp))
+    keyed.sort(key=lambda kt: kt[0])  # stable: a rank's order is kept
+    ranks = tuple(sorted(r for r, items in by_rank.items() if any(isinstance(p, LogPoint) for p in items)))
+    return Arranged([tp for _, tp in keyed], ranks, hosts)
+
+
+def wire_value(v: object) -> str:
+    """A field value as the events stream carries it (``collectors.sender.encode_value``, then Redis's
+    text): an int as is, a float by ``repr``, a bool as 0/1, a string as is."""
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def wire_event(ev: LogEvent, t: float, inc: float) -> Event:
+    """The :class:`~trainhealth.events.Event` a collector would send for ``ev`` at unix time ``t``: ``rank``
+    the event's (0 when it names none, as the single stream of a log), ``step`` and ``seconds`` as
+    they are, every field in ``extra`` as text (:func:`wire_value`), as the detector service decodes them.
+
+    >>> wire_event(LogEvent("collective_timeout", rank=4, seconds=600.067, fields=(("op", "ALLREDUCE"),
+    ...            ("seq", 1580), ("timeout_s", 600.0))), 10.0, 0.0)
+    Event(kind='collective_timeout', rank=4, t=10.0, inc=0.0, step=None, seconds=600.067, \
+extra={'op': 'ALLREDUCE', 'seq': '1580', 'timeout_s': '600.0'})
+    """
+    return Event(ev.kind, ev.rank or 0, t, inc, step=ev.step, seconds=ev.seconds,
+                 extra={k: wire_value(v) for k, v in ev.fields})
 
 
 class OfflineRun:
@@ -190,8 +248,9 @@ class OfflineRun:
     (``t`` = start + offset, untimed; ``step_s`` = the log's seconds per step where it gave one;
     ``rank`` = the point's rank, 0 for a single stream; ``sections`` = its
     ``LogPoint.sections``), each evaluation a ``badput`` event named ``evaluation`` — what
-    ``trainhealth replay`` pushes through Redis. For a per-rank log call :meth:`expect_ranks`
-    first (:meth:`feed_all` does): the world size and the ranks' hosts.
+    ``trainhealth replay`` pushes through Redis. Each :class:`LogEvent` becomes the
+    :class:`~trainhealth.events.Event` of its kind (:func:`wire_event`). For a per-rank log call
+    :meth:`expect_ranks` first (:meth:`feed_all` does): the world size and the ranks' hosts.
 
     Parameters
     ----------
@@ -210,6 +269,8 @@ class OfflineRun:
         Latest state of every anomaly by id, in onset order.
     steps, evals : int
         Train points and evaluations fed.
+    events : dict[str, int]
+        Events fed (:class:`LogEvent` s of the log), by kind, in order of first appearance.
     timed_steps : int
         Train points whose step time the log gave.
     ranks : tuple[int, ...]
@@ -226,6 +287,7 @@ class OfflineRun:
         self.pipeline.ledger.note_start(start)
         self.anomalies: dict[str, Anomaly] = {}
         self.steps = self.evals = self.timed_steps = 0
+        self.events: dict[str, int] = {}
         self.ranks: tuple[int, ...] = ()
 
     def expect_ranks(self, arranged: Arranged) -> None:
@@ -236,9 +298,12 @@ class OfflineRun:
             self.pipeline.hosts.update(arranged.hosts)  # the slow-node detector's rank -> host map
 
     def feed(self, tp: TimedPoint) -> Output:
-        """Feed one placed point; returns what the pipeline produced."""
+        """Feed one placed point or event; returns what the pipeline produced."""
         p, t = tp.point, self.start + tp.offset
         rank = p.rank or 0
+        if isinstance(p, LogEvent):
+            self.events[p.kind] = self.events.get(p.kind, 0) + 1
+            return self._keep(self.pipeline.feed_event(wire_event(p, t, self.start)))
         if p.is_eval:
             self.evals += 1
             self.pipeline.feed_event(Event("badput", rank, t, self.start, step=p.step,
@@ -253,8 +318,8 @@ class OfflineRun:
                          step_s=tp.step_s)  # the log's own step time, never an assumed one
         return self._keep(self.pipeline.feed_step(rec))
 
-    def feed_all(self, points: Iterable[LogPoint]) -> OfflineRun:
-        """Place (:func:`arrange`) and feed every point, then close pending steps; returns self."""
+    def feed_all(self, points: Iterable[LogPoint | LogEvent]) -> OfflineRun:
+        """Place (:func:`arrange`) and feed every point and event, then close pending steps; returns self."""
         arranged = arrange(points, self.step_seconds)
         self.expect_ranks(arranged)
         for tp in arranged.points:
