@@ -94,7 +94,7 @@ class CollectiveTimeoutDetector:
     The anomaly (id ``hang:collective:<step>:<generation>``, beside the heartbeat
     :class:`~detectors.hang.HangDetector`'s ``hang:*:…``) opens with the first report, onset at the last
     completed step (0 in a log without steps), and is updated as more ranks report; it resolves at the
-    next step completed after it (the job resumed: a restart).
+    first step that ends after the latest report (the job resumed: a restart).
 
     Parameters
     ----------
@@ -146,6 +146,7 @@ rank waits on the same collective with the same progress)
         self._reports: dict[int, list[dict[str, Any]]] = {}  # rank -> its reports (one per process group)
         self._open: Anomaly | None = None
         self._onset: tuple[int, int] = (0, 0)  # (generation, step) the incident opened at
+        self._t = -math.inf  # time (unix s) of the latest report
 
     def report(self, ev: Event, step: int, gen: int = 0) -> list[Anomaly]:
         """Feed one ``collective_timeout`` event, ``step`` being the last completed step and ``gen`` its
@@ -155,6 +156,7 @@ rank waits on the same collective with the same progress)
             return []
         if not self._reports:
             self._onset = (gen, step)
+        self._t = max(self._t, ev.t)
         self._merge(ev.rank, rep)
         new = self._anomaly()
         cur = self._open
@@ -164,11 +166,12 @@ rank waits on the same collective with the same progress)
         return [new]
 
     def update(self, agg: StepAggregate) -> list[Anomaly]:
-        """Feed one completed step: the first one after the hang's onset resolves it."""
+        """Feed one completed step: the first one that ended after the latest report resolves the hang (a step
+        closed late, by ranks that had completed it before the timeout, does not)."""
         cur = self._open
-        if cur is None or (agg.gen, agg.step) <= self._onset:
+        if cur is None or not agg.t_end > self._t:
             return []
-        self._open, self._reports = None, {}
+        self._open, self._reports, self._t = None, {}, -math.inf
         return [replace(cur, status=RESOLVED, end_step=agg.step)]
 
     # -- state -----------------------------------------------------------------------------------

@@ -331,6 +331,9 @@ def test_collective_timeout_events_fed_to_the_pipeline_give_one_critical_hang() 
         [3], [0, 1, 2], 600.02, 600.0)
     assert [b["field"] for b in a.evidence["behind"]] == ["last_completed", "last_enqueued"]
     assert not any(x.kind == "straggler" for x in pipe.anomalies.values())
+    # A step the ranks had completed before the timeout, closed late (its last record arrived after the events),
+    # is no progress; the hang stays open.
+    assert pipe.collective_timeout.update(agg(6, t_end=690.0)) == []
     # The job resumes (a restart: the ranks' new incarnation): the hang is over.
     out = pipe.feed_step(StepRecord(0, 4, 900.0, 901.0, dur=1.0, loss=2.0))
     out.extend(pipe.flush())
