@@ -121,6 +121,10 @@ def _summary_table(rep: FileReport) -> str:
               "assumed": f"no step times in the log: timeline assumed at {rep.step_seconds:g} s per step"}[rep.timeline]
     rows = [("format", rep.format or "—"), ("training steps logged", f"{rep.steps:,}"), ("step range", span),
             ("evaluations", f"{rep.evals:,}"), ("metrics (steps carrying them)", metrics), ("timings", timing)]
+    if rep.events:
+        rows.insert(4, ("events", ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in rep.events.items())))
+    if not rep.steps:  # a log of events only
+        rows = [r for r in rows if r[0] in ("format", "training steps logged", "events")]
     if any(rep.non_finite.values()):
         rows.append(("non-finite", ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in rep.non_finite.items() if v)))
     for w in rep.warnings:
@@ -160,10 +164,12 @@ def _section(rep: FileReport, i: int) -> str:
     parts = [f"<section><h2>{_e(rep.path)}</h2>"]
     if rep.error:
         parts.append(f"<p class='error'>{_e(rep.error)}</p>")
-    if not rep.steps:
+    if not rep.steps and not rep.events:
         return "".join(parts) + "</section>"
     parts += [_summary_table(rep), f"<h3>Anomalies ({len(rep.anomalies)}, {rep.critical} critical)</h3>",
               _anomaly_table(rep), _recommendations(rep)]
+    if not rep.steps:  # events only: no curve to draw
+        return "".join(parts) + "</section>"
     steps = steps_frame(rep)
     parts.append(_div(curves_figure(rep, steps), f"curves-{i}"))
     st = step_time_figure(rep, steps)

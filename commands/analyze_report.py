@@ -1,7 +1,9 @@
 """The report of ``trainhealth analyze PATH...``: a post-mortem of training logs, offline (no Redis).
 
-Each file is parsed lazily (:func:`trainhealth.collectors.importers.read`) and its points are fed, as they
-are parsed, through the live detection pipeline (:class:`trainhealth.detectors.offline.OfflineRun`: the same
+Each file is parsed lazily (:func:`trainhealth.collectors.importers.read_items`) and its points — and the
+events it reports (a collective timeout, a restart of the worker group), in file order among them —
+are fed, as they are parsed, through the live detection pipeline
+(:class:`trainhealth.detectors.offline.OfflineRun`: the same
 detectors, goodput ledger and rollback advisor as ``trainhealth serve``, on the same synthetic
 timeline as ``trainhealth replay``). Nothing grows with the length of the log except what the
 pipeline itself keeps (bounded) and the anomalies found: the chart series are decimated on the
@@ -34,7 +36,7 @@ from trainhealth.collectors import importers
 from trainhealth.detectors.advisor import RollbackAdvisor
 from trainhealth.detectors.offline import OfflineRun
 from trainhealth.exceptions import ConfigError, InputFormatError, TrainHealthError
-from trainhealth.logpoint import LogPoint
+from trainhealth.logpoint import LogEvent, LogPoint
 from trainhealth.recommendations import Recommendation
 from trainhealth.text import category_label, fmt_duration
 from trainhealth.timeline import arrange, step_seconds_error
@@ -52,7 +54,8 @@ CHART_BUCKETS = 1000
 PIN_WINDOW = 1024
 #: Formats whose ``LogPoint.source_line`` is a line number: their progress bar counts lines.
 LINE_FORMATS = frozenset({"megatron", "nanogpt", "modded_nanogpt", "word_lm", "csv", "jsonl", "lightning_csv",
-                          "wandb_csv", "wandb_jsonl", "llamafactory", "allreduce_bench"})
+                          "wandb_csv", "wandb_jsonl", "llamafactory", "allreduce_bench", "nccl_watchdog",
+                          "torchelastic"})
 #: Fields of a train point counted in the run summary (``metrics``).
 METRICS = ("loss", "grad_norm", "lr", "tokens", "consumed_samples", "skipped")
 
@@ -256,6 +259,9 @@ class FileReport:
         and ``metrics``, ``non_finite`` and ``timed_steps`` count records.
     records : int
         Train points read (one per rank and step of a per-rank log; ``steps`` for a single stream).
+    events : dict[str, int]
+        Events the log reports (:class:`~trainhealth.logpoint.LogEvent`: ``collective_timeout``,
+        ``worker_restart``), by kind in order of first appearance; empty for a log of steps only.
     """
 
     path: str
@@ -280,6 +286,7 @@ class FileReport:
     paths: list[str] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
     records: int = 0
+    events: dict[str, int] = field(default_factory=dict)
     #: Stretches of steps the log does not cover (an excerpt's pasted blocks): (from step, to step),
     #: the largest first, where the step jumps by more than 10x the log's usual interval.
     gaps: list[tuple[int, int]] = field(default_factory=list)
@@ -305,6 +312,9 @@ class FileReport:
         """The ``goodput`` object of the JSON report (``docs/analyze.md``)."""
         tl = self.timeline
         few = self.steps < MIN_GOODPUT_STEPS
+        if not self.steps and self.events:
+            return {"timeline": tl, "timed_steps": 0, "assumed_step_seconds": self.step_seconds,
+                    "note": "not estimated: the log has no training steps (events only)", "ledger": None}
         if tl == "assumed" or self.ledger is None or few:
             note = (f"not estimated: the log has no step times (the timeline is assumed at {self.step_seconds:g} s "
                     "per step)") if not few or tl == "assumed" else (
@@ -331,13 +341,17 @@ class FileReport:
         """The file's entry in the JSON report (``docs/analyze.md``).
 
         ``paths`` (after ``path``) only for a ``--one-run`` group, ``ranks`` and ``records`` (after
-        ``steps``) only for a per-rank log: a single-stream file's entry has the keys it always had.
+        ``steps``) only for a per-rank log, ``events`` (after ``evaluations``) only for a log that reports
+        events: a single-stream file of steps has the keys it always had.
         """
         summary: dict[str, Any] = {"steps": self.steps}
         if self.ranks:
             summary.update(ranks=list(self.ranks), records=self.records)
+        summary["evaluations"] = self.evals
+        if self.events:
+            summary["events"] = dict(self.events)
         summary.update({
-            "evaluations": self.evals, "first_step": self.first_step,
+            "first_step": self.first_step,
             "last_step": self.last_step, "restarts": self.restarts, "metrics": dict(self.metrics),
             "non_finite": dict(self.non_finite),
             "timings": {"step_seconds": self.timed_steps, "eval_seconds": self.eval_timed},
@@ -447,8 +461,8 @@ def _analyze(rep: FileReport, fmt: str | None, mapping: Mapping[str, str | None]
     path = Path(rep.path)
     rep.format = fmt = fmt or importers.detect(path)
     rep.chart = ChartSeries(chart_buckets)
-    _feed(rep, importers.read(path, fmt, mapping), rep.step_seconds, _progress(path, fmt, progress))
-    if not rep.steps:
+    _feed(rep, importers.read_items(path, fmt, mapping), rep.step_seconds, _progress(path, fmt, progress))
+    if not rep.steps and not rep.events:  # a log of events only (a collective timeout, a restart) is analysed
         raise InputFormatError(f"{path}: no training steps to analyse (read as {fmt})")
 
 
@@ -477,8 +491,8 @@ MIN_GOODPUT_STEPS = 10
 GAP_FACTOR = 10
 
 
-def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar: Any) -> None:
-    """Feed every point through an :class:`OfflineRun`, filling ``rep`` as it goes.
+def _feed(rep: FileReport, points: Iterable[LogPoint | LogEvent], step_seconds: float, bar: Any) -> None:
+    """Feed every point and event through an :class:`OfflineRun`, filling ``rep`` as it goes.
 
     A per-rank log's points are placed rank by rank (:func:`trainhealth.timeline.arrange`); its chart
     rows are the pipeline's step aggregates (mean loss, max grad norm, the slowest rank's step time).
@@ -506,7 +520,9 @@ def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar:
             for tp in arranged.points:
                 p = tp.point
                 out = run.feed(tp)
-                if p.is_eval:
+                if isinstance(p, LogEvent):
+                    pass  # counted by the run (run.events)
+                elif p.is_eval:
                     rep.eval_timed += p.eval_seconds is not None
                 else:
                     s = p.step
@@ -555,6 +571,7 @@ def _feed(rep: FileReport, points: Iterable[LogPoint], step_seconds: float, bar:
         rep.warnings = catcher.messages
         rep.steps, rep.evals, rep.timed_steps = run.steps, run.evals, run.timed_steps
         rep.records = run.steps
+        rep.events = dict(run.events)
         if per_rank:  # a step is the aggregate of its ranks' records; a restart, a new generation of them
             rep.steps, restarts = aggs, run.pipeline.aggregator.generation
         rep.first_step, rep.last_step, rep.restarts = lo, hi, restarts
@@ -670,23 +687,16 @@ def _ranks_text(ranks: list[int]) -> str:
     return ", ".join(parts)
 
 
-def format_file(rep: FileReport) -> list[str]:
-    """The human report of one file (or one ``--one-run`` group of files), as lines."""
-    fmts = (rep.format or "").split("+")
-    desc = (" + ".join(importers.FORMATS[f][2] for f in fmts) if all(f in importers.FORMATS for f in fmts)
-            else "format unknown")
-    out = [" + ".join(rep.paths) if rep.paths else f"{rep.path}",
-           f"  format     {desc} ({rep.format})" if rep.format else "  format     —"]
-    if rep.error:
-        out.append(f"  ERROR      {rep.error}")
-        if not rep.steps:
-            return out
+def _run_lines(rep: FileReport, events: str) -> list[str]:
+    """The run, events, metrics and timings lines of a log with training steps."""
     span = f"steps {_n(rep.first_step)}–{_n(rep.last_step)}" if rep.first_step is not None else "no steps"
     n_ranks = len(rep.ranks)
     on = (f" on {n_ranks} rank{'s' if n_ranks > 1 else ''} ({_ranks_text(rep.ranks)}; {_n(rep.records)} per-rank "
           "records)" if rep.ranks else "")
-    out.append(f"  run        {_n(rep.steps)} logged training steps ({span}){on}, {_n(rep.evals)} evaluations"
-               + (f", {rep.restarts} step regression(s) (resumed runs)" if rep.restarts else ""))
+    out = [f"  run        {_n(rep.steps)} logged training steps ({span}){on}, {_n(rep.evals)} evaluations"
+           + (f", {rep.restarts} step regression(s) (resumed runs)" if rep.restarts else "")]
+    if events:
+        out.append(f"  events     {events}")
     what = "per-rank records" if rep.ranks else "steps"
     shown = [f"{k.replace('_', ' ')} {_n(v)}" for k, v in rep.metrics.items() if v]
     out.append("  metrics    " + (", ".join(shown) if shown else "none") + f" (of {_n(rep.points)} {what})"
@@ -702,14 +712,35 @@ def format_file(rep: FileReport) -> list[str]:
     if rep.evals:
         timing += f"; runtimes for {_n(rep.eval_timed)} evaluations"
     out.append(f"  timings    {timing}")
+    return out
+
+
+def format_file(rep: FileReport) -> list[str]:
+    """The human report of one file (or one ``--one-run`` group of files), as lines."""
+    fmts = (rep.format or "").split("+")
+    desc = (" + ".join(importers.FORMATS[f][2] for f in fmts) if all(f in importers.FORMATS for f in fmts)
+            else "format unknown")
+    out = [" + ".join(rep.paths) if rep.paths else f"{rep.path}",
+           f"  format     {desc} ({rep.format})" if rep.format else "  format     —"]
+    if rep.error:
+        out.append(f"  ERROR      {rep.error}")
+        if not rep.steps and not rep.events:
+            return out
+    events = ", ".join(f"{k.replace('_', ' ')} {_n(v)}" for k, v in rep.events.items())
+    if rep.steps:
+        out += _run_lines(rep, events)
+    else:  # a log of events only: no step, metric or timing to speak of
+        out += ["  run        no training steps: the log reports events only", f"  events     {events}"]
     for w in rep.warnings:
         out.append(f"  warning    {w}")
     crit = rep.critical
     out.append(f"  anomalies  {len(rep.anomalies)}" + (f" ({crit} critical)" if rep.anomalies else ""))
     for a in rep.anomalies:
         end = a.end_step if a.end_step is not None else "…"
-        out.append(f"    {a.severity.upper():8} {a.kind:16} steps {a.step}–{end} ({_state(a)})")
+        span = f"steps {a.step}–{end}" if rep.steps else "(no steps)"
+        out.append(f"    {a.severity.upper():8} {a.kind:16} {span} ({_state(a)})")
         out.append(f"             {a.message}")
+    tl = rep.timeline
     g = rep.goodput()
     snap = g["ledger"]
     if snap is None:

@@ -3,6 +3,11 @@
 ``trainhealth analyze`` and ``bench/detection_eval.py`` use this; ``trainhealth replay`` places the
 points on the same :mod:`trainhealth.timeline`, so a log analysed offline and the same log replayed
 into the live service see the same steps at the same (synthetic) times and produce the same anomalies.
+
+The items are a log's :class:`LogPoint` s and, from :func:`trainhealth.collectors.importers.read_items`, its
+:class:`LogEvent` s (a collective timeout, a restart of the worker group): an event is placed on the
+timeline where it is in the file — at the end of the point before it (the run's start before any) —
+and fed as the wire :class:`~trainhealth.wire.Event` a collector would send.
 """
 
 from __future__ import annotations
@@ -11,9 +16,33 @@ from collections.abc import Iterable
 
 from trainhealth.anomaly import Anomaly
 from trainhealth.detectors.pipeline import Output, RunPipeline
-from trainhealth.logpoint import LogPoint
+from trainhealth.logpoint import LogEvent, LogPoint
 from trainhealth.timeline import Arranged, TimedPoint, arrange, check_step_seconds
 from trainhealth.wire import Event, StepRecord
+
+
+def wire_value(v: object) -> str:
+    """A field value as the events stream carries it (``trainhealth.collectors.sender.encode_value``, then Redis's
+    text): an int as is, a float by ``repr``, a bool as 0/1, a string as is."""
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def wire_event(ev: LogEvent, t: float, inc: float) -> Event:
+    """The :class:`~trainhealth.wire.Event` a collector would send for ``ev`` at unix time ``t``: ``rank``
+    the event's (0 when it names none, as the single stream of a log), ``step`` and ``seconds`` as
+    they are, every field in ``extra`` as text (:func:`wire_value`), as the detector service decodes them.
+
+    >>> wire_event(LogEvent("collective_timeout", rank=4, seconds=600.067, fields=(("op", "ALLREDUCE"),
+    ...            ("seq", 1580), ("timeout_s", 600.0))), 10.0, 0.0)
+    Event(kind='collective_timeout', rank=4, t=10.0, inc=0.0, step=None, seconds=600.067, \
+extra={'op': 'ALLREDUCE', 'seq': '1580', 'timeout_s': '600.0'})
+    """
+    return Event(ev.kind, ev.rank or 0, t, inc, step=ev.step, seconds=ev.seconds,
+                 extra={k: wire_value(v) for k, v in ev.fields})
 
 
 class OfflineRun:
@@ -23,8 +52,9 @@ class OfflineRun:
     (``t`` = start + offset, untimed; ``step_s`` = the log's seconds per step where it gave one;
     ``rank`` = the point's rank, 0 for a single stream; ``sections`` = its
     ``LogPoint.sections``), each evaluation a ``badput`` event named ``evaluation`` — what
-    ``trainhealth replay`` pushes through Redis. For a per-rank log call :meth:`expect_ranks`
-    first (:meth:`feed_all` does): the world size and the ranks' hosts.
+    ``trainhealth replay`` pushes through Redis. Each :class:`LogEvent` becomes the
+    :class:`~trainhealth.wire.Event` of its kind (:func:`wire_event`). For a per-rank log call
+    :meth:`expect_ranks` first (:meth:`feed_all` does): the world size and the ranks' hosts.
 
     Parameters
     ----------
@@ -43,6 +73,8 @@ class OfflineRun:
         Latest state of every anomaly by id, in onset order.
     steps, evals : int
         Train points and evaluations fed.
+    events : dict[str, int]
+        Events fed (:class:`LogEvent` s of the log), by kind, in order of first appearance.
     timed_steps : int
         Train points whose step time the log gave.
     ranks : tuple[int, ...]
@@ -59,6 +91,7 @@ class OfflineRun:
         self.pipeline.ledger.note_start(start)
         self.anomalies: dict[str, Anomaly] = {}
         self.steps = self.evals = self.timed_steps = 0
+        self.events: dict[str, int] = {}
         self.ranks: tuple[int, ...] = ()
 
     def expect_ranks(self, arranged: Arranged) -> None:
@@ -69,9 +102,12 @@ class OfflineRun:
             self.pipeline.hosts.update(arranged.hosts)  # the slow-node detector's rank -> host map
 
     def feed(self, tp: TimedPoint) -> Output:
-        """Feed one placed point; returns what the pipeline produced."""
+        """Feed one placed point or event; returns what the pipeline produced."""
         p, t = tp.point, self.start + tp.offset
         rank = p.rank or 0
+        if isinstance(p, LogEvent):
+            self.events[p.kind] = self.events.get(p.kind, 0) + 1
+            return self._keep(self.pipeline.feed_event(wire_event(p, t, self.start)))
         if p.is_eval:
             self.evals += 1
             self.pipeline.feed_event(Event("badput", rank, t, self.start, step=p.step,
@@ -86,8 +122,8 @@ class OfflineRun:
                          step_s=tp.step_s)  # the log's own step time, never an assumed one
         return self._keep(self.pipeline.feed_step(rec))
 
-    def feed_all(self, points: Iterable[LogPoint]) -> OfflineRun:
-        """Place (:func:`arrange`) and feed every point, then close pending steps; returns self."""
+    def feed_all(self, points: Iterable[LogPoint | LogEvent]) -> OfflineRun:
+        """Place (:func:`arrange`) and feed every point and event, then close pending steps; returns self."""
         arranged = arrange(points, self.step_seconds)
         self.expect_ranks(arranged)
         for tp in arranged.points:

@@ -17,6 +17,7 @@ from typing import Any
 from trainhealth.anomaly import Anomaly
 from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
+from trainhealth.detectors.collective_timeout import CollectiveTimeoutDetector
 from trainhealth.detectors.dead_rank import DeadRankDetector
 from trainhealth.detectors.divergence import DivergenceDetector
 from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector
@@ -33,6 +34,7 @@ from trainhealth.detectors.slow_node import SlowNodeDetector
 from trainhealth.detectors.slow_step import SlowStepDetector
 from trainhealth.detectors.straggler import StragglerDetector
 from trainhealth.detectors.throughput import ThroughputDropDetector, step_seconds
+from trainhealth.detectors.worker_restart import WorkerRestartDetector
 from trainhealth.recommendations import Recommendation
 from trainhealth.wire import ROW_DATA, ROW_SOURCE, Event, StepRecord, step_record
 
@@ -86,10 +88,14 @@ class RunPipeline:
         self.throughput = ThroughputDropDetector()
         self.dead_rank = DeadRankDetector(self.hang.checkpoint_s, self.hang.heartbeat_interval,
                                           self.hang.missed_intervals)
+        # What the job's own logs report (events): a collective timeout is a hang, a launcher restart a restart.
+        self.collective_timeout = CollectiveTimeoutDetector()
+        self.worker_restart = WorkerRestartDetector()
         self.step_detectors = [NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(),
                                DivergenceDetector(), GradNormExplosionDetector(), SkippedStepsDetector(),
                                self.slow_node, self.straggler, self.rank_outlier, RestartStormDetector(),
-                               self.throughput, SlowStepDetector()]
+                               self.throughput, SlowStepDetector(),
+                               self.collective_timeout]  # a step completed after a collective timeout ends it
         self.ended_ranks: set[int] = set()
         self.run = run
         self.advisor = RollbackAdvisor()
@@ -162,7 +168,18 @@ class RunPipeline:
                     yield out
 
     def feed_event(self, ev: Event) -> Output:
-        """Feed one event (run start/end, checkpoints, custom badput)."""
+        """Feed one event (run start/end, checkpoints, custom badput, a collective timeout, a worker restart)."""
+        if ev.kind in ("collective_timeout", "worker_restart"):
+            det = self.collective_timeout if ev.kind == "collective_timeout" else self.worker_restart
+            try:
+                found = det.report(ev, self.current_step, self.aggregator.generation)
+            except Exception:  # see detector_errors
+                self._failed(det, self.current_step)
+                return Output()
+            out = Output(anomalies=[self._with_hosts(a) for a in found])
+            for a in out.anomalies:
+                self.anomalies[a.id] = a
+            return out
         if ev.kind == "run_start":
             host = ev.extra.get("host")
             if host:

@@ -19,12 +19,15 @@ from plotly.offline import get_plotlyjs
 from trainhealth.collectors import importers
 from trainhealth.commands.analyze_report import SCHEMA, SCHEMA_VERSION, ChartSeries, analyze_file
 from trainhealth.detectors.offline import OfflineRun
-from trainhealth.timeline import timeline
+from trainhealth.logpoint import LogEvent, LogPoint
+from trainhealth.timeline import arrange, timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 TROCR = "hf_trocr_large_gradnorm.trainer_state.json"
 TINYLLAMA = "hf_tinyllama_sft_healthy.trainer_state.json"
 WORD_LM = "pytorch_word_lm_all_nan.log"
+NCCL = "nccl_watchdog_timeout_multirank.log"
+ELASTIC = "torchelastic_worker_group_restart.log"
 
 #: Per real log, what is stable while the detectors are being tuned: (training steps, first step, last step,
 #: timeline, anomalies as (kind, severity, onset step, end step, status)). Add a row per log once its
@@ -35,6 +38,9 @@ EXPECTED = {
                                       ("grad_norm_spike", "warning", 682, 682, "resolved")]),
     TINYLLAMA: (186, 15, 2790, "assumed", []),
     WORD_LM: (70, 200, 14732, "logged", [("nan_inf", "critical", 200, None, "active")]),
+    # Logs of events only (no training step): the onset is step 0, the start of their timeline.
+    NCCL: (0, None, None, "assumed", [("hang", "critical", 0, None, "active")]),
+    ELASTIC: (0, None, None, "assumed", [("restart", "warning", 0, 0, "resolved")]),
 }
 
 FILE_KEYS = ["path", "format", "run", "error", "summary", "anomalies", "recommendations", "goodput"]
@@ -63,7 +69,7 @@ def cli(*args: str | Path) -> subprocess.CompletedProcess:
 
 def live_anomalies(path: Path) -> list[dict]:
     """What the live pipeline writes for the log (``Anomaly.to_dict()``), in onset order."""
-    run = OfflineRun().feed_all(importers.read(path))
+    run = OfflineRun().feed_all(importers.read_items(path))
     return [a.to_dict() for a in sorted(run.anomalies.values(), key=lambda a: (a.gen, a.step))]
 
 
@@ -97,6 +103,101 @@ def test_trocr_json_has_the_spike_at_682_as_the_live_detectors_write_it(real_log
     # No step times: the goodput is not estimated, and says why.
     assert f["goodput"]["timeline"] == "assumed" and f["goodput"]["ledger"] is None
     assert f["goodput"]["note"] == "not estimated: the log has no step times (the timeline is assumed at 1 s per step)"
+
+
+def test_nccl_watchdog_excerpt_is_one_critical_hang_naming_the_collective(real_logs: Path) -> None:
+    """Ranks 0, 2, 4 time out ALLREDUCE SeqNum 1580 (rank 2's wait is cut from the excerpt); ranks 0 and 3 last
+    completed 1579 and enqueued 1582: nobody is behind, so no straggler or culprit is named."""
+    out = cli(real_logs / NCCL, "--json")
+    assert out.returncode == 1, out.stderr
+    doc = json.loads(out.stdout)
+    (f,) = doc["files"]
+    assert (f["format"], f["error"], doc["summary"]["exit_status"]) == ("nccl_watchdog", None, 1)
+    assert f["anomalies"] == [{
+        "kind": "hang", "severity": "critical", "step": 0,
+        "message": "ranks 0, 2, 4 timed out ALLREDUCE SeqNum 1580 after 600.1 s (timeout 600 s); last completed "
+                   "1579, last enqueued 1582 on ranks 0, 3 (PG 1); no rank is behind (no straggler or culprit in the "
+                   "log: every reporting rank waits on the same collective with the same progress)",
+        "evidence": {
+            "source": "nccl_watchdog", "op": "ALLREDUCE", "seq": 1580, "pg": None, "timeout_s": 600.0,
+            "waited_s": 600.067, "min_waited_s": 600.06, "waited_s_by_rank": {"0": 600.06, "4": 600.067},
+            "numel_in": 466119168, "numel_out": 466119168, "timed_out_ranks": [0, 2, 4], "progress_ranks": [0, 3],
+            "last_completed": 1579, "last_enqueued": 1582, "behind_ranks": [], "behind": [], "other_timeouts": [],
+            "reporting_ranks": [0, 2, 3, 4]},
+        "ranks": [0, 2, 3, 4], "hosts": [], "end_step": None, "status": "active", "gen": 0,
+        "id": "hang:collective:0:0"}]
+    assert f["anomalies"] == live_anomalies(real_logs / NCCL)
+    summary = f["summary"]
+    assert (summary["steps"], summary["evaluations"], summary["events"], summary["first_step"]) == (
+        0, 0, {"collective_timeout": 5}, None)
+    assert list(summary)[:3] == ["steps", "evaluations", "events"]
+    assert f["goodput"] == {"timeline": "assumed", "timed_steps": 0, "assumed_step_seconds": 1.0,
+                            "note": "not estimated: the log has no training steps (events only)", "ledger": None}
+    assert f["recommendations"] == []
+    text = cli(real_logs / NCCL).stdout
+    assert text == (
+        f"{real_logs / NCCL}\n"
+        "  format     PyTorch ProcessGroupNCCL watchdog log (collective timeouts) (nccl_watchdog)\n"
+        "  run        no training steps: the log reports events only\n"
+        "  events     collective timeout 5\n"
+        "  anomalies  1 (1 critical)\n"
+        "    CRITICAL hang             (no steps) (active)\n"
+        f"             {f['anomalies'][0]['message']}\n"
+        "  goodput    not estimated: the log has no training steps (events only)\n\n"
+        "1 file(s) analysed: 1 anomaly, 1 critical → exit 1\n")
+
+
+def test_torchelastic_excerpt_is_one_restart(real_logs: Path) -> None:
+    out = cli(real_logs / ELASTIC, "--json")
+    assert out.returncode == 0, out.stderr
+    (f,) = json.loads(out.stdout)["files"]
+    assert (f["format"], f["error"], f["summary"]["events"]) == ("torchelastic", None, {"worker_restart": 1})
+    assert f["anomalies"] == [{
+        "kind": "restart", "severity": "warning", "step": 0,
+        "message": "the launcher (torchelastic) restarted the worker group after it FAILED: restart 1 of at most 3; "
+                   "which rank failed, and how, is not in the log",
+        "evidence": {"source": "torchelastic", "restart_count": 1, "max_restarts": 3, "attempts_left": 3,
+                     "state": "FAILED", "role": "default", "failed_rank": None, "failed_local_rank": None,
+                     "exitcode": None, "signal": None, "host": None},
+        "ranks": [], "hosts": [], "end_step": 0, "status": "resolved", "gen": 0, "id": "restart:launcher-1:0:0"}]
+    assert f["anomalies"] == live_anomalies(real_logs / ELASTIC)
+    assert not [a for a in f["anomalies"] if a["severity"] in ("warning", "critical") and a["kind"] != "restart"]
+
+
+def test_events_alone_are_analysed_but_a_log_with_neither_steps_nor_events_is_an_error(tmp_path: Path) -> None:
+    log = tmp_path / "agent.log"
+    log.write_text("[default] Worker group FAILED. 3/3 attempts left; will restart worker group\n")
+    out = cli(log, "--json")  # the restart decided counts, though its rendezvous is not in the log
+    assert out.returncode == 0, out.stderr
+    (a,) = json.loads(out.stdout)["files"][0]["anomalies"]
+    assert (a["id"], a["evidence"]["restart_count"]) == ("restart:launcher-1:0:0", 1)
+    state = tmp_path / "trainer_state.json"
+    state.write_text('{"log_history": [{"step": 4, "eval_runtime": 2.5, "eval_loss": 1.0}]}')
+    out = cli(state)
+    assert out.returncode == 2
+    assert out.stderr == f"trainhealth: error: {state}: no training steps to analyse (read as hf_trainer_state)\n"
+
+
+def test_events_keep_their_place_among_the_points() -> None:
+    """An event is fed where the file has it, at the end of the step before it: a collective timeout after
+    step 3 is a hang from step 3, over when step 4 completes; in a per-rank log it joins its rank's timeline."""
+    timeout = LogEvent("collective_timeout", rank=0, seconds=600.0, fields=(("op", "ALLREDUCE"), ("seq", 7),
+                                                                             ("timeout_s", 600.0)), source_line=4)
+    items = [LogPoint(1, loss=2.0), LogPoint(2, loss=2.0), LogPoint(3, loss=2.0), timeout, LogPoint(4, loss=2.0)]
+    assert [(tp.is_event, tp.offset) for tp in timeline(items)] == [
+        (False, 1.0), (False, 2.0), (False, 3.0), (True, 3.0), (False, 4.0)]
+    run = OfflineRun().feed_all(items)
+    (a,) = run.anomalies.values()
+    assert (a.id, a.status, a.step, a.end_step, run.steps, run.events) == (
+        "hang:collective:3:0", "resolved", 3, 4, 4, {"collective_timeout": 1})
+    per_rank = [LogPoint(1, rank=1, step_seconds=2.0), LogEvent("worker_restart"),
+                LogPoint(1, rank=0, step_seconds=1.0), timeout, LogPoint(2, rank=0, step_seconds=1.0),
+                LogPoint(2, rank=1, step_seconds=0.5)]
+    arr = arrange(per_rank)
+    assert arr.ranks == (0, 1)
+    assert [(type(tp.point).__name__, tp.point.rank, tp.offset) for tp in arr.points] == [
+        ("LogEvent", None, 0.0), ("LogPoint", 0, 1.0), ("LogEvent", 0, 1.0), ("LogPoint", 1, 2.0),
+        ("LogPoint", 0, 2.0), ("LogPoint", 1, 2.5)]
 
 
 def test_healthy_tinyllama_exits_0_with_no_anomalies(real_logs: Path) -> None:

@@ -297,3 +297,94 @@ def test_ledger_places_an_early_checkpoint_event_in_the_right_gap() -> None:
     led.add_step(agg(11, t_start=10.6, t_end=11.6, tokens=1))
     sec = led.snapshot(now=11.6)["seconds"]
     assert {k: round(v, 9) for k, v in sec.items() if v} == {"productive": 11.0, "checkpoint_save": 0.5, "idle": 0.1}
+
+
+# -- events the job's logs report: collective timeouts, launcher restarts -----------------------------
+def _event(kind: str, rank: int, t: float, seconds: float | None = None, **fields: object) -> Event:
+    """An event as the detector service decodes it from the events stream: every field as text."""
+    return Event(kind, rank, t, 0.0, seconds=seconds, extra={k: str(v) for k, v in fields.items()})
+
+
+def test_collective_timeout_events_fed_to_the_pipeline_give_one_critical_hang() -> None:
+    from trainhealth.detectors.pipeline import RunPipeline
+
+    pipe = RunPipeline(4, run="r")
+    for step in range(1, 6):
+        for rank in range(4):
+            pipe.feed_step(StepRecord(rank, step, 0.0, float(step), dur=1.0, loss=2.0, sections={"fb": 0.9}))
+    found = []
+    for rank in (0, 1, 2):
+        found += pipe.feed_event(_event("collective_timeout", rank, 700.0, 600.0 + rank / 100, op="ALLREDUCE",
+                                        seq=88, timeout_s=600.0, numel_in=1024, numel_out=1024)).anomalies
+    for rank, done in ((0, 87), (1, 87), (3, 85)):
+        found += pipe.feed_event(_event("collective_timeout", rank, 700.0, seq=88 if rank != 3 else "", pg=0,
+                                        last_enqueued=88 if rank != 3 else 86, last_completed=done)).anomalies
+    assert {a.id for a in found} == {"hang:collective:5:0"}  # one anomaly, updated as the ranks report
+    a = pipe.anomalies["hang:collective:5:0"]
+    assert (a.kind, a.severity, a.status, a.step, a.ranks) == ("hang", "critical", "active", 5, (0, 1, 2, 3))
+    assert a.message == (
+        "ranks 0–2 timed out ALLREDUCE SeqNum 88 after 600.0 s (timeout 600 s); last completed 85–87, "
+        "last enqueued 86–88 on ranks 0, 1, 3 (PG 0); rank 3 is behind: last completed 85 while the others "
+        "completed 87; rank 3 is behind: last enqueued 86, never reaching the work 88 the others are stuck in")
+    ev = a.evidence
+    assert (ev["behind_ranks"], ev["timed_out_ranks"], ev["waited_s"], ev["min_waited_s"]) == (
+        [3], [0, 1, 2], 600.02, 600.0)
+    assert [b["field"] for b in a.evidence["behind"]] == ["last_completed", "last_enqueued"]
+    assert not any(x.kind == "straggler" for x in pipe.anomalies.values())
+    # A step the ranks had completed before the timeout, closed late (its last record arrived after the events),
+    # is no progress; the hang stays open.
+    assert pipe.collective_timeout.update(agg(6, t_end=690.0)) == []
+    # The job resumes (a restart: the ranks' new incarnation): the hang is over.
+    out = pipe.feed_step(StepRecord(0, 4, 900.0, 901.0, dur=1.0, loss=2.0))
+    out.extend(pipe.flush())
+    (done,) = [x for x in out.anomalies if x.id == "hang:collective:5:0"]
+    assert (done.status, done.end_step) == ("resolved", 4)
+
+
+def test_collective_timeout_through_the_services_feed_path_and_a_bad_field() -> None:
+    from trainhealth.detectors.pipeline import RunPipeline
+
+    pipe = RunPipeline(2)
+    evs = [_event("collective_timeout", 1, 5.0, 600.5, op="BROADCAST", seq="x", timeout_s="nan"),
+           _event("collective_timeout", 0, 5.0, op="bad op!")]  # nothing usable: no anomaly
+    outs = list(pipe.feed(evs))
+    assert [a.message for o in outs for a in o.anomalies] == [
+        "rank 1 timed out BROADCAST after 600.5 s; only rank 1 reported: the log does not show which rank held the "
+        "others up"]
+    assert pipe.detector_errors == {}
+
+
+def test_desync_at_the_same_seqnum_is_named() -> None:
+    from trainhealth.detectors.collective_timeout import CollectiveTimeoutDetector
+
+    det = CollectiveTimeoutDetector()
+    for rank, op, seq in ((0, "ALLREDUCE", 12), (1, "ALLREDUCE", 12), (2, "ALLGATHER", 12), (3, "ALLREDUCE", 9)):
+        found = det.report(_event("collective_timeout", rank, 0.0, 600.0, op=op, seq=seq, timeout_s=600), step=3)
+    assert found[0].message == (
+        "ranks 0, 1 timed out ALLREDUCE SeqNum 12 after 600.0 s (timeout 600 s); rank 2 called a different collective "
+        "at SeqNum 12: ALLGATHER while the others ALLREDUCE (the ranks' collectives do not match); rank 3 is behind: "
+        "timed out at SeqNum 9 while the others were at 12")
+    assert found[0].evidence["behind_ranks"] == [2, 3]
+
+
+def test_worker_restart_event_gives_a_restart_merged_across_agents() -> None:
+    from trainhealth.detectors.pipeline import RunPipeline
+
+    pipe = RunPipeline(8)
+    pipe.hosts[5] = "node-b"
+    (a,) = pipe.feed_event(_event("worker_restart", 0, 10.0, restart_count=1, attempts_left=3, max_restarts=3,
+                                  state="FAILED")).anomalies
+    assert (a.id, a.kind, a.severity, a.status, a.ranks) == ("restart:launcher-1:0:0", "restart", "warning",
+                                                           "resolved", ())
+    assert a.message == ("the launcher (torchelastic) restarted the worker group after it FAILED: restart 1 of at "
+                         "most 3; which rank failed, and how, is not in the log")
+    # Another node's agent reports the same restart, knowing the failed worker.
+    (b,) = pipe.feed_event(_event("worker_restart", 0, 11.0, restart_count=1, failed_rank=5, failed_local_rank=1,
+                                  exitcode=-9, signal="SIGKILL")).anomalies
+    assert (b.id, b.ranks, b.hosts) == (a.id, (5,), ("node-b",))
+    assert b.message == ("the launcher (torchelastic) restarted the worker group after it FAILED: restart 1 of at "
+                         "most 3; rank 5 (local rank 1) exited with code -9 (SIGKILL)")
+    assert b.evidence == {"source": "torchelastic", "restart_count": 1, "max_restarts": 3, "attempts_left": 3,
+                          "state": "FAILED", "role": None, "failed_rank": 5, "failed_local_rank": 1, "exitcode": -9,
+                          "signal": "SIGKILL", "host": None}
+    assert pipe.feed_event(_event("worker_restart", 0, 12.0, restart_count=1)).anomalies == []  # nothing new

@@ -4,7 +4,8 @@ Values are the files' own (see ../shared/real_logs/MANIFEST.md); a file added th
 an entry in REAL below fails ``test_every_real_log_is_covered``.
 
 The Kineto profiler traces and the all-reduce benchmark are per-rank logs (``LogPoint.rank`` set):
-their values, and their analysis as multi-rank runs, are in tests/test_multirank_logs.py.
+their values, and their analysis as multi-rank runs, are in tests/test_multirank_logs.py. The NCCL
+watchdog and torchelastic logs hold no training steps, only events (``LogEvent``, :func:`read_items`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from trainhealth.collectors.importers import detect, read
+from trainhealth.collectors.importers import detect, read, read_items
 from trainhealth.commands.replay import read_points, replay
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.service import DetectorService
 from trainhealth.exceptions import InputFormatError
-from trainhealth.logpoint import LogPoint
+from trainhealth.logpoint import LogEvent, LogPoint
 
 # file → (format, points read (train + eval)); None format = refused (the error's text instead).
 REAL: dict[str, tuple[str | None, int | str]] = {
@@ -42,6 +43,13 @@ REAL: dict[str, tuple[str | None, int | str]] = {
     "allreduce_bench_16ranks.log": ("allreduce_bench", 80),          # 16 ranks x 5 iterations
     "kineto_trace_rank0_ws128.json.gz": ("kineto_trace", 2),         # ProfilerStep#551, #552
     "kineto_trace_rank1_ws128.json.gz": ("kineto_trace", 2),
+    "nccl_watchdog_timeout_multirank.log": ("nccl_watchdog", 0),     # events only (EVENTS)
+    "torchelastic_worker_group_restart.log": ("torchelastic", 0),
+}
+#: file → events read (``read_items`` LogEvents), for the files that report any; 0 for the others.
+EVENTS: dict[str, int] = {
+    "nccl_watchdog_timeout_multirank.log": 5,  # 3 ranks' timeouts, 2 ranks' last enqueued / completed
+    "torchelastic_worker_group_restart.log": 1,
 }
 
 
@@ -64,7 +72,13 @@ def test_detected_format_and_point_count(real_logs: Path, name: str) -> None:
         return
     assert detect(real_logs / name) == fmt
     assert len(list(read(real_logs / name))) == expected
-    assert len(read_points(real_logs / name)) == expected
+    items = list(read_items(real_logs / name))
+    assert (len(items) - expected, sum(isinstance(i, LogEvent) for i in items)) == (EVENTS.get(name, 0),) * 2
+    if expected:
+        assert len(read_points(real_logs / name)) == expected
+    else:  # replay pushes training steps: a log of events only has none to replay
+        with pytest.raises(InputFormatError, match=f"no training steps to replay \\(read as {fmt}\\)"):
+            read_points(real_logs / name)
 
 
 def test_hf_trainer_state_files(real_logs: Path) -> None:
@@ -183,6 +197,30 @@ def test_word_lm_all_nan(real_logs: Path) -> None:
     assert sorted({p.lr for p in pts}) == [0.3125, 1.25, 5.0, 20.0]
     assert min(p.step_seconds for p in pts) == pytest.approx(0.01115)
     assert max(p.step_seconds for p in pts) == pytest.approx(0.01161)
+
+
+def test_nccl_watchdog_timeouts_of_several_ranks(real_logs: Path) -> None:
+    """Ranks 0, 4 and 2 time out ALLREDUCE SeqNum 1580 (rank 2's line is cut after its WorkNCCL(...): its wait
+    is not in the file); ranks 0 and 3 report their progress, in process group 1."""
+    evs = list(read_items(real_logs / "nccl_watchdog_timeout_multirank.log"))
+    work = (("op", "ALLREDUCE"), ("seq", 1580), ("timeout_s", 600.0), ("numel_in", 466119168),
+            ("numel_out", 466119168))
+    progress = (("seq", 1580), ("last_enqueued", 1582), ("last_completed", 1579), ("pg", "1"))
+    assert evs == [
+        LogEvent("collective_timeout", rank=0, seconds=600.06, fields=work, source_line=1),
+        LogEvent("collective_timeout", rank=4, seconds=600.067, fields=work, source_line=2),
+        LogEvent("collective_timeout", rank=0, fields=progress, source_line=3),
+        LogEvent("collective_timeout", rank=3, fields=progress, source_line=4),
+        LogEvent("collective_timeout", rank=2, seconds=None, fields=work, source_line=5),
+    ]
+
+
+def test_torchelastic_worker_group_restart(real_logs: Path) -> None:
+    """'Worker group FAILED. 3/3 attempts left' then the rendezvous' restart_count=1 (line 5): one restart; the
+    excerpt does not say which worker failed."""
+    assert list(read_items(real_logs / "torchelastic_worker_group_restart.log")) == [
+        LogEvent("worker_restart", fields=(("restart_count", 1), ("attempts_left", 3), ("max_restarts", 3),
+                                           ("state", "FAILED"), ("role", "default")), source_line=5)]
 
 
 def _drain(client: redis.Redis) -> None:

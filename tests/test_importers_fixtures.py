@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from trainhealth.collectors.importers import FORMATS, detect, read
+from trainhealth.collectors.importers import FORMATS, detect, read, read_items
 from trainhealth.commands.replay import read_points
 from trainhealth.exceptions import ConfigError, InputFormatError
-from trainhealth.logpoint import LogPoint
+from trainhealth.logpoint import LogEvent, LogPoint
 
 DATA = Path(__file__).resolve().parent / "data" / "importers"
 ROOT = DATA.parent.parent.parent
@@ -47,6 +47,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     ("allreduce_bench.log", "allreduce_bench"), ("allreduce_bench_partly_bad.log", "allreduce_bench"),
     ("allreduce_bench_all_bad.log", "allreduce_bench"), ("kineto_rank3.pt.trace.json", "kineto_trace"),
     ("kineto_nodist_rank5.json.gz", "kineto_trace"), ("kineto_bad_dur.json", "kineto_trace"),
+    ("nccl_watchdog_variants.log", "nccl_watchdog"), ("torchelastic_restarts.log", "torchelastic"),
 ])
 def test_detect(name: str, fmt: str) -> None:
     assert detect(DATA / name) == fmt
@@ -382,6 +383,87 @@ def test_tensorboard_errors(tmp_path: Path) -> None:
         _write_events(two / sub, [(1, 0.0, {"loss": 1.0})])
     with pytest.raises(InputFormatError, match=r"runs: event files of 2 runs \(a, b\); replay one run directory"):
         detect(two)
+
+
+# --- event logs: NCCL watchdog, torchelastic --------------------------------------------------------------
+
+def test_nccl_watchdog_line_variants(caplog: pytest.LogCaptureFixture) -> None:
+    """The forms of several PyTorch versions: WorkNCCL without SeqNum (TensorShape), without NumelIn, with; the
+    glog prefix with or without torchrun's [rankN]:; the process group prefixes; the progress lines, the dump
+    signal of a rank told by another; repeats, the periodic INFO line and a wrapped timeout."""
+    path = DATA / "nccl_watchdog_variants.log"
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        evs = list(read_items(path))
+    ev = lambda rank, line, seconds=None, **f: LogEvent(  # noqa: E731
+        "collective_timeout", rank=rank, seconds=seconds, fields=tuple(f.items()), source_line=line)
+    assert evs == [
+        ev(1, 1, 1804.406, op="BROADCAST", timeout_s=1800.0, tensor_shape="[1024, 1024]"),  # PyTorch 1.9
+        ev(0, 2, 1800.745, op="ALLREDUCE", seq=6, timeout_s=1800.0),  # 1.10-1.13: no NumelIn
+        # rank 1 of process group 2 is global rank 5 (torchrun's [rank5]: prefix)
+        ev(5, 4, 600.031, op="_ALLGATHER_BASE", seq=31, timeout_s=600.0, numel_in=1024, numel_out=16384, group_rank=1),
+        ev(5, 5, seq=31, last_enqueued=58, last_completed=30, pg="2", group_rank=1),
+        # line 6 ("Timeout at NCCL work") and line 7 (the exception re-raised) repeat rank 5's reports: left out
+        ev(2, 8, seq=1, last_enqueued=1, pg="0"),  # last completed 76280750235782912 > last enqueued: uninitialised
+        ev(4, 9, last_enqueued=56118, last_completed=56118, pg="0"),  # told by rank 7; line 10 is the periodic INFO
+        ev(6, 11, 600.012, op="REDUCE_SCATTER", seq=12, timeout_s=600.0, numel_in=2048, numel_out=256, pg="0"),
+        # lines 11-13 are one wrapped timeout; line 14 names no rank; line 15 ends within "ran for 6000…"
+        ev(7, 15, op="REDUCE_SCATTER", seq=12, timeout_s=600.0, numel_in=2048, numel_out=256),
+    ]
+    assert warnings_of(caplog) == [
+        f"{path}: skipped 1 malformed NCCL watchdog timeout line(s); the first: line 14: a collective timeout with "
+        "no rank before it: 'Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, "
+        "NumelIn=1, Numel… (174 characters)"]
+    assert list(read(path)) == []  # no training step
+
+
+def test_nccl_watchdog_file_without_a_report_is_an_error(tmp_path: Path) -> None:
+    log = tmp_path / "nccl.log"
+    log.write_text("[E ProcessGroupNCCL.cpp:607] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, "
+                   "OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600001 milliseconds before timing out.\n")
+    with pytest.raises(InputFormatError, match=r"nccl\.log: line 1: a collective timeout with no rank before it"):
+        list(read_items(log, fmt="nccl_watchdog"))
+    log.write_text("[rank0]:[E ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation timeout: "
+                   "WorkNCCL(SeqNum=1, Timeout(ms)=600000) ran for 600001 milliseconds before timing out.\n")
+    with pytest.raises(InputFormatError, match=r"line 1: rank 0's WorkNCCL\(...\) has no OpType or Timeout\(ms\)"):
+        list(read_items(log, fmt="nccl_watchdog"))
+
+
+def test_torchelastic_restarts_failures_and_bad_lines(caplog: pytest.LogCaptureFixture) -> None:
+    """Restart 1 after local rank 1 (global rank 5 of the node's first rendezvous) was killed (-9); restart 2
+    decided (UNHEALTHY, 2/3 left) without its rendezvous in the log; the final ChildFailedError is no restart."""
+    path = DATA / "torchelastic_restarts.log"
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        evs = list(read_items(path))
+    assert evs == [
+        LogEvent("worker_restart", fields=(
+            ("restart_count", 1), ("attempts_left", 3), ("max_restarts", 3), ("state", "FAILED"), ("role", "trainer"),
+            ("failed_rank", 5), ("failed_local_rank", 1), ("exitcode", -9), ("signal", "SIGKILL"), ("pid", 76626)),
+            source_line=18),
+        LogEvent("worker_restart", fields=(
+            ("restart_count", 2), ("attempts_left", 2), ("max_restarts", 3), ("state", "UNHEALTHY"),
+            ("role", "trainer")), source_line=29),  # line 31's restart_count=1 is one already seen: not its own
+    ]
+    assert warnings_of(caplog) == [
+        f"{path}: skipped 2 malformed torchelastic worker group restart line(s); the first: line 30: not '[role] "
+        "Worker group STATE. N/M attempts left; will restart worker group': '[trainer] Worker group FAILED. 9/3 "
+        "attempts left; will restart worker group'"]
+
+
+def test_torchelastic_excerpts(tmp_path: Path) -> None:
+    log = tmp_path / "agent.log"
+    # The rendezvous of a restart whose FAILED line is before the excerpt; the table names the failed rank.
+    log.write_text("  restart_count=2\n  master_addr=a\n")
+    assert [e.fields for e in read_items(log, fmt="torchelastic")] == [(("restart_count", 2),)]
+    log.write_text("INFO:torch.distributed.elastic.agent.server.api:[default] Rendezvous complete for workers. "
+                   "Result:\n  restart_count=0\n  master_addr=a\n")
+    with pytest.raises(InputFormatError, match=r"agent\.log: no torchelastic worker group restart lines found"):
+        list(read_items(log))  # a start, no restart
+    log.write_text("Root Cause (first observed failure):\n[0]:\n  rank      : 3 (local_rank: 3)\n"
+                   "  exitcode  : -6 (pid: 7)\n  traceback : Signal 6 (SIGABRT) received by PID 7\n"
+                   "=====\n  restart_count=1\n")
+    assert [e.fields for e in read_items(log, fmt="torchelastic")] == [(
+        ("restart_count", 1), ("failed_rank", 3), ("failed_local_rank", 3), ("exitcode", -6), ("signal", "SIGABRT"),
+        ("pid", 7))]
 
 
 # --- generic behaviour ---------------------------------------------------------------------------------

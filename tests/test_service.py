@@ -434,3 +434,31 @@ def test_event_decode_errors_name_the_field_and_value() -> None:
         ev = decode_event({**base, "seconds": bad})
         assert (ev.step, ev.seconds, ev.extra["seconds_invalid"]) == (5, None, bad)
     assert math.isfinite(decode_event(base).t)
+
+
+def test_collective_timeout_events_on_the_stream_give_the_hang_live(r: redis.Redis) -> None:
+    """What a log reader or launcher wrapper beside the job sends: the watchdog's report per rank, as events
+    (on the job's own clock: after its last steps)."""
+    now = time.time()
+    mons = [Monitor("nccl", client=r, rank=k, world_size=2, host=f"node-{k}", started_at=now - 100,
+                    flush_interval=0.01) for k in range(2)]
+    for s in range(20):
+        for mon in mons:
+            mon.log_step(s, loss=3.0, timestamp=now - 60 + s)
+    assert all(mon.flush(10) for mon in mons)
+    for k, mon in enumerate(mons):
+        mon._event("collective_timeout", seconds=600.0 + k, op="ALLREDUCE", seq=88, timeout_s=600.0)
+        assert mon.flush(10)
+        mon._sender.stop(1)
+    svc = DetectorService(r, consumer="test", clock=lambda: now + 1, snapshot_interval=0.0,
+                          hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc)
+    anomalies = {k.decode(): json.loads(v) for k, v in r.hgetall("th:{nccl}:anomalies").items()}
+    assert sorted(anomalies) == ["hang:collective:19:0"]
+    hang = anomalies["hang:collective:19:0"]
+    assert (hang["severity"], hang["status"], hang["ranks"], hang["hosts"]) == (
+        "critical", "active", [0, 1], ["node-0", "node-1"])
+    assert hang["message"] == ("ranks 0, 1 timed out ALLREDUCE SeqNum 88 after 600.0–601.0 s (timeout 600 s); "
+                               "no rank is behind (no straggler or culprit in the log: every reporting rank waits on "
+                               "the same collective with the same progress)")
+    assert ("opened", "hang:collective:19:0") in log_entries(r, "nccl")

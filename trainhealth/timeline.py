@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from trainhealth.logpoint import LogPoint
+from trainhealth.logpoint import LogEvent, LogPoint
 from trainhealth.text import show
 from trainhealth.wire import MAX_STEP
 
@@ -38,14 +38,15 @@ def check_step_seconds(value: float) -> None:
 
 @dataclass(frozen=True)
 class TimedPoint:
-    """A log point placed on the synthetic timeline.
+    """A log point (or event) placed on the synthetic timeline.
 
     Attributes
     ----------
-    point : LogPoint
+    point : LogPoint | LogEvent
         As parsed.
     offset : float
-        Seconds from the run's start at which the point (step or evaluation) ended.
+        Seconds from the run's start at which the point (step or evaluation) ended; for an event, the
+        offset of the point before it in the file (0 before any).
     skipped : bool | None
         For a train point: whether every step since the previous logged one was skipped
         (fp16 overflow); None when the log cannot tell.
@@ -57,14 +58,18 @@ class TimedPoint:
         taken from wall-clock stamps would then include the evaluation, which is not a step).
     """
 
-    point: LogPoint
+    point: LogPoint | LogEvent
     offset: float
     skipped: bool | None
     timed: bool
     step_s: float | None = None
 
+    @property
+    def is_event(self) -> bool:
+        return isinstance(self.point, LogEvent)
 
-def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[TimedPoint]:
+
+def timeline(points: Iterable[LogPoint | LogEvent], step_seconds: float = 1.0) -> Iterator[TimedPoint]:
     """Place points on a timeline, lazily (a generator: a million-step log is never in memory).
 
     Step ``s`` ends after the previous logged step by ``(s - previous) x`` the seconds per step
@@ -79,6 +84,11 @@ def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[
     >>> [round(tp.offset) for tp in timeline([LogPoint(15), LogPoint(30)])]
     [1, 16]
 
+    An event takes no time: it is where the file has it, at the end of the point before it.
+
+    >>> [(tp.is_event, tp.offset) for tp in timeline([LogEvent("worker_restart"), LogPoint(15), LogEvent("x")])]
+    [(True, 0.0), (False, 1.0), (True, 1.0)]
+
     A time the log gives that would make the timeline infinite (a step time of ``1e300`` s; an
     infinite evaluation runtime) is not used: the step is placed at the assumed pace, the
     evaluation takes no time.
@@ -92,6 +102,9 @@ def timeline(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Iterator[
     check_step_seconds(step_seconds)
     cursor, prev_step, after_eval = 0.0, None, False
     for p in points:
+        if isinstance(p, LogEvent):
+            yield TimedPoint(p, cursor, None, False)
+            continue
         skip, timed, own = None, False, None
         if p.is_eval:
             e = p.eval_seconds
@@ -140,15 +153,17 @@ class Arranged:
         return self.ranks[-1] + 1 if self.ranks else 1
 
 
-def arrange(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Arranged:
+def arrange(points: Iterable[LogPoint | LogEvent], step_seconds: float = 1.0) -> Arranged:
     """Place a log's points: a single stream lazily with :func:`timeline`; a per-rank log rank by rank.
 
     A log whose first point has no rank (every training-log importer) passes through
-    :func:`timeline` untouched and unread. A per-rank log (``LogPoint.rank`` set: a benchmark's
+    :func:`timeline` untouched and unread (the events before that point are held until it is seen; a
+    log of events only is a single stream). A per-rank log (``LogPoint.rank`` set: a benchmark's
     interleaved ranks, several ranks' profiler traces) is read whole (such logs are small), each
     rank is placed on its own timeline from the run's start, and the points come out in the
     order their steps ended on that synthetic clock (ties by step, then rank): what a live service would
-    have received, so each step's records are together.
+    have received, so each step's records are together. There an event goes on the timeline of its
+    rank (``LogEvent.rank``, else 0), right after the point of that rank before it in the file.
 
     >>> pts = [LogPoint(1, rank=1, step_seconds=2.0), LogPoint(1, rank=0, step_seconds=1.0),
     ...        LogPoint(2, rank=0, step_seconds=1.0), LogPoint(2, rank=1, step_seconds=0.5)]
@@ -164,19 +179,33 @@ def arrange(points: Iterable[LogPoint], step_seconds: float = 1.0) -> Arranged:
     """
     check_step_seconds(step_seconds)
     it = iter(points)
+    held: list[LogEvent] = []
     first = next(it, None)
+    while isinstance(first, LogEvent):
+        held.append(first)
+        first = next(it, None)
     if first is None:
-        return Arranged(iter(()))
+        return Arranged(timeline(held, step_seconds))
     if first.rank is None:
-        return Arranged(timeline(itertools.chain((first,), it), step_seconds))
-    by_rank: dict[int, list[LogPoint]] = {}
+        return Arranged(timeline(itertools.chain(held, (first,), it), step_seconds))
+    by_rank: dict[int, list[LogPoint | LogEvent]] = {}
     hosts: dict[int, str] = {}
-    for p in itertools.chain((first,), it):
+    for p in itertools.chain(held, (first,), it):
+        if isinstance(p, LogEvent):
+            by_rank.setdefault(p.rank or 0, []).append(p)
+            continue
         if p.rank is None:
             raise ValueError(f"step {p.step} has no rank in a per-rank log (line/entry {p.source_line})")
         by_rank.setdefault(p.rank, []).append(p)
         if p.host:
             hosts.setdefault(p.rank, p.host)
-    placed = [tp for pts in by_rank.values() for tp in timeline(pts, step_seconds)]
-    placed.sort(key=lambda tp: (tp.offset, tp.point.step, tp.point.rank))  # stable: a rank's order is kept
-    return Arranged(placed, tuple(sorted(by_rank)), hosts)
+    keyed = []
+    for rank, items in by_rank.items():
+        step = -math.inf  # an event sorts with the point of its rank before it
+        for tp in timeline(items, step_seconds):
+            if not tp.is_event:
+                step = tp.point.step
+            keyed.append(((tp.offset, step, rank), tp))
+    keyed.sort(key=lambda kt: kt[0])  # stable: a rank's order is kept
+    ranks = tuple(sorted(r for r, items in by_rank.items() if any(isinstance(p, LogPoint) for p in items)))
+    return Arranged([tp for _, tp in keyed], ranks, hosts)

@@ -1,7 +1,9 @@
-"""Readers of the logs training stacks already write, into :class:`LogPoint` s.
+"""Readers of the logs training stacks already write, into :class:`LogPoint` s and :class:`LogEvent` s.
 
 ``detect(path)`` names a file's format from its name and content; ``read(path, fmt=None,
-mapping=None)`` yields its logged training steps (and, for ``trainer_state.json``, evaluations).
+mapping=None)`` yields its logged training steps (and, for ``trainer_state.json``, evaluations);
+``read_items(path, fmt=None, mapping=None)`` yields those and the events the log reports (a collective
+timeout, a restart of the worker group), in file order.
 Standard library only, except TensorBoard event files: their reader imports ``tensorboard``
 when one is read (the ``logs`` extra).
 
@@ -36,7 +38,17 @@ Per-rank logs (their points carry ``LogPoint.rank``; see :mod:`trainhealth.logpo
 - ``allreduce_bench``: all-reduce benchmark stdout, every rank interleaved — lines
   `` duration: S sec`` (each after a ``<rank>:`` line).
 
-For text logs the format whose line pattern matches the most lines of the first 8 MiB wins.
+Event logs (no training steps; :class:`LogEvent` s only, see :func:`read_items`):
+
+- ``nccl_watchdog``: PyTorch ``ProcessGroupNCCL`` watchdog lines of several ranks — lines
+  ``Watchdog caught collective operation timeout: WorkNCCL(…)`` and ``… last enqueued NCCL work: E,
+  last completed NCCL work: C`` (events ``collective_timeout``).
+- ``torchelastic``: ``torch.distributed.elastic`` agent log (``torchrun``) — lines ``Worker group FAILED.
+  N/M attempts left; will restart worker group``, ``Rendezvous complete for workers. Result:``,
+  ``restart_count=K`` (events ``worker_restart``).
+
+For text logs the format whose line pattern matches the most lines of the first 8 MiB wins (a tie goes to
+the format listed first: a training log before an event log).
 Table-shaped formats (CSV, JSON lines, TensorBoard, golden values) take ``mapping={field: name}``
 to name their columns/tags/metrics (fields: ``step``, ``loss``, ``grad_norm``, ``lr``,
 ``step_seconds``, ``tokens``, ``tokens_total``, ``consumed_samples``, ``skipped``, ``wall_time``,
@@ -76,7 +88,9 @@ from trainhealth.collectors.importers import (
     megatron_log,
     modded_nanogpt_log,
     nanogpt_log,
+    nccl_watchdog,
     tensorboard,
+    torchelastic,
     wandb_history,
     word_lm_log,
 )
@@ -106,6 +120,10 @@ FORMATS: dict[str, tuple[Reader, bool, str]] = {
     "jsonl": (generic.read_jsonl, True, "generic JSON lines with a step field"),
     "kineto_trace": (lambda p, m=None: kineto_trace.read(p), False, "PyTorch profiler (Kineto) trace, one rank"),
     "allreduce_bench": (lambda p, m=None: allreduce_bench.read(p), False, "all-reduce benchmark log, per rank"),
+    "nccl_watchdog": (lambda p, m=None: nccl_watchdog.read(p), False,
+                      "PyTorch ProcessGroupNCCL watchdog log (collective timeouts)"),
+    "torchelastic": (lambda p, m=None: torchelastic.read(p), False,
+                     "torch.distributed.elastic agent log (worker group restarts)"),
 }
 #: Formats whose points are per rank (``LogPoint.rank`` set): several files of one job form one run.
 PER_RANK_FORMATS = frozenset({"kineto_trace", "allreduce_bench"})
@@ -116,6 +134,9 @@ TEXT_FORMATS: dict[str, Callable[[str], bool]] = {
     "modded_nanogpt": modded_nanogpt_log.sniff_line,
     "word_lm": word_lm_log.sniff_line,
     "allreduce_bench": allreduce_bench.sniff_line,
+    # Last: a training log that also holds a few of these lines (a run under torchrun) stays a training log.
+    "nccl_watchdog": nccl_watchdog.sniff_line,
+    "torchelastic": torchelastic.sniff_line,
 }
 SNIFF_BYTES = 8 << 20
 #: A Chrome trace's key, looked for before parsing a large JSON document whole.
