@@ -42,6 +42,9 @@ REAL: dict[str, tuple[str | None, int | str]] = {
     "allreduce_bench_16ranks.log": ("allreduce_bench", 80),          # 16 ranks x 5 iterations
     "kineto_trace_rank0_ws128.json.gz": ("kineto_trace", 2),         # ProfilerStep#551, #552
     "kineto_trace_rank1_ws128.json.gz": ("kineto_trace", 2),
+    "megatron_bert_release_a100.golden_values.json": ("megatron_golden", 4001),  # steps 1, 5, …, 20000
+    "llamafactory_luojiu7b_cpt.trainer_log.jsonl": ("llamafactory", 1742),     # steps 5-8710; the summary row is not
+    "hf_overfit_30epochs.trainer_state.json": ("hf_trainer_state", 216),       # 30 train + 31 x 6 eval sets
 }
 
 
@@ -114,6 +117,48 @@ def test_llamafactory_rows(real_logs: Path) -> None:
     # "throughput": "0.00" and "total_tokens": 0 on every row mean "not recorded"
     assert {p.tokens for p in pts} == {None}
     assert min(p.step_seconds for p in pts) == 2.0 and max(p.step_seconds for p in pts) == 2.7
+
+
+def test_llamafactory_four_day_run_elapsed_in_days(real_logs: Path) -> None:
+    pts = list(read(real_logs / "llamafactory_luojiu7b_cpt.trainer_log.jsonl"))
+    # the last row (step 8712, "loss": null, "learning_rate": null) is the closing summary: not a step, not a NaN
+    assert [p.step for p in pts] == list(range(5, 8711, 5))
+    assert (pts[0].loss, pts[0].step_seconds, pts[-1].loss) == (1.7484, 41.8, 1.3703)  # "0:03:29" / 5 steps
+    assert not any(math.isnan(p.loss) for p in pts)
+    by_step = {p.step: p for p in pts}
+    # "elapsed_time" crosses into days: "23:58:27" -> "1 day, 0:02:01", "1 day, 23:58:37" -> "2 days, 0:02:10"
+    assert (by_step[2025].step_seconds, by_step[4050].step_seconds) == (pytest.approx(42.8), pytest.approx(42.6))
+    seconds = [p.step_seconds for p in pts]  # ~213 s per 5 steps throughout
+    assert (min(seconds), max(seconds)) == (41.0, 43.4)
+    assert (by_step[5810].step_seconds, by_step[6625].step_seconds) == (41.0, 43.4)
+
+
+def test_megatron_bert_golden_values(real_logs: Path) -> None:
+    g = steps(real_logs, "megatron_bert_release_a100.golden_values.json")
+    # lm loss every 5 steps to 20000 of a declared 25000: the "nan" strings after it are "not recorded"
+    assert sorted(g) == [1, *range(5, 20001, 5)]
+    assert (g[1].loss, g[20000].loss, g[19995].loss) == (10.51817, 4.81103, 4.30228)
+    assert not any(math.isnan(p.loss) for p in g.values())
+    # iteration-time only every 100th step ("nan" at the others: not recorded), warm-up at step 100
+    assert [s for s, p in sorted(g.items()) if p.step_seconds is not None] == list(range(100, 20001, 100))
+    assert (g[100].step_seconds, g[200].step_seconds, g[20000].step_seconds) == (0.89451, 0.3366, 0.33554)
+    later = {s: p.step_seconds for s, p in g.items() if p.step_seconds is not None and s > 100}
+    assert (min(later.values()), later[5300], max(later.values()), later[10800]) == (0.32662, 0.32662, 0.37022,
+                                                                                     0.37022)
+    assert {(p.grad_norm, p.lr) for p in g.values()} == {(None, None)}  # num-zeros, memory: not step metrics
+
+
+def test_hf_trainer_state_with_six_eval_sets(real_logs: Path) -> None:
+    pts = list(read(real_logs / "hf_overfit_30epochs.trainer_state.json"))
+    train = [p for p in pts if not p.is_eval]
+    assert [p.step for p in train] == list(range(401, 12031, 401))
+    assert (train[0].loss, train[-1].loss, min(p.loss for p in train)) == (1.1074, 0.0549, 0.0531)  # never 0
+    assert train[0].grad_norm == 5.49674654006958
+    # one entry per eval set, eval_g0_runtime … eval_g5_runtime, at step 0 and after every epoch
+    evals = [p for p in pts if p.is_eval]
+    assert len(evals) == 186 and sorted({p.step for p in evals}) == [0, *range(401, 12031, 401)]
+    assert [p.eval_seconds for p in evals[:7]] == [5.7095, 5.9196, 6.0146, 6.0628, 6.2888, 6.5105, 5.1178]
+    assert math.fsum(p.eval_seconds for p in evals) == pytest.approx(1131.0613)
 
 
 def test_megatron_golden_values(real_logs: Path) -> None:

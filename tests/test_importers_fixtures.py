@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import math
 import shutil
@@ -518,3 +519,96 @@ def test_a_utf8_byte_order_mark_is_ignored(tmp_path: Path) -> None:
         gz = tmp_path / (name + ".gz")
         gz.write_bytes(gzip.compress(bom + text))
         assert rows(gz, "loss", fmt=detect(path)) == expected, name
+
+
+# --- files cut mid-write ---------------------------------------------------------------------------------
+
+def test_a_last_line_cut_mid_write_is_left_out_with_one_warning(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    cases = {  # name: (text, steps read, the torn line, its first byte, why it does not parse)
+        "metrics.jsonl": ('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n{"step": 3, "lo', [1, 2], 3, 50,
+                          "not valid JSON (column 13): Unterminated string starting at"),
+        "trainer_log.jsonl": ('{"current_steps": 5, "total_steps": 9, "loss": 1.0}\r\n{"current_steps": 9, "tot',
+                              [5], 2, 53, "not valid JSON (column 22): Unterminated string starting at"),
+        "nanogpt.log": ("iter 0: loss 10.9, time 30.00ms, mfu -100.00%\niter 10: loss 9",
+                        [0], 2, 46, "not 'iter N: loss X, time Yms, mfu Z%': 'iter 10: loss 9'"),
+        "megatron.log": (" iteration 1/ 9 | lm loss: 2.0 |\n iteration 2/ 9 | lm loss: 1.5 | grad n", [1], 2, 33,
+                         "the line ends before its closing '|' (torn or wrapped beyond repair)"),
+        "modded.log": ("step:1/9 train_loss:2.0 train_time:100ms step_avg:nanms\nstep:2/", [1], 2, 56, None),
+    }
+    for name, (text, steps, line, byte, why) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(text.encode())
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+            assert [p.step for p in read(path)] == steps, name
+        because = "" if why is None else f" ({why})"
+        assert warnings_of(caplog) == [f"{path}: ends mid-line: line {line} (from byte {byte}) has no line end and "
+                                       f"does not parse{because}; truncated? It is left out, the lines before it "
+                                       "are read"], name
+    whole = tmp_path / "whole.log"  # a last line without its end that parses is read, without a warning
+    whole.write_text("iter 0: loss 10.9, time 30.00ms, mfu -100.00%\niter 10: loss 9.5, time 31.00ms, mfu 1.00%")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        assert rows(whole, "loss") == [(0, 10.9), (10, 9.5)]
+    assert warnings_of(caplog) == []
+    only = tmp_path / "only.log"
+    only.write_text("iter 0: loss 10.9, ti")
+    with pytest.raises(InputFormatError) as err:
+        list(read(only, fmt="nanogpt"))
+    assert str(err.value) == (f"{only}: ends mid-line: line 1 (from byte 0) has no line end and does not parse (not "
+                              "'iter N: loss X, time Yms, mfu Z%': 'iter 0: loss 10.9, ti'); truncated? No nanoGPT "
+                              "iter line before it")
+
+
+def _trainer_state(entries: int) -> bytes:
+    """A trainer_state.json as the Trainer writes it (indent 2, sorted keys): ``entries`` train logs, one eval."""
+    hist: list[dict] = [{"epoch": i / 10, "grad_norm": 1.5, "learning_rate": 1e-4, "loss": 2.0 - i / 10, "step": 10 * i}
+                        for i in range(1, entries + 1)]
+    hist.insert(2, {"epoch": 0.2, "eval_loss": 2.5, "eval_runtime": 3.25, "step": 20})
+    doc = {"best_metric": None, "epoch": entries / 10, "global_step": 10 * entries, "is_hyper_param_search": False,
+           "log_history": hist, "logging_steps": 10, "max_steps": 100, "total_flos": 1.0}
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def test_a_trainer_state_cut_mid_write_keeps_the_entries_before_the_cut(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    full = _trainer_state(5)
+    path = tmp_path / "trainer_state.json"
+    cut = full.index(b'"step": 40') + 4  # inside the fifth entry (train step 40)
+    path.write_bytes(full[:cut])
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        assert rows(path, "loss", "eval_seconds") == [(10, 1.9, None), (20, 1.8, None), (20, None, 3.25),
+                                                      (30, 1.7, None)]
+    assert warnings_of(caplog) == [f"{path}: ends mid-document at byte {cut:,} (truncated?): read the 4 complete "
+                                   "log_history entries before the cut"]
+    gz = tmp_path / "trainer_state.json.gz"  # a gzip file cut short: what decompresses
+    gz.write_bytes(gzip.compress(full[:cut])[:-8])
+    assert [p.step for p in read(gz)] == [10, 20, 20, 30]
+    neutral = tmp_path / "state"  # found by content too
+    neutral.write_bytes(full[:cut])
+    assert detect(neutral) == "hf_trainer_state"
+    after = full.index(b'"logging_steps"')  # cut after the list: every entry
+    path.write_bytes(full[:after])
+    assert len(list(read(path))) == 6
+    for at, message in ((full.index(b'"log_history"'), "before its 'log_history' list"),
+                        (full.index(b'"step": 10'), "before the first complete 'log_history' entry")):
+        path.write_bytes(full[:at])
+        with pytest.raises(InputFormatError) as err:
+            list(read(path))
+        assert str(err.value) == f"{path}: ends mid-document at byte {at:,} (truncated?), {message}"
+    path.write_bytes(full.replace(b'"loss": 1.8', b'"loss": 1.8}', 1))  # broken in the middle: not a cut
+    with pytest.raises(InputFormatError, match=r"trainer_state\.json: not valid JSON \(line 19, column 13\): "
+                                               r"Expecting ',' delimiter$"):
+        list(read(path))
+
+
+def test_trainer_state_evaluations_of_several_eval_sets(tmp_path: Path) -> None:
+    state = tmp_path / "trainer_state.json"
+    state.write_text(json.dumps({"log_history": [
+        {"epoch": 1.0, "loss": 1.1, "step": 401},
+        {"epoch": 1.0, "eval_g0_loss": 1.2, "eval_g0_runtime": 5.25, "step": 401},
+        {"epoch": 1.0, "eval_g1_loss": 1.5, "eval_g1_runtime": 6.5, "step": 401},
+        {"epoch": 1.0, "step": 401, "train_loss": 1.0, "train_runtime": 99.0},
+    ]}))
+    assert rows(state, "loss", "eval_seconds") == [(401, 1.1, None), (401, None, 5.25), (401, None, 6.5)]

@@ -53,6 +53,12 @@ A well-formed row whose field is not a number (CSV, a valid JSON line, golden va
 TensorBoard) means the columns are not what the reader thinks: an error, never a skip.
 A number written out in full that no float holds (``1e999``, a 400-digit integer) and a step
 beyond ±2**53 - 1 are "out of range" (an error or a skipped line as above); a UTF-8 BOM is ignored.
+
+Files cut mid-write (a crash, a copy of a file being written, an excerpt): a text or JSON-lines log
+whose last line has no line end and does not parse gets a warning of its own naming that line and
+its byte offset ("ends mid-line … truncated?"), and the lines before it are read; a
+``trainer_state.json`` whose JSON breaks off at its end gives the complete ``log_history`` entries
+before the cut, with a warning naming the byte offset (an error naming it when none is complete).
 """
 
 from __future__ import annotations
@@ -120,6 +126,8 @@ TEXT_FORMATS: dict[str, Callable[[str], bool]] = {
 SNIFF_BYTES = 8 << 20
 #: A Chrome trace's key, looked for before parsing a large JSON document whole.
 _TRACE_KEY = re.compile(rb'"traceEvents"\s*:')
+#: A trainer_state.json's history, looked for in a JSON document that does not parse (cut mid-write).
+_HISTORY_KEY = re.compile(rb'"log_history"\s*:\s*\[')
 
 
 def supported() -> str:
@@ -242,6 +250,8 @@ def detect(path: str | Path) -> str:
         except RecursionError:
             raise _unknown(path, "JSON nested too deeply to read") from None
         except json.JSONDecodeError as exc:
+            if stripped.startswith("{") and _HISTORY_KEY.search(head, 0, 1 << 20):
+                return "hf_trainer_state"  # cut mid-write: its reader recovers the entries before the cut
             doc = None  # maybe a text log whose first line starts with a bracket: sniff its lines below
             json_error = f"not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}"
         if doc is not None:

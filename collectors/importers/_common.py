@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,13 +40,72 @@ def open_text(path: Path, newline: str | None = None) -> io.TextIOBase:
 
 def read_lines(path: Path) -> Iterator[tuple[int, str]]:
     """``(1-based line number, line without its end)`` of a text log; read errors become InputFormatError."""
-    f = open_text(path)
-    try:
-        with f:
-            for i, line in enumerate(f, 1):
-                yield i, line.rstrip("\r\n")
-    except (OSError, EOFError) as exc:  # a truncated .gz, a vanished file
-        raise InputFormatError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    return iter(Lines(path))
+
+
+class Lines:
+    """The lines of a text log, ``(1-based line number, line without its end)``, remembering a torn last line.
+
+    Lines end at ``\\n``, ``\\r\\n`` or a lone ``\\r`` (universal newlines: a progress bar's carriage-return
+    redraws are lines of their own). While the last line is handed out, :attr:`torn` is its number when it
+    has no line end and is not blank — a file cut mid-write, an excerpt cut mid-line — else None.
+    Read errors become :class:`InputFormatError`.
+
+    >>> import tempfile, os
+    >>> f = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+    >>> _ = f.write("step 1\\rstep 2\\nste"); f.close()
+    >>> lines = Lines(Path(f.name))
+    >>> list(lines), lines.torn, lines.torn_offset()
+    ([(1, 'step 1'), (2, 'step 2'), (3, 'ste')], 3, 14)
+    >>> os.unlink(f.name)
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.torn: int | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        self.torn = None
+        f = open_text(self.path)
+        try:
+            with f:
+                for i, line in enumerate(f, 1):
+                    if not line.endswith("\n") and line.strip():  # only the last line can lack its end
+                        self.torn = i
+                    yield i, line.rstrip("\r\n")
+        except (OSError, EOFError) as exc:  # a truncated .gz, a vanished file
+            raise InputFormatError(f"{self.path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+
+    def torn_offset(self) -> int | None:
+        """The byte offset (of the uncompressed text) where the torn last line starts; None if unreadable."""
+        try:
+            with open(self.path, "rb") as f:
+                if f.read(2) != GZIP_MAGIC:
+                    pos = f.seek(0, io.SEEK_END)
+                    while pos > 0:  # backwards from the end to the last line end
+                        n = min(1 << 16, pos)
+                        pos -= n
+                        f.seek(pos)
+                        chunk = f.read(n)
+                        i = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+                        if i >= 0:
+                            return pos + i + 1
+                    return 0
+            start = pos = 0
+            with gzip.open(self.path, "rb") as g:
+                while chunk := g.read(1 << 20):
+                    i = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+                    if i >= 0:
+                        start = pos + i + 1
+                    pos += len(chunk)
+            return start
+        except (OSError, EOFError, zlib.error):
+            return None
+
+    def where_torn(self) -> str:
+        """``line N (from byte B)`` of the torn last line, for messages."""
+        off = self.torn_offset()
+        return f"line {self.torn}" + ("" if off is None else f" (from byte {off:,})")
 
 
 #: Largest step accepted: the largest integer a float holds exactly. The timeline computes in floats
@@ -116,6 +176,11 @@ def json_loads(text: str | bytes) -> Any:
 
 def _guarded_loads(text: str | bytes) -> Any:
     return json.loads(text, parse_int=_json_int, parse_float=_json_float)
+
+
+def guarded_decoder() -> json.JSONDecoder:
+    """A decoder with :func:`json_loads`' guards, for ``raw_decode`` of one value at a time."""
+    return json.JSONDecoder(parse_int=_json_int, parse_float=_json_float)
 
 
 def show(v: Any, limit: int = 40) -> str:
@@ -245,28 +310,55 @@ def finite_positive(x: float | None) -> bool:
     return x is not None and math.isfinite(x) and x > 0
 
 
+#: ``BadLines.finish(last=…)`` not given: the reader does not say which line it read last.
+_UNTRACKED = -1
+
+
 class BadLines:
     """Counts malformed lines (or entries) of a log; one warning at the end, naming the first.
 
     ``place`` formats a line number (or entry index) into the message: ``"line {}: "`` for lines,
     ``"log_history[{}] "`` for the entries of a ``trainer_state.json``.
     ``finish(good)`` raises :class:`InputFormatError` for the first bad line when nothing good was read.
+
+    With ``lines`` (the :class:`Lines` being read), a torn last line (no line end) that does not parse
+    is not counted as malformed: it gets a warning of its own, "ends mid-line … truncated?", naming its
+    line and byte offset — the file was cut, the lines before it stand. It does not parse when it was
+    :meth:`add` ed, or, if the reader passes ``finish(good, last=…)`` (the line of the last record it
+    read, None for none), when it is not that line.
     """
 
-    def __init__(self, path: Path, what: str, place: str = "line {}: ", unit: str = "line") -> None:
+    def __init__(self, path: Path, what: str, place: str = "line {}: ", unit: str = "line",
+                 lines: Lines | None = None) -> None:
         self.path = path
         self.what = what
         self.place = place
         self.unit = unit
+        self.lines = lines
         self.count = 0
         self.first: tuple[int, str] | None = None
+        self.torn: tuple[int, str | None] | None = None
 
     def add(self, line: int, reason: str) -> None:
+        if self.lines is not None and line == self.lines.torn:
+            self.torn = (line, reason)
+            return
         self.count += 1
         if self.first is None:
             self.first = (line, reason)
 
-    def finish(self, good: int) -> None:
+    def finish(self, good: int, last: int | None = _UNTRACKED) -> None:
+        if (self.torn is None and last != _UNTRACKED and self.lines is not None and self.lines.torn is not None
+                and last != self.lines.torn):
+            self.torn = (self.lines.torn, None)
+        if self.torn is not None and self.lines is not None:
+            why = "" if self.torn[1] is None else f" ({self.torn[1]})"
+            where = self.lines.where_torn()
+            if good == 0 and self.first is None:
+                raise InputFormatError(f"{self.path}: ends mid-line: {where} has no line end and does not "
+                                       f"parse{why}; truncated? No {self.what} {self.unit} before it")
+            log.warning("%s: ends mid-line: %s has no line end and does not parse%s; truncated? "
+                        "It is left out, the lines before it are read", self.path, where, why)
         if self.first is None:
             if good == 0:
                 raise InputFormatError(f"{self.path}: no {self.what} {self.unit}s found")
