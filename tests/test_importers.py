@@ -45,6 +45,7 @@ REAL: dict[str, tuple[str | None, int | str]] = {
     "megatron_bert_release_a100.golden_values.json": ("megatron_golden", 4001),  # steps 1, 5, …, 20000
     "llamafactory_luojiu7b_cpt.trainer_log.jsonl": ("llamafactory", 1742),     # steps 5-8710; the summary row is not
     "hf_overfit_30epochs.trainer_state.json": ("hf_trainer_state", 216),       # 30 train + 31 x 6 eval sets
+    "llmc_gpt2_124m_main.log": ("llmc", 19632),                                # steps 0-19551 + 80 validations
 }
 
 
@@ -228,6 +229,24 @@ def test_word_lm_all_nan(real_logs: Path) -> None:
     assert sorted({p.lr for p in pts}) == [0.3125, 1.25, 5.0, 20.0]
     assert min(p.step_seconds for p in pts) == pytest.approx(0.01115)
     assert max(p.step_seconds for p in pts) == pytest.approx(0.01161)
+
+
+def test_llmc_gpt2_124m(real_logs: Path) -> None:
+    pts = list(read(real_logs / "llmc_gpt2_124m_main.log"))
+    train = {p.step: p for p in pts if not p.is_eval}
+    assert sorted(train) == list(range(19552))  # "s:N trl:…" for steps 0-19551: 19,552 steps
+    # "s:N tel:…" validation losses every 250 steps and after the last: evaluations; "s:N eval:…" (HellaSwag) is not
+    assert [p.step for p in pts if p.is_eval] == [*range(0, 19501, 250), 19552]
+    assert (train[0].loss, train[0].lr, train[0].grad_norm) == (11.0116, 1e-06, 14.96)
+    assert (train[19551].loss, train[19551].lr, train[19551].grad_norm) == (3.2813, 0.0, 0.23)
+    # two isolated grad-norm blips: 8715 (4.29 against 0.28 / 0.41 around it) and 12008 (1.50)
+    assert [(train[s].grad_norm, train[s].loss) for s in (8714, 8715, 8716)] == [
+        (0.28, 3.468), (4.29, 3.5416), (0.41, 3.4668)]
+    assert [(train[s].grad_norm, train[s].loss) for s in (12007, 12008, 12009)] == [
+        (0.27, 3.3752), (1.5, 3.4027), (0.35, 3.3864)]
+    assert sorted((p.grad_norm for s, p in train.items() if s > 2000), reverse=True)[:3] == [4.29, 1.5, 0.98]
+    assert not any(math.isnan(p.loss) or math.isnan(p.grad_norm) for p in train.values())
+    assert {p.step_seconds for p in train.values()} == {None}  # main.log has no times
 
 
 def _drain(client: redis.Redis) -> None:

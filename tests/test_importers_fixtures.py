@@ -47,6 +47,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     ("allreduce_bench.log", "allreduce_bench"), ("allreduce_bench_partly_bad.log", "allreduce_bench"),
     ("allreduce_bench_all_bad.log", "allreduce_bench"), ("kineto_rank3.pt.trace.json", "kineto_trace"),
     ("kineto_nodist_rank5.json.gz", "kineto_trace"), ("kineto_bad_dur.json", "kineto_trace"),
+    ("llmc_main.log", "llmc"), ("llmc_trl_only.log", "llmc"), ("llmc_train_time.log", "llmc"),
 ])
 def test_detect(name: str, fmt: str) -> None:
     assert detect(DATA / name) == fmt
@@ -612,3 +613,29 @@ def test_trainer_state_evaluations_of_several_eval_sets(tmp_path: Path) -> None:
         {"epoch": 1.0, "step": 401, "train_loss": 1.0, "train_runtime": 99.0},
     ]}))
     assert rows(state, "loss", "eval_seconds") == [(401, 1.1, None), (401, None, 5.25), (401, None, 6.5)]
+
+
+# --- llm.c main.log ----------------------------------------------------------------------------------------
+
+def test_llmc(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "llmc_main.log"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        pts = list(read(path))
+    # "tel" (validation loss) lines are evaluations, not timed; "eval" (HellaSwag) lines are not points at all
+    assert [(p.step, p.is_eval, p.source_line) for p in pts] == [
+        (0, True, 1), (0, False, 2), (1, False, 3), (2, False, 4), (4, False, 7), (4, True, 8)]
+    assert {p.eval_seconds for p in pts if p.is_eval} == {0.0}
+    train = [p for p in pts if not p.is_eval]
+    assert [(p.loss, p.lr) for p in train[:3]] == [(11.0116, 1e-06), (10.9586, 2e-06), (10.8579, 3e-06)]
+    assert train[0].grad_norm == 14.96 and math.isnan(train[1].grad_norm) and train[2].grad_norm == math.inf
+    assert math.isnan(train[3].loss) and {p.step_seconds for p in train} == {None}
+    assert warnings_of(caplog) == [f"{path}: skipped 1 malformed llm.c s:N line(s); the first: line 5: field 'trl' is "
+                                   "not a number: '10.7l18'"]
+    # the older form: the loss alone
+    assert [(p.step, p.loss, p.lr, p.grad_norm) for p in read(DATA / "llmc_trl_only.log") if not p.is_eval] == [
+        (0, 11.0012, None, None), (1, 10.9017, None, None), (2, 10.8125, None, None)]
+    # train_gpt2.py's cumulative train_time: differences; it restarts from 0 after the first steps (250 ms for step 2)
+    timed = [p for p in read(DATA / "llmc_train_time.log") if not p.is_eval]
+    assert [p.step for p in timed] == [0, 1, 2, 3, 5]
+    assert [p.step_seconds for p in timed] == [None, pytest.approx(21.0), pytest.approx(0.25), pytest.approx(0.25),
+                                               pytest.approx(0.255)]

@@ -26,6 +26,8 @@ Formats (name: what — how :func:`detect` recognises it; the file name first, t
 - ``nanogpt``: nanoGPT stdout — lines ``iter N: loss X, time Yms, mfu Z%``.
 - ``modded_nanogpt``: modded-nanogpt stdout (its source code first) — lines ``step:N/M train_loss:…``.
 - ``word_lm``: PyTorch ``word_language_model`` stdout — lines ``| epoch E | B/ N batches |``.
+- ``llmc``: llm.c ``main.log`` — lines ``s:N trl:X lr:Y norm:Z`` (train), ``s:N tel:X`` (validation:
+  evaluations), ``s:N eval:X`` (HellaSwag: skipped).
 - ``csv``: any CSV with a header holding a step column (``step``, ``global_step``, ``iteration``, …).
 - ``jsonl``: any JSON lines with a step field.
 
@@ -78,6 +80,7 @@ from collectors.importers import (
     kineto_trace,
     lightning_csv,
     llamafactory,
+    llmc_log,
     megatron_golden,
     megatron_log,
     modded_nanogpt_log,
@@ -108,6 +111,7 @@ FORMATS: dict[str, tuple[Reader, bool, str]] = {
     "nanogpt": (lambda p, m=None: nanogpt_log.read(p), False, "nanoGPT training log"),
     "modded_nanogpt": (lambda p, m=None: modded_nanogpt_log.read(p), False, "modded-nanogpt training log"),
     "word_lm": (lambda p, m=None: word_lm_log.read(p), False, "PyTorch word_language_model log"),
+    "llmc": (lambda p, m=None: llmc_log.read(p), False, "llm.c main.log"),
     "csv": (generic.read_csv, True, "generic CSV with a step column"),
     "jsonl": (generic.read_jsonl, True, "generic JSON lines with a step field"),
     "kineto_trace": (lambda p, m=None: kineto_trace.read(p), False, "PyTorch profiler (Kineto) trace, one rank"),
@@ -121,6 +125,7 @@ TEXT_FORMATS: dict[str, Callable[[str], bool]] = {
     "nanogpt": nanogpt_log.sniff_line,
     "modded_nanogpt": modded_nanogpt_log.sniff_line,
     "word_lm": word_lm_log.sniff_line,
+    "llmc": llmc_log.sniff_line,
     "allreduce_bench": allreduce_bench.sniff_line,
 }
 SNIFF_BYTES = 8 << 20
