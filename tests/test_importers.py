@@ -10,6 +10,7 @@ their values, and their analysis as multi-rank runs, are in tests/test_multirank
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -46,6 +47,8 @@ REAL: dict[str, tuple[str | None, int | str]] = {
     "llamafactory_luojiu7b_cpt.trainer_log.jsonl": ("llamafactory", 1742),     # steps 5-8710; the summary row is not
     "hf_overfit_30epochs.trainer_state.json": ("hf_trainer_state", 216),       # 30 train + 31 x 6 eval sets
     "llmc_gpt2_124m_main.log": ("llmc", 19632),                                # steps 0-19551 + 80 validations
+    "deepspeed_overflow_tqdm_hf.log": ("hf_stdout", 17),                       # bar counters 243-259
+    "hf_stdout_loss_zero_gradnorm_nan.log": ("hf_stdout", 10),                 # 10 whole dicts, the 11th cut
 }
 
 
@@ -231,6 +234,10 @@ def test_word_lm_all_nan(real_logs: Path) -> None:
     assert max(p.step_seconds for p in pts) == pytest.approx(0.01161)
 
 
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "collectors.importers" and r.levelno == logging.WARNING]
+
+
 def test_llmc_gpt2_124m(real_logs: Path) -> None:
     pts = list(read(real_logs / "llmc_gpt2_124m_main.log"))
     train = {p.step: p for p in pts if not p.is_eval}
@@ -247,6 +254,39 @@ def test_llmc_gpt2_124m(real_logs: Path) -> None:
     assert sorted((p.grad_norm for s, p in train.items() if s > 2000), reverse=True)[:3] == [4.29, 1.5, 0.98]
     assert not any(math.isnan(p.loss) or math.isnan(p.grad_norm) for p in train.values())
     assert {p.step_seconds for p in train.values()} == {None}  # main.log has no times
+
+
+def test_deepspeed_overflow_under_an_hf_progress_bar(real_logs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = real_logs / "deepspeed_overflow_tqdm_hf.log"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        pts = {p.step: p for p in read(path)}
+    assert sorted(pts) == list(range(243, 260))  # the redraw of 250 after the dict is no second point
+    # "OVERFLOW! Rank 0 Skipping step" is printed after the bar drew 248 and before it drew 249: during the
+    # optimizer step of step 249, which it skipped
+    assert {s: p.skipped for s, p in pts.items() if p.skipped} == {249: 1}
+    assert {p.skipped for s, p in pts.items() if s != 249} == {0}
+    # the first line: the bar's rate; then the elapsed clock over each step (whole seconds: 132 or 133)
+    assert pts[243].step_seconds == 132.68
+    assert [pts[s].step_seconds for s in range(244, 260)] == [133.0, 133.0, 133.0, 132.0, 133.0, 132.0, 133.0, 133.0,
+                                                              133.0, 133.0, 133.0, 132.0, 133.0, 133.0, 133.0, 132.0]
+    # the log dict after 250/2724 is step 250's
+    assert (pts[250].loss, pts[250].lr, pts[250].grad_norm) == (1.89, 0.00019920353585932578, None)
+    assert [s for s, p in pts.items() if p.loss is not None] == [250]
+    assert _warnings(caplog) == []  # the cut last bar "259/2724 [9:34:48<90:54:" still shows its counter and clock
+
+
+def test_hf_stdout_loss_zero_and_nan_grad_norm(real_logs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = real_logs / "hf_stdout_loss_zero_gradnorm_nan.log"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        pts = list(read(path))
+    assert [p.step for p in pts] == list(range(1, 11))  # no bar: the ordinals of the dicts
+    assert {(p.loss, p.lr) for p in pts} == {(0.0, 5e-05)}
+    assert all(math.isnan(p.grad_norm) for p in pts)
+    assert _warnings(caplog) == [
+        f"{path}: no training progress bar before the log dicts: their steps are the ordinals of the training dicts "
+        "(1, 2, 3, …), not the optimizer steps",
+        f"{path}: ends mid-line: line 11 (from byte 1,370) has no line end and does not parse (not a complete flat "
+        "dict: the line ends in the string at column 15); truncated? It is left out, the lines before it are read"]
 
 
 def _drain(client: redis.Redis) -> None:

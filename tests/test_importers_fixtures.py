@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from collectors.importers import FORMATS, detect, read
-from collectors.importers.base import LogPoint
+from collectors.importers import FORMATS, detect, read, read_items
+from collectors.importers.base import LogEvent, LogPoint
 from trainhealth.exceptions import ConfigError, InputFormatError
 from trainhealth.replay import read_points
 
@@ -48,6 +48,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     ("allreduce_bench_all_bad.log", "allreduce_bench"), ("kineto_rank3.pt.trace.json", "kineto_trace"),
     ("kineto_nodist_rank5.json.gz", "kineto_trace"), ("kineto_bad_dur.json", "kineto_trace"),
     ("llmc_main.log", "llmc"), ("llmc_trl_only.log", "llmc"), ("llmc_train_time.log", "llmc"),
+    ("hf_stdout_tqdm_eval.log", "hf_stdout"), ("hf_stdout_printer.log", "hf_stdout"), ("tqdm_postfix.log", "hf_stdout"),
 ])
 def test_detect(name: str, fmt: str) -> None:
     assert detect(DATA / name) == fmt
@@ -388,7 +389,7 @@ def test_tensorboard_errors(tmp_path: Path) -> None:
 # --- generic behaviour ---------------------------------------------------------------------------------
 
 def test_gzip_is_read_transparently(tmp_path: Path) -> None:
-    for name in ("megatron_lm.log", "trainer_log.jsonl", "lightning_metrics.csv"):
+    for name in ("megatron_lm.log", "trainer_log.jsonl", "lightning_metrics.csv", "hf_stdout_tqdm_eval.log"):
         gz = tmp_path / (name + ".gz")
         gz.write_bytes(gzip.compress((DATA / name).read_bytes()))
         assert [repr(p) for p in read(gz)] == [repr(p) for p in read(DATA / name)], name  # repr: nan == nan
@@ -639,3 +640,61 @@ def test_llmc(caplog: pytest.LogCaptureFixture) -> None:
     assert [p.step for p in timed] == [0, 1, 2, 3, 5]
     assert [p.step_seconds for p in timed] == [None, pytest.approx(21.0), pytest.approx(0.25), pytest.approx(0.25),
                                                pytest.approx(0.255)]
+
+
+# --- Hugging Face Trainer stdout: log dicts, tqdm bars, DeepSpeed overflows ---------------------------------
+
+def test_hf_stdout_bar_dicts_evals_overflows_and_a_checkpoint(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "hf_stdout_tqdm_eval.log"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        items = list(read_items(path))
+    pts = [i for i in items if isinstance(i, LogPoint)]
+    # The step bar is the Trainer's (n/30; its first draw 0/30 is no step): not "Loading checkpoint shards" (2/2),
+    # not "Map" (examples/s), not the evaluation's bar (n/4). Carriage-return redraws are lines; a counter drawn
+    # twice is one point. Its rate is the step time (the clock's whole seconds span under a minute here).
+    assert [(p.step, p.step_seconds, p.skipped, p.source_line) for p in pts if not p.is_eval] == [
+        (1, 2.43, 0, 4), (2, 2.27, 0, 5), (3, 2.21, 0, 7),
+        (4, 2.17, 1, 9),   # "[deepspeed] OVERFLOW! Skipping step" after 3/30: step 4 was skipped
+        (5, 2.16, 2, 14),  # two more (the same line printed by two ranks is one): 32768 -> 16384 -> 8192
+        (6, 2.19, 0, 24), (10, 2.2, 0, 27)]
+    five, ten = pts[4], pts[-1]  # the dicts logged at 5 and 10 are on the bar's points
+    assert (five.loss, five.grad_norm, five.lr, five.tokens) == (2.345, 1.25, 4.5e-05, 20480)  # '%.4g' strings
+    assert (ten.loss, ten.grad_norm, ten.tokens) == (1.9, 0.9, 61440)  # tokens since step 5's dict
+    assert pts[6].loss is None  # step 6's dict does not parse
+    assert [(p.step, p.eval_seconds, p.source_line) for p in pts if p.is_eval] == [(5, 0.4461, 20)]
+    # "Saving model checkpoint to out/checkpoint-5": a save at step 5, after its evaluation; the summary is no step
+    assert items[6] == LogEvent("checkpoint_save", step=5, source_line=22)
+    assert [type(i).__name__ for i in items].count("LogEvent") == 1
+    assert warnings_of(caplog) == [f"{path}: skipped 1 malformed Trainer log dict line(s); the first: line 25: not a "
+                                   "flat dict of numbers and strings: key 'device' at column 113"]
+
+
+def test_hf_stdout_without_a_bar_numbers_the_dicts(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "hf_stdout_printer.log"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        pts = list(read(path))
+    # PrinterCallback (no bar): the steps are the ordinals of the training dicts; the bad third still counts
+    assert [(p.step, p.is_eval, p.source_line) for p in pts] == [(1, False, 3), (2, False, 4), (2, True, 5),
+                                                                 (4, False, 7)]
+    assert (pts[0].loss, pts[0].grad_norm, pts[1].loss) == (2.5, math.inf, -math.inf) and math.isnan(pts[1].grad_norm)
+    assert (pts[2].eval_seconds, pts[3].loss, pts[3].lr) == (3.5, 2.0, 4.8e-05)
+    assert {p.skipped for p in pts} == {None}  # no overflow lines in this log: unknown, not 0
+    assert warnings_of(caplog) == [
+        f"{path}: no training progress bar before the log dicts: their steps are the ordinals of the training dicts "
+        "(1, 2, 3, …), not the optimizer steps",
+        f"{path}: skipped 1 malformed Trainer log dict line(s); the first: line 6: field 'learning_rate' is not a "
+        "number: 'five'"]
+
+
+def test_a_tqdm_bar_alone_with_its_postfix() -> None:
+    pts = list(read(DATA / "tqdm_postfix.log"))  # a custom loop's bar: "Steps: …, 1.17it/s, loss=0.398, lr=1e-05]"
+    assert [(p.step, p.loss, p.lr, p.skipped) for p in pts[:2]] == [(1, 0.412, 1e-05, None), (2, 0.398, 1e-05, None)]
+    assert pts[2].step == 3 and math.isnan(pts[2].loss)
+    assert [p.step_seconds for p in pts] == pytest.approx([1.67, 1 / 1.17, 1 / 1.49])  # s/it, then 1 / it/s
+
+
+def test_a_slow_bar_times_steps_by_its_clock(tmp_path: Path) -> None:
+    path = tmp_path / "slow.log"  # 70-80 s per step: the elapsed clock's differences, not tqdm's smoothed rate
+    path.write_text(" 0%|  | 10/100 [11:40<1:45:00, 70.00s/it]\n 0%|  | 11/100 [13:00<1:44:00, 71.00s/it]\n"
+                    " 0%|  | 13/100 [15:20<1:43:00, 71.50s/it]\n 0%|  | 14/100 [15:50<1:43:00, 70.00s/it]\n")
+    assert [(p.step, p.step_seconds) for p in read(path)] == [(10, 70.0), (11, 80.0), (13, 70.0), (14, 70.0)]

@@ -28,6 +28,9 @@ Formats (name: what — how :func:`detect` recognises it; the file name first, t
 - ``word_lm``: PyTorch ``word_language_model`` stdout — lines ``| epoch E | B/ N batches |``.
 - ``llmc``: llm.c ``main.log`` — lines ``s:N trl:X lr:Y norm:Z`` (train), ``s:N tel:X`` (validation:
   evaluations), ``s:N eval:X`` (HellaSwag: skipped).
+- ``hf_stdout``: Hugging Face Trainer stdout — its printed log dicts ``{'loss': 0.0, 'grad_norm': nan, …}``
+  and tqdm bar lines ``N/M [elapsed<remaining, rate]`` (the step: the bar's counter, else the dict's
+  ordinal), DeepSpeed ``OVERFLOW! … Skipping step`` lines (skipped steps), checkpoint saves.
 - ``csv``: any CSV with a header holding a step column (``step``, ``global_step``, ``iteration``, …).
 - ``jsonl``: any JSON lines with a step field.
 
@@ -76,6 +79,7 @@ from typing import Any
 from collectors.importers import (
     allreduce_bench,
     generic,
+    hf_stdout,
     hf_trainer_state,
     kineto_trace,
     lightning_csv,
@@ -112,6 +116,8 @@ FORMATS: dict[str, tuple[Reader, bool, str]] = {
     "modded_nanogpt": (lambda p, m=None: modded_nanogpt_log.read(p), False, "modded-nanogpt training log"),
     "word_lm": (lambda p, m=None: word_lm_log.read(p), False, "PyTorch word_language_model log"),
     "llmc": (lambda p, m=None: llmc_log.read(p), False, "llm.c main.log"),
+    "hf_stdout": (lambda p, m=None: hf_stdout.read(p), False,
+                  "Hugging Face Trainer stdout (log dicts, tqdm bar, DeepSpeed overflows)"),
     "csv": (generic.read_csv, True, "generic CSV with a step column"),
     "jsonl": (generic.read_jsonl, True, "generic JSON lines with a step field"),
     "kineto_trace": (lambda p, m=None: kineto_trace.read(p), False, "PyTorch profiler (Kineto) trace, one rank"),
@@ -126,6 +132,7 @@ TEXT_FORMATS: dict[str, Callable[[str], bool]] = {
     "modded_nanogpt": modded_nanogpt_log.sniff_line,
     "word_lm": word_lm_log.sniff_line,
     "llmc": llmc_log.sniff_line,
+    "hf_stdout": hf_stdout.sniff_line,
     "allreduce_bench": allreduce_bench.sniff_line,
 }
 SNIFF_BYTES = 8 << 20

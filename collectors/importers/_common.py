@@ -10,9 +10,11 @@ import math
 import re
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from collectors.importers.base import LogEvent
 from trainhealth.exceptions import InputFormatError
 
 log = logging.getLogger("collectors.importers")
@@ -412,3 +414,136 @@ class CumulativeTokens:
         tokens = int(cum - (self.seen or 0.0))
         self.seen = cum
         return tokens
+
+
+# --- lines several text logs share: progress bars, fp16 overflows, checkpoint saves ------------------------
+
+#: A tqdm progress bar (``tqdm.format_meter``): ``[desc: ][ 9%|▉    | ]243/2724 [8:57:06<91:26:08, 132.61s/it[, k=v]]``,
+#: or ``243it [8:57:06, 132.61s/it]`` without a total. Elapsed and remaining are ``[H:]MM:SS`` (hours may pass 24);
+#: the rate is ``s/<unit>`` below one unit per second, else ``<unit>/s`` (``?`` before the second update).
+TQDM = re.compile(
+    r"(?<![\w.])(?P<n>\d+)(?:/(?P<total>\d+)|it)\s?\[(?P<elapsed>(?:\d+:)?\d{1,2}:\d\d)"
+    r"(?:<(?P<remaining>(?:\d+:)?\d{1,2}:\d\d|\?))?"
+    r"(?:,\s*(?P<rate>\d+(?:\.\d+)?[kMG]?|\?)\s?(?P<unit>s/[A-Za-z]+|[A-Za-z]+/s))?")
+_BAR_PREFIX = re.compile(r"\s*\d{1,3}%\|[^|]*\|\s*$")
+_SCALE = {"k": 1e3, "M": 1e6, "G": 1e9}
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One tqdm progress-bar line: counter ``n`` of ``total``, ``elapsed`` seconds since the bar started, the
+    bar's own (smoothed) ``seconds_per_unit`` when it shows a rate, its ``unit`` (``it`` unless set) and the
+    description before it (``""`` for the Hugging Face Trainer's bar; ``"Map"``, ``"Loading checkpoint shards:"``)."""
+
+    n: str  # the digits (see :func:`step_of`)
+    total: int | None
+    elapsed: float
+    seconds_per_unit: float | None
+    unit: str
+    desc: str
+    started: bool  # the bar's first draw (``?`` rate at 00:00): nothing done yet
+
+
+def _clock(text: str) -> float:
+    parts = [int(x) for x in text.split(":")]
+    return float(parts[-1] + 60 * parts[-2] + (3600 * parts[-3] if len(parts) == 3 else 0))
+
+
+def parse_bar(line: str) -> Bar | None:
+    """The tqdm bar on ``line`` (the first one), or None.
+
+    >>> b = parse_bar("  9%|▉         | 243/2724 [8:59:24<91:26:08, 132.68s/it]")
+    >>> (b.n, b.total, b.elapsed, b.seconds_per_unit, b.unit, b.desc)
+    ('243', 2724, 32364.0, 132.68, 'it', '')
+    >>> parse_bar("Map: 100%|██████████| 1000/1000 [00:01<00:00, 8000.00 examples/s]").unit
+    'examples'
+    >>> parse_bar("Steps:  50%|█████     | 5/10 [00:02<00:02,  2.50it/s, loss=0.5]").seconds_per_unit
+    0.4
+    """
+    if "[" not in line:
+        return None
+    m = TQDM.search(line)
+    if m is None:
+        return None
+    per, unit = None, "it"
+    if m.group("unit") is not None:
+        u = m.group("unit")
+        inverse = u.startswith("s/")
+        unit = u[2:] if inverse else u[:-2]
+        rate = m.group("rate")
+        if rate != "?":
+            x = float(rate.rstrip("kMG")) * _SCALE.get(rate[-1], 1.0)
+            per = x if inverse else (1.0 / x if x > 0 else None)
+    desc = _BAR_PREFIX.sub("", line[:m.start()]).strip()
+    total = m.group("total")
+    elapsed = _clock(m.group("elapsed"))
+    return Bar(m.group("n"), None if total is None else int(total) if len(total) < 20 else None, elapsed, per, unit,
+               desc, elapsed == 0 and m.group("rate") == "?")
+
+
+#: An fp16 loss-scale overflow that skipped the optimizer step: DeepSpeed's ``[deepspeed] OVERFLOW! Rank 0 Skipping
+#: step. Attempted loss scale: 2048, reducing to 1024``, its older ``OVERFLOW! Skipping step. Attempted loss scale:
+#: 4294967296`` and the fused optimizer's ``fp16 dynamic loss scale overflow! Skipping step``.
+OVERFLOW = re.compile(r"overflow!\s*(?:rank\s+(\d+)\s+)?skipping step\.?(?:\s*attempted loss scale:\s*([\d.]+))?",
+                      re.IGNORECASE)
+
+
+class Overflows:
+    """The overflow lines since the last :meth:`take`: the optimizer steps they skipped.
+
+    Each rank that prints them counts on its own and the most any rank reports is kept (every rank
+    of the older optimizers prints each overflow); one rank's overflows are told apart by their
+    attempted loss scale, which halves at each one (the same line printed twice is one overflow).
+    """
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, tuple[set[str], list[int]]] = {}
+
+    def add(self, text: str) -> bool:
+        """Count ``text`` if it is an overflow line; True if it is."""
+        if "verflow!" not in text and "VERFLOW!" not in text:
+            return False
+        m = OVERFLOW.search(text)
+        if m is None:
+            return False
+        scales, plain = self.ranks.setdefault(int(m.group(1)) if m.group(1) else -1, (set(), [0]))
+        if m.group(2):
+            scales.add(m.group(2).rstrip("."))
+        else:
+            plain[0] += 1
+        return True
+
+    def take(self) -> int:
+        """The skipped steps counted since the last call (0 for none), and start counting again."""
+        n = max((len(scales) + plain[0] for scales, plain in self.ranks.values()), default=0)
+        self.ranks.clear()
+        return n
+
+
+#: A line a training script prints when it saves a checkpoint: ``The checkpoint has been created.``,
+#: ``Saving model checkpoint to out/checkpoint-500`` (Hugging Face), ``Saving checkpoint at 5000 iterations``
+#: (mmengine), ``saved checkpoint``, ``Checkpoint saved to …``. Not ``Loading checkpoint shards``, not a setting.
+CHECKPOINT_SAVE = re.compile(
+    r"\b(?:(?:saving|saved)\s+(?:the\s+|a\s+|model\s+)*checkpoints?"
+    r"|checkpoints?\b[^.\n]{0,20}?\b(?:has|have|was|were|is)\s+(?:been\s+)?(?:created|saved|written)"
+    r"|checkpoints?\s+(?:created|saved|written))\b", re.IGNORECASE)
+
+
+class Checkpoints:
+    """``checkpoint_save`` :class:`LogEvent` s from a text log's save lines, at the last step logged before them.
+
+    Consecutive save lines with no step logged between them are one save (``saving checkpoint …`` then
+    ``successfully saved checkpoint …``).
+    """
+
+    def __init__(self) -> None:
+        self.at: object = self  # the step of the last event (self: none yet)
+
+    def event(self, text: str, lineno: int, step: int | None) -> LogEvent | None:
+        """The event ``text`` reports, if it is a save line not already reported at ``step``."""
+        if "heckpoint" not in text and "HECKPOINT" not in text:
+            return None
+        if CHECKPOINT_SAVE.search(text) is None or step == self.at:
+            return None
+        self.at = step
+        return LogEvent("checkpoint_save", step=step, source_line=lineno)
