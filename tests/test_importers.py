@@ -49,6 +49,7 @@ REAL: dict[str, tuple[str | None, int | str]] = {
     "llmc_gpt2_124m_main.log": ("llmc", 19632),                                # steps 0-19551 + 80 validations
     "deepspeed_overflow_tqdm_hf.log": ("hf_stdout", 17),                       # bar counters 243-259
     "hf_stdout_loss_zero_gradnorm_nan.log": ("hf_stdout", 10),                 # 10 whole dicts, the 11th cut
+    "mmengine_text_loss_nan.log": ("mmengine", 1),
 }
 
 
@@ -287,6 +288,13 @@ def test_hf_stdout_loss_zero_and_nan_grad_norm(real_logs: Path, caplog: pytest.L
         "(1, 2, 3, …), not the optimizer steps",
         f"{path}: ends mid-line: line 11 (from byte 1,370) has no line end and does not parse (not a complete flat "
         "dict: the line ends in the string at column 15); truncated? It is left out, the lines before it are read"]
+
+
+def test_mmengine_loss_nan(real_logs: Path) -> None:
+    (p,) = read(real_logs / "mmengine_text_loss_nan.log")
+    # Epoch(train) [1][ 500/2931]: step (1 - 1) x 2931 + 500; "time: 0.0578" s per iteration
+    assert (p.step, p.lr, p.step_seconds, p.grad_norm, p.source_line) == (500, 0.02, 0.0578, None, 1)
+    assert math.isnan(p.loss)
 
 
 def _drain(client: redis.Redis) -> None:

@@ -49,6 +49,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     ("kineto_nodist_rank5.json.gz", "kineto_trace"), ("kineto_bad_dur.json", "kineto_trace"),
     ("llmc_main.log", "llmc"), ("llmc_trl_only.log", "llmc"), ("llmc_train_time.log", "llmc"),
     ("hf_stdout_tqdm_eval.log", "hf_stdout"), ("hf_stdout_printer.log", "hf_stdout"), ("tqdm_postfix.log", "hf_stdout"),
+    ("mmengine_iter.log", "mmengine"), ("mmcv_epoch.log", "mmengine"), ("mmcv_iter.log", "mmengine"),
 ])
 def test_detect(name: str, fmt: str) -> None:
     assert detect(DATA / name) == fmt
@@ -698,3 +699,35 @@ def test_a_slow_bar_times_steps_by_its_clock(tmp_path: Path) -> None:
     path.write_text(" 0%|  | 10/100 [11:40<1:45:00, 70.00s/it]\n 0%|  | 11/100 [13:00<1:44:00, 71.00s/it]\n"
                     " 0%|  | 13/100 [15:20<1:43:00, 71.50s/it]\n 0%|  | 14/100 [15:50<1:43:00, 70.00s/it]\n")
     assert [(p.step, p.step_seconds) for p in read(path)] == [(10, 70.0), (11, 80.0), (13, 70.0), (14, 70.0)]
+
+
+# --- mmengine / mmcv 1.x -----------------------------------------------------------------------------------
+
+def test_mmengine_iteration_based(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "mmengine_iter.log"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        items = list(read_items(path))
+    pts = [i for i in items if isinstance(i, LogPoint)]
+    # lr, not base_lr; the total loss, not decode.loss_ce; time: seconds per iteration
+    assert [(p.step, p.loss, p.grad_norm, p.lr, p.step_seconds) for p in pts if not p.is_eval] == [
+        (50, 3.2, 2.5, 0.01, 0.5012), (100, 2.9, math.inf, 0.0099, 0.4988), (200, 2.6, 2.3, 0.0097, 0.505)]
+    # the validation's progress line is no step; its summary is an evaluation of 500 x 0.0910 s at step 100
+    assert [(p.step, p.eval_seconds, p.source_line) for p in pts if p.is_eval] == [(100, pytest.approx(45.5), 5)]
+    assert items[2] == LogEvent("checkpoint_save", step=100, source_line=3)  # "Saving checkpoint at 100 iterations"
+    assert warnings_of(caplog) == [f"{path}: skipped 1 malformed mmengine/mmcv training line(s); the first: line 6: "
+                                   "field 'loss' is not a number: '2.7O00'"]
+    assert rows(DATA / "mmengine_iter.log", "source_line")[-1] == (200, 7)
+
+
+def test_mmcv_epoch_and_iteration_based() -> None:
+    items = list(read_items(DATA / "mmcv_epoch.log"))
+    pts = [i for i in items if isinstance(i, LogPoint)]
+    # Epoch [e][i/N]: the step is (e - 1) x N + i; lr_backbone (the first group's) when there is no lr
+    assert [(p.step, p.loss, p.grad_norm, p.lr, p.step_seconds) for p in pts[:2]] == [
+        (50, 1.5, 12.3456, 0.01, 0.6), (100, 1.2, 10.0, 0.01, 0.58)]
+    assert (pts[3].step, pts[3].lr, pts[3].step_seconds) == (150, 0.001, 0.59)
+    assert math.isnan(pts[3].loss) and math.isnan(pts[3].grad_norm)
+    assert (pts[2].step, pts[2].eval_seconds) == (100, 0.0)  # Epoch(val) [1][25]: an evaluation, not timed
+    assert items[2] == LogEvent("checkpoint_save", step=100, source_line=3)  # "Saving checkpoint at 1 epochs"
+    assert rows(DATA / "mmcv_iter.log", "loss", "step_seconds", "eval_seconds") == [
+        (20, 0.9, 0.6, None), (40, 0.85, 0.59, None), (40, None, None, 0.0)]

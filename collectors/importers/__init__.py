@@ -31,6 +31,8 @@ Formats (name: what — how :func:`detect` recognises it; the file name first, t
 - ``hf_stdout``: Hugging Face Trainer stdout — its printed log dicts ``{'loss': 0.0, 'grad_norm': nan, …}``
   and tqdm bar lines ``N/M [elapsed<remaining, rate]`` (the step: the bar's counter, else the dict's
   ordinal), DeepSpeed ``OVERFLOW! … Skipping step`` lines (skipped steps), checkpoint saves.
+- ``mmengine``: mmengine / mmcv 1.x text logs — lines ``Epoch(train) [e][i/N] lr: … time: … loss: …``,
+  ``Iter(train) [i/N]``, mmcv's ``Epoch [e][i/N]``/``Iter [i/N]`` (validation summaries: evaluations).
 - ``csv``: any CSV with a header holding a step column (``step``, ``global_step``, ``iteration``, …).
 - ``jsonl``: any JSON lines with a step field.
 
@@ -87,6 +89,7 @@ from collectors.importers import (
     llmc_log,
     megatron_golden,
     megatron_log,
+    mmengine_log,
     modded_nanogpt_log,
     nanogpt_log,
     tensorboard,
@@ -118,6 +121,7 @@ FORMATS: dict[str, tuple[Reader, bool, str]] = {
     "llmc": (lambda p, m=None: llmc_log.read(p), False, "llm.c main.log"),
     "hf_stdout": (lambda p, m=None: hf_stdout.read(p), False,
                   "Hugging Face Trainer stdout (log dicts, tqdm bar, DeepSpeed overflows)"),
+    "mmengine": (lambda p, m=None: mmengine_log.read(p), False, "mmengine / mmcv 1.x (OpenMMLab) text log"),
     "csv": (generic.read_csv, True, "generic CSV with a step column"),
     "jsonl": (generic.read_jsonl, True, "generic JSON lines with a step field"),
     "kineto_trace": (lambda p, m=None: kineto_trace.read(p), False, "PyTorch profiler (Kineto) trace, one rank"),
@@ -133,6 +137,7 @@ TEXT_FORMATS: dict[str, Callable[[str], bool]] = {
     "word_lm": word_lm_log.sniff_line,
     "llmc": llmc_log.sniff_line,
     "hf_stdout": hf_stdout.sniff_line,
+    "mmengine": mmengine_log.sniff_line,
     "allreduce_bench": allreduce_bench.sniff_line,
 }
 SNIFF_BYTES = 8 << 20
