@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from collectors.importers import detect, read
-from collectors.importers.base import LogPoint
+from collectors.importers import detect, read, read_items
+from collectors.importers.base import LogEvent, LogPoint
 from detectors.hang import HangDetector
 from detectors.service import DetectorService
 from trainhealth.exceptions import InputFormatError
@@ -50,6 +51,7 @@ REAL: dict[str, tuple[str | None, int | str]] = {
     "deepspeed_overflow_tqdm_hf.log": ("hf_stdout", 17),                       # bar counters 243-259
     "hf_stdout_loss_zero_gradnorm_nan.log": ("hf_stdout", 10),                 # 10 whole dicts, the 11th cut
     "mmengine_text_loss_nan.log": ("mmengine", 1),
+    "tf_deeplab_steps_checkpoint.log": ("text_kv", 30),                        # steps 12972-13001
 }
 
 
@@ -295,6 +297,24 @@ def test_mmengine_loss_nan(real_logs: Path) -> None:
     # Epoch(train) [1][ 500/2931]: step (1 - 1) x 2931 + 500; "time: 0.0578" s per iteration
     assert (p.step, p.lr, p.step_seconds, p.grad_norm, p.source_line) == (500, 0.02, 0.0578, None, 1)
     assert math.isnan(p.loss)
+
+
+def test_tf_deeplab_steps_and_a_checkpoint(real_logs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = real_logs / "tf_deeplab_steps_checkpoint.log"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        items = list(read_items(path))
+    pts = {i.step: i for i in items if isinstance(i, LogPoint)}
+    assert sorted(pts) == list(range(12972, 13002))
+    assert (pts[12972].loss, pts[12972].step_seconds) == (0.428, 1.019)
+    assert (pts[13000].loss, pts[13000].step_seconds) == (5.128, 5.495)  # the step that saved the checkpoint
+    assert (pts[13001].loss, pts[13001].step_seconds) == (0.86, 0.743)
+    before = [p for s, p in pts.items() if s < 13000]
+    assert statistics.median(p.loss for p in before) == 0.854
+    assert (min(p.step_seconds for p in before), max(p.step_seconds for p in before)) == (0.981, 1.036)
+    # "The checkpoint has been created." after step 12999's line
+    assert [i for i in items if isinstance(i, LogEvent)] == [LogEvent("checkpoint_save", step=12999, source_line=29)]
+    assert _warnings(caplog) == [f"{path}: ends mid-line: line 32 (from byte 1,353) has no line end and does not "
+                                 "parse; truncated? It is left out, the lines before it are read"]  # "ste"
 
 
 def _drain(client: redis.Redis) -> None:

@@ -50,6 +50,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     ("llmc_main.log", "llmc"), ("llmc_trl_only.log", "llmc"), ("llmc_train_time.log", "llmc"),
     ("hf_stdout_tqdm_eval.log", "hf_stdout"), ("hf_stdout_printer.log", "hf_stdout"), ("tqdm_postfix.log", "hf_stdout"),
     ("mmengine_iter.log", "mmengine"), ("mmcv_epoch.log", "mmengine"), ("mmcv_iter.log", "mmengine"),
+    ("llmc_stdout.log", "text_kv"), ("kv_pairs.log", "text_kv"), ("kv_clock.log", "text_kv"),
 ])
 def test_detect(name: str, fmt: str) -> None:
     assert detect(DATA / name) == fmt
@@ -731,3 +732,46 @@ def test_mmcv_epoch_and_iteration_based() -> None:
     assert items[2] == LogEvent("checkpoint_save", step=100, source_line=3)  # "Saving checkpoint at 1 epochs"
     assert rows(DATA / "mmcv_iter.log", "loss", "step_seconds", "eval_seconds") == [
         (20, 0.9, 0.6, None), (40, 0.85, 0.59, None), (40, None, None, 0.0)]
+
+
+# --- generic text logs: a step counter and key/value pairs -------------------------------------------------
+
+def test_text_kv_llmc_stdout() -> None:
+    pts = list(read(DATA / "llmc_stdout.log"))  # "step 1/74 | loss … | norm … | lr … | 1234.56 ms | …"
+    assert [(p.step, p.loss, p.grad_norm, p.lr) for p in pts] == [
+        (1, 11.01, 15.4212, 8.57e-07), (2, 10.902, 14.2001, 1.71e-06), (3, 10.801, 13.0, 2.57e-06)]
+    assert [p.step_seconds for p in pts] == pytest.approx([1.23456, 0.25625, 0.25575])  # "val loss" is no step
+
+
+def test_text_kv_pairs_units_and_checkpoints(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "kv_pairs.log"
+    with caplog.at_level(logging.WARNING, logger="collectors.importers"):
+        items = list(read_items(path))
+    pts = [i for i in items if isinstance(i, LogPoint)]
+    # train_loss, not val_loss; grad_norm, not param_norm; 250ms, 0.26s, "time (ms): 240", 4.00 it/s; tensor(2.1875)
+    assert [(p.step, p.loss, p.grad_norm, p.lr, p.step_seconds) for p in pts[:3]] == [
+        (100, 2.31, 0.92, 3e-4, 0.25), (200, 2.25, 0.88, 3e-4, 0.26), (400, 2.1875, 0.8, 2.9e-4, 0.24)]
+    assert (pts[3].step, pts[3].step_seconds) == (500, 0.25) and math.isnan(pts[3].loss)
+    # "saving checkpoint at iteration 400" then "successfully saved checkpoint …": one save, at step 400
+    assert [i for i in items if isinstance(i, LogEvent)] == [LogEvent("checkpoint_save", step=400, source_line=6)]
+    assert warnings_of(caplog) == [f"{path}: skipped 1 malformed step line(s); the first: line 4: field "
+                                   "'train_loss' is not a number: 'abc'"]
+
+
+def test_text_kv_elapsed_clock_and_tensorflow_lines() -> None:
+    items = list(read_items(DATA / "kv_clock.log"))
+    pts = [i for i in items if isinstance(i, LogPoint)]
+    # global_step, lm loss, learning rate; elapsed 0:05:00 / 300 steps, then differences ("1 day, 0:10:30" too)
+    assert [(p.step, p.loss, p.lr, p.step_seconds) for p in pts] == [
+        (300, 3.25, 1e-4, 1.0), (600, 3.125, 1e-4, 1.1), (900, 3.0, 9e-5, 288.0), (1000, 2.875, None, None)]
+    assert items[-1] == LogEvent("checkpoint_save", step=1000, source_line=6)  # "Checkpoint saved to …"
+
+
+def test_text_kv_is_the_last_text_format_tried(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.log"
+    lines = [f"step {i} loss = {3 - i / 10}" for i in range(1, 20)]
+    path.write_text("\n".join([*lines, "iter 20: loss 1.0, time 250.00ms, mfu 30.00%"]) + "\n")
+    assert detect(path) == "nanogpt"  # one line of a known format outweighs any number of generic ones
+    assert [p.step for p in read(path, fmt="text_kv")] == list(range(1, 21))
+    path.write_text("\n".join(lines) + "\n")
+    assert detect(path) == "text_kv"

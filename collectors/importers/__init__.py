@@ -33,6 +33,9 @@ Formats (name: what — how :func:`detect` recognises it; the file name first, t
   ordinal), DeepSpeed ``OVERFLOW! … Skipping step`` lines (skipped steps), checkpoint saves.
 - ``mmengine``: mmengine / mmcv 1.x text logs — lines ``Epoch(train) [e][i/N] lr: … time: … loss: …``,
   ``Iter(train) [i/N]``, mmcv's ``Epoch [e][i/N]``/``Iter [i/N]`` (validation summaries: evaluations).
+- ``text_kv``: any other text log with a step counter and ``key: value``/``key = value``/``key=value``
+  pairs (``step 12972 \t loss = 0.854, (1.013 sec/step)``): loss, grad norm, learning rate and step
+  time found by name — only when no line of the formats above is found.
 - ``csv``: any CSV with a header holding a step column (``step``, ``global_step``, ``iteration``, …).
 - ``jsonl``: any JSON lines with a step field.
 
@@ -43,7 +46,10 @@ Per-rank logs (their points carry ``LogPoint.rank``; see :mod:`collectors.import
 - ``allreduce_bench``: all-reduce benchmark stdout, every rank interleaved — lines
   `` duration: S sec`` (each after a ``<rank>:`` line).
 
-For text logs the format whose line pattern matches the most lines of the first 8 MiB wins.
+For text logs the format whose line pattern matches the most lines of the first 8 MiB wins;
+``text_kv`` only when none does. Text readers also report what a log says besides its steps as
+:class:`LogEvent` s (:func:`read_items`): checkpoint saves (``checkpoint_save``, at the last step
+logged before the save line).
 Table-shaped formats (CSV, JSON lines, TensorBoard, golden values) take ``mapping={field: name}``
 to name their columns/tags/metrics (fields: ``step``, ``loss``, ``grad_norm``, ``lr``,
 ``step_seconds``, ``tokens``, ``tokens_total``, ``consumed_samples``, ``skipped``, ``wall_time``,
@@ -93,6 +99,7 @@ from collectors.importers import (
     modded_nanogpt_log,
     nanogpt_log,
     tensorboard,
+    text_kv,
     wandb_history,
     word_lm_log,
 )
@@ -122,6 +129,7 @@ FORMATS: dict[str, tuple[Reader, bool, str]] = {
     "hf_stdout": (lambda p, m=None: hf_stdout.read(p), False,
                   "Hugging Face Trainer stdout (log dicts, tqdm bar, DeepSpeed overflows)"),
     "mmengine": (lambda p, m=None: mmengine_log.read(p), False, "mmengine / mmcv 1.x (OpenMMLab) text log"),
+    "text_kv": (lambda p, m=None: text_kv.read(p), False, "plain text log with a step counter and key: value pairs"),
     "csv": (generic.read_csv, True, "generic CSV with a step column"),
     "jsonl": (generic.read_jsonl, True, "generic JSON lines with a step field"),
     "kineto_trace": (lambda p, m=None: kineto_trace.read(p), False, "PyTorch profiler (Kineto) trace, one rank"),
@@ -140,6 +148,8 @@ TEXT_FORMATS: dict[str, Callable[[str], bool]] = {
     "mmengine": mmengine_log.sniff_line,
     "allreduce_bench": allreduce_bench.sniff_line,
 }
+#: Text formats tried only when no line of a :data:`TEXT_FORMATS` format is found: the generic reader.
+FALLBACK_TEXT_FORMATS: dict[str, Callable[[str], bool]] = {"text_kv": text_kv.sniff_line}
 SNIFF_BYTES = 8 << 20
 #: A Chrome trace's key, looked for before parsing a large JSON document whole.
 _TRACE_KEY = re.compile(rb'"traceEvents"\s*:')
@@ -293,6 +303,9 @@ def detect(path: str | Path) -> str:
     best = max(counts, key=lambda f: counts[f])
     if counts[best] > 0:
         return best
+    for fmt, match in FALLBACK_TEXT_FORMATS.items():
+        if any(match(line) for line in text.splitlines()):
+            return fmt
     if json_error is not None and stripped.startswith("{"):
         raise _unknown(path, json_error)
     raise _unknown(path, "unknown log format (no line of a known training log in its first "
