@@ -55,7 +55,7 @@ PIN_WINDOW = 1024
 #: Formats whose ``LogPoint.source_line`` is a line number: their progress bar counts lines.
 LINE_FORMATS = frozenset({"megatron", "nanogpt", "modded_nanogpt", "word_lm", "csv", "jsonl", "lightning_csv",
                           "wandb_csv", "wandb_jsonl", "llamafactory", "allreduce_bench", "nccl_watchdog",
-                          "torchelastic"})
+                          "torchelastic", "llmc", "hf_stdout", "mmengine", "text_kv"})
 #: Fields of a train point counted in the run summary (``metrics``).
 METRICS = ("loss", "grad_norm", "lr", "tokens", "consumed_samples", "skipped")
 

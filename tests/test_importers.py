@@ -11,8 +11,10 @@ watchdog and torchelastic logs hold no training steps, only events (``LogEvent``
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -45,11 +47,20 @@ REAL: dict[str, tuple[str | None, int | str]] = {
     "kineto_trace_rank1_ws128.json.gz": ("kineto_trace", 2),
     "nccl_watchdog_timeout_multirank.log": ("nccl_watchdog", 0),     # events only (EVENTS)
     "torchelastic_worker_group_restart.log": ("torchelastic", 0),
+    "megatron_bert_release_a100.golden_values.json": ("megatron_golden", 4001),  # steps 1, 5, …, 20000
+    "llamafactory_luojiu7b_cpt.trainer_log.jsonl": ("llamafactory", 1742),     # steps 5-8710; the summary row is not
+    "hf_overfit_30epochs.trainer_state.json": ("hf_trainer_state", 216),       # 30 train + 31 x 6 eval sets
+    "llmc_gpt2_124m_main.log": ("llmc", 19632),                                # steps 0-19551 + 80 validations
+    "deepspeed_overflow_tqdm_hf.log": ("hf_stdout", 17),                       # bar counters 243-259
+    "hf_stdout_loss_zero_gradnorm_nan.log": ("hf_stdout", 10),                 # 10 whole dicts, the 11th cut
+    "mmengine_text_loss_nan.log": ("mmengine", 1),
+    "tf_deeplab_steps_checkpoint.log": ("text_kv", 30),                        # steps 12972-13001
 }
 #: file → events read (``read_items`` LogEvents), for the files that report any; 0 for the others.
 EVENTS: dict[str, int] = {
     "nccl_watchdog_timeout_multirank.log": 5,  # 3 ranks' timeouts, 2 ranks' last enqueued / completed
     "torchelastic_worker_group_restart.log": 1,
+    "tf_deeplab_steps_checkpoint.log": 1,  # "The checkpoint has been created." after step 12999
 }
 
 
@@ -128,6 +139,48 @@ def test_llamafactory_rows(real_logs: Path) -> None:
     # "throughput": "0.00" and "total_tokens": 0 on every row mean "not recorded"
     assert {p.tokens for p in pts} == {None}
     assert min(p.step_seconds for p in pts) == 2.0 and max(p.step_seconds for p in pts) == 2.7
+
+
+def test_llamafactory_four_day_run_elapsed_in_days(real_logs: Path) -> None:
+    pts = list(read(real_logs / "llamafactory_luojiu7b_cpt.trainer_log.jsonl"))
+    # the last row (step 8712, "loss": null, "learning_rate": null) is the closing summary: not a step, not a NaN
+    assert [p.step for p in pts] == list(range(5, 8711, 5))
+    assert (pts[0].loss, pts[0].step_seconds, pts[-1].loss) == (1.7484, 41.8, 1.3703)  # "0:03:29" / 5 steps
+    assert not any(math.isnan(p.loss) for p in pts)
+    by_step = {p.step: p for p in pts}
+    # "elapsed_time" crosses into days: "23:58:27" -> "1 day, 0:02:01", "1 day, 23:58:37" -> "2 days, 0:02:10"
+    assert (by_step[2025].step_seconds, by_step[4050].step_seconds) == (pytest.approx(42.8), pytest.approx(42.6))
+    seconds = [p.step_seconds for p in pts]  # ~213 s per 5 steps throughout
+    assert (min(seconds), max(seconds)) == (41.0, 43.4)
+    assert (by_step[5810].step_seconds, by_step[6625].step_seconds) == (41.0, 43.4)
+
+
+def test_megatron_bert_golden_values(real_logs: Path) -> None:
+    g = steps(real_logs, "megatron_bert_release_a100.golden_values.json")
+    # lm loss every 5 steps to 20000 of a declared 25000: the "nan" strings after it are "not recorded"
+    assert sorted(g) == [1, *range(5, 20001, 5)]
+    assert (g[1].loss, g[20000].loss, g[19995].loss) == (10.51817, 4.81103, 4.30228)
+    assert not any(math.isnan(p.loss) for p in g.values())
+    # iteration-time only every 100th step ("nan" at the others: not recorded), warm-up at step 100
+    assert [s for s, p in sorted(g.items()) if p.step_seconds is not None] == list(range(100, 20001, 100))
+    assert (g[100].step_seconds, g[200].step_seconds, g[20000].step_seconds) == (0.89451, 0.3366, 0.33554)
+    later = {s: p.step_seconds for s, p in g.items() if p.step_seconds is not None and s > 100}
+    assert (min(later.values()), later[5300], max(later.values()), later[10800]) == (0.32662, 0.32662, 0.37022,
+                                                                                     0.37022)
+    assert {(p.grad_norm, p.lr) for p in g.values()} == {(None, None)}  # num-zeros, memory: not step metrics
+
+
+def test_hf_trainer_state_with_six_eval_sets(real_logs: Path) -> None:
+    pts = list(read(real_logs / "hf_overfit_30epochs.trainer_state.json"))
+    train = [p for p in pts if not p.is_eval]
+    assert [p.step for p in train] == list(range(401, 12031, 401))
+    assert (train[0].loss, train[-1].loss, min(p.loss for p in train)) == (1.1074, 0.0549, 0.0531)  # never 0
+    assert train[0].grad_norm == 5.49674654006958
+    # one entry per eval set, eval_g0_runtime … eval_g5_runtime, at step 0 and after every epoch
+    evals = [p for p in pts if p.is_eval]
+    assert len(evals) == 186 and sorted({p.step for p in evals}) == [0, *range(401, 12031, 401)]
+    assert [p.eval_seconds for p in evals[:7]] == [5.7095, 5.9196, 6.0146, 6.0628, 6.2888, 6.5105, 5.1178]
+    assert math.fsum(p.eval_seconds for p in evals) == pytest.approx(1131.0613)
 
 
 def test_megatron_golden_values(real_logs: Path) -> None:
@@ -221,6 +274,87 @@ def test_torchelastic_worker_group_restart(real_logs: Path) -> None:
     assert list(read_items(real_logs / "torchelastic_worker_group_restart.log")) == [
         LogEvent("worker_restart", fields=(("restart_count", 1), ("attempts_left", 3), ("max_restarts", 3),
                                            ("state", "FAILED"), ("role", "default")), source_line=5)]
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "trainhealth.collectors.importers" and r.levelno == logging.WARNING]
+
+
+def test_llmc_gpt2_124m(real_logs: Path) -> None:
+    pts = list(read(real_logs / "llmc_gpt2_124m_main.log"))
+    train = {p.step: p for p in pts if not p.is_eval}
+    assert sorted(train) == list(range(19552))  # "s:N trl:…" for steps 0-19551: 19,552 steps
+    # "s:N tel:…" validation losses every 250 steps and after the last: evaluations; "s:N eval:…" (HellaSwag) is not
+    assert [p.step for p in pts if p.is_eval] == [*range(0, 19501, 250), 19552]
+    assert (train[0].loss, train[0].lr, train[0].grad_norm) == (11.0116, 1e-06, 14.96)
+    assert (train[19551].loss, train[19551].lr, train[19551].grad_norm) == (3.2813, 0.0, 0.23)
+    # two isolated grad-norm blips: 8715 (4.29 against 0.28 / 0.41 around it) and 12008 (1.50)
+    assert [(train[s].grad_norm, train[s].loss) for s in (8714, 8715, 8716)] == [
+        (0.28, 3.468), (4.29, 3.5416), (0.41, 3.4668)]
+    assert [(train[s].grad_norm, train[s].loss) for s in (12007, 12008, 12009)] == [
+        (0.27, 3.3752), (1.5, 3.4027), (0.35, 3.3864)]
+    assert sorted((p.grad_norm for s, p in train.items() if s > 2000), reverse=True)[:3] == [4.29, 1.5, 0.98]
+    assert not any(math.isnan(p.loss) or math.isnan(p.grad_norm) for p in train.values())
+    assert {p.step_seconds for p in train.values()} == {None}  # main.log has no times
+
+
+def test_deepspeed_overflow_under_an_hf_progress_bar(real_logs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = real_logs / "deepspeed_overflow_tqdm_hf.log"
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        pts = {p.step: p for p in read(path)}
+    assert sorted(pts) == list(range(243, 260))  # the redraw of 250 after the dict is no second point
+    # "OVERFLOW! Rank 0 Skipping step" is printed after the bar drew 248 and before it drew 249: during the
+    # optimizer step of step 249, which it skipped
+    assert {s: p.skipped for s, p in pts.items() if p.skipped} == {249: 1}
+    assert {p.skipped for s, p in pts.items() if s != 249} == {0}
+    # the first line: the bar's rate; then the elapsed clock over each step (whole seconds: 132 or 133)
+    assert pts[243].step_seconds == 132.68
+    assert [pts[s].step_seconds for s in range(244, 260)] == [133.0, 133.0, 133.0, 132.0, 133.0, 132.0, 133.0, 133.0,
+                                                              133.0, 133.0, 133.0, 132.0, 133.0, 133.0, 133.0, 132.0]
+    # the log dict after 250/2724 is step 250's
+    assert (pts[250].loss, pts[250].lr, pts[250].grad_norm) == (1.89, 0.00019920353585932578, None)
+    assert [s for s, p in pts.items() if p.loss is not None] == [250]
+    assert _warnings(caplog) == []  # the cut last bar "259/2724 [9:34:48<90:54:" still shows its counter and clock
+
+
+def test_hf_stdout_loss_zero_and_nan_grad_norm(real_logs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = real_logs / "hf_stdout_loss_zero_gradnorm_nan.log"
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        pts = list(read(path))
+    assert [p.step for p in pts] == list(range(1, 11))  # no bar: the ordinals of the dicts
+    assert {(p.loss, p.lr) for p in pts} == {(0.0, 5e-05)}
+    assert all(math.isnan(p.grad_norm) for p in pts)
+    assert _warnings(caplog) == [
+        f"{path}: no training progress bar before the log dicts: their steps are the ordinals of the training dicts "
+        "(1, 2, 3, …), not the optimizer steps",
+        f"{path}: ends mid-line: line 11 (from byte 1,370) has no line end and does not parse (not a complete flat "
+        "dict: the line ends in the string at column 15); truncated? It is left out, the lines before it are read"]
+
+
+def test_mmengine_loss_nan(real_logs: Path) -> None:
+    (p,) = read(real_logs / "mmengine_text_loss_nan.log")
+    # Epoch(train) [1][ 500/2931]: step (1 - 1) x 2931 + 500; "time: 0.0578" s per iteration
+    assert (p.step, p.lr, p.step_seconds, p.grad_norm, p.source_line) == (500, 0.02, 0.0578, None, 1)
+    assert math.isnan(p.loss)
+
+
+def test_tf_deeplab_steps_and_a_checkpoint(real_logs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = real_logs / "tf_deeplab_steps_checkpoint.log"
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        items = list(read_items(path))
+    pts = {i.step: i for i in items if isinstance(i, LogPoint)}
+    assert sorted(pts) == list(range(12972, 13002))
+    assert (pts[12972].loss, pts[12972].step_seconds) == (0.428, 1.019)
+    assert (pts[13000].loss, pts[13000].step_seconds) == (5.128, 5.495)  # the step that saved the checkpoint
+    assert (pts[13001].loss, pts[13001].step_seconds) == (0.86, 0.743)
+    before = [p for s, p in pts.items() if s < 13000]
+    assert statistics.median(p.loss for p in before) == 0.854
+    assert (min(p.step_seconds for p in before), max(p.step_seconds for p in before)) == (0.981, 1.036)
+    # "The checkpoint has been created." after step 12999's line
+    assert [i for i in items if isinstance(i, LogEvent)] == [LogEvent("checkpoint_save", step=12999, source_line=29)]
+    assert _warnings(caplog) == [f"{path}: ends mid-line: line 32 (from byte 1,353) has no line end and does not "
+                                 "parse; truncated? It is left out, the lines before it are read"]  # "ste"
 
 
 def _drain(client: redis.Redis) -> None:

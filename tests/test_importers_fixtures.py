@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import math
 import shutil
@@ -48,6 +49,10 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     ("allreduce_bench_all_bad.log", "allreduce_bench"), ("kineto_rank3.pt.trace.json", "kineto_trace"),
     ("kineto_nodist_rank5.json.gz", "kineto_trace"), ("kineto_bad_dur.json", "kineto_trace"),
     ("nccl_watchdog_variants.log", "nccl_watchdog"), ("torchelastic_restarts.log", "torchelastic"),
+    ("llmc_main.log", "llmc"), ("llmc_trl_only.log", "llmc"), ("llmc_train_time.log", "llmc"),
+    ("hf_stdout_tqdm_eval.log", "hf_stdout"), ("hf_stdout_printer.log", "hf_stdout"), ("tqdm_postfix.log", "hf_stdout"),
+    ("mmengine_iter.log", "mmengine"), ("mmcv_epoch.log", "mmengine"), ("mmcv_iter.log", "mmengine"),
+    ("llmc_stdout.log", "text_kv"), ("kv_pairs.log", "text_kv"), ("kv_clock.log", "text_kv"),
 ])
 def test_detect(name: str, fmt: str) -> None:
     assert detect(DATA / name) == fmt
@@ -469,7 +474,7 @@ def test_torchelastic_excerpts(tmp_path: Path) -> None:
 # --- generic behaviour ---------------------------------------------------------------------------------
 
 def test_gzip_is_read_transparently(tmp_path: Path) -> None:
-    for name in ("megatron_lm.log", "trainer_log.jsonl", "lightning_metrics.csv"):
+    for name in ("megatron_lm.log", "trainer_log.jsonl", "lightning_metrics.csv", "hf_stdout_tqdm_eval.log"):
         gz = tmp_path / (name + ".gz")
         gz.write_bytes(gzip.compress((DATA / name).read_bytes()))
         assert [repr(p) for p in read(gz)] == [repr(p) for p in read(DATA / name)], name  # repr: nan == nan
@@ -601,3 +606,255 @@ def test_a_utf8_byte_order_mark_is_ignored(tmp_path: Path) -> None:
         gz = tmp_path / (name + ".gz")
         gz.write_bytes(gzip.compress(bom + text))
         assert rows(gz, "loss", fmt=detect(path)) == expected, name
+
+
+# --- files cut mid-write ---------------------------------------------------------------------------------
+
+def test_a_last_line_cut_mid_write_is_left_out_with_one_warning(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    cases = {  # name: (text, steps read, the torn line, its first byte, why it does not parse)
+        "metrics.jsonl": ('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n{"step": 3, "lo', [1, 2], 3, 50,
+                          "not valid JSON (column 13): Unterminated string starting at"),
+        "trainer_log.jsonl": ('{"current_steps": 5, "total_steps": 9, "loss": 1.0}\r\n{"current_steps": 9, "tot',
+                              [5], 2, 53, "not valid JSON (column 22): Unterminated string starting at"),
+        "nanogpt.log": ("iter 0: loss 10.9, time 30.00ms, mfu -100.00%\niter 10: loss 9",
+                        [0], 2, 46, "not 'iter N: loss X, time Yms, mfu Z%': 'iter 10: loss 9'"),
+        "megatron.log": (" iteration 1/ 9 | lm loss: 2.0 |\n iteration 2/ 9 | lm loss: 1.5 | grad n", [1], 2, 33,
+                         "the line ends before its closing '|' (torn or wrapped beyond repair)"),
+        "modded.log": ("step:1/9 train_loss:2.0 train_time:100ms step_avg:nanms\nstep:2/", [1], 2, 56, None),
+    }
+    for name, (text, steps, line, byte, why) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(text.encode())
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+            assert [p.step for p in read(path)] == steps, name
+        because = "" if why is None else f" ({why})"
+        assert warnings_of(caplog) == [f"{path}: ends mid-line: line {line} (from byte {byte}) has no line end and "
+                                       f"does not parse{because}; truncated? It is left out, the lines before it "
+                                       "are read"], name
+    whole = tmp_path / "whole.log"  # a last line without its end that parses is read, without a warning
+    whole.write_text("iter 0: loss 10.9, time 30.00ms, mfu -100.00%\niter 10: loss 9.5, time 31.00ms, mfu 1.00%")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        assert rows(whole, "loss") == [(0, 10.9), (10, 9.5)]
+    assert warnings_of(caplog) == []
+    only = tmp_path / "only.log"
+    only.write_text("iter 0: loss 10.9, ti")
+    with pytest.raises(InputFormatError) as err:
+        list(read(only, fmt="nanogpt"))
+    assert str(err.value) == (f"{only}: ends mid-line: line 1 (from byte 0) has no line end and does not parse (not "
+                              "'iter N: loss X, time Yms, mfu Z%': 'iter 0: loss 10.9, ti'); truncated? No nanoGPT "
+                              "iter line before it")
+
+
+def _trainer_state(entries: int) -> bytes:
+    """A trainer_state.json as the Trainer writes it (indent 2, sorted keys): ``entries`` train logs, one eval."""
+    hist: list[dict] = [{"epoch": i / 10, "grad_norm": 1.5, "learning_rate": 1e-4, "loss": 2.0 - i / 10, "step": 10 * i}
+                        for i in range(1, entries + 1)]
+    hist.insert(2, {"epoch": 0.2, "eval_loss": 2.5, "eval_runtime": 3.25, "step": 20})
+    doc = {"best_metric": None, "epoch": entries / 10, "global_step": 10 * entries, "is_hyper_param_search": False,
+           "log_history": hist, "logging_steps": 10, "max_steps": 100, "total_flos": 1.0}
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def test_a_trainer_state_cut_mid_write_keeps_the_entries_before_the_cut(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    full = _trainer_state(5)
+    path = tmp_path / "trainer_state.json"
+    cut = full.index(b'"step": 40') + 4  # inside the fifth entry (train step 40)
+    path.write_bytes(full[:cut])
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        assert rows(path, "loss", "eval_seconds") == [(10, 1.9, None), (20, 1.8, None), (20, None, 3.25),
+                                                      (30, 1.7, None)]
+    assert warnings_of(caplog) == [f"{path}: ends mid-document at byte {cut:,} (truncated?): read the 4 complete "
+                                   "log_history entries before the cut"]
+    gz = tmp_path / "trainer_state.json.gz"  # a gzip file cut short: what decompresses
+    gz.write_bytes(gzip.compress(full[:cut])[:-8])
+    assert [p.step for p in read(gz)] == [10, 20, 20, 30]
+    neutral = tmp_path / "state"  # found by content too
+    neutral.write_bytes(full[:cut])
+    assert detect(neutral) == "hf_trainer_state"
+    after = full.index(b'"logging_steps"')  # cut after the list: every entry
+    path.write_bytes(full[:after])
+    assert len(list(read(path))) == 6
+    for at, message in ((full.index(b'"log_history"'), "before its 'log_history' list"),
+                        (full.index(b'"step": 10'), "before the first complete 'log_history' entry")):
+        path.write_bytes(full[:at])
+        with pytest.raises(InputFormatError) as err:
+            list(read(path))
+        assert str(err.value) == f"{path}: ends mid-document at byte {at:,} (truncated?), {message}"
+    path.write_bytes(full.replace(b'"loss": 1.8', b'"loss": 1.8}', 1))  # broken in the middle: not a cut
+    with pytest.raises(InputFormatError, match=r"trainer_state\.json: not valid JSON \(line 19, column 13\): "
+                                               r"Expecting ',' delimiter$"):
+        list(read(path))
+
+
+def test_trainer_state_evaluations_of_several_eval_sets(tmp_path: Path) -> None:
+    state = tmp_path / "trainer_state.json"
+    state.write_text(json.dumps({"log_history": [
+        {"epoch": 1.0, "loss": 1.1, "step": 401},
+        {"epoch": 1.0, "eval_g0_loss": 1.2, "eval_g0_runtime": 5.25, "step": 401},
+        {"epoch": 1.0, "eval_g1_loss": 1.5, "eval_g1_runtime": 6.5, "step": 401},
+        {"epoch": 1.0, "step": 401, "train_loss": 1.0, "train_runtime": 99.0},
+    ]}))
+    assert rows(state, "loss", "eval_seconds") == [(401, 1.1, None), (401, None, 5.25), (401, None, 6.5)]
+
+
+# --- llm.c main.log ----------------------------------------------------------------------------------------
+
+def test_llmc(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "llmc_main.log"
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        pts = list(read(path))
+    # "tel" (validation loss) lines are evaluations, not timed; "eval" (HellaSwag) lines are not points at all
+    assert [(p.step, p.is_eval, p.source_line) for p in pts] == [
+        (0, True, 1), (0, False, 2), (1, False, 3), (2, False, 4), (4, False, 7), (4, True, 8)]
+    assert {p.eval_seconds for p in pts if p.is_eval} == {0.0}
+    train = [p for p in pts if not p.is_eval]
+    assert [(p.loss, p.lr) for p in train[:3]] == [(11.0116, 1e-06), (10.9586, 2e-06), (10.8579, 3e-06)]
+    assert train[0].grad_norm == 14.96 and math.isnan(train[1].grad_norm) and train[2].grad_norm == math.inf
+    assert math.isnan(train[3].loss) and {p.step_seconds for p in train} == {None}
+    assert warnings_of(caplog) == [f"{path}: skipped 1 malformed llm.c s:N line(s); the first: line 5: field 'trl' is "
+                                   "not a number: '10.7l18'"]
+    # the older form: the loss alone
+    assert [(p.step, p.loss, p.lr, p.grad_norm) for p in read(DATA / "llmc_trl_only.log") if not p.is_eval] == [
+        (0, 11.0012, None, None), (1, 10.9017, None, None), (2, 10.8125, None, None)]
+    # train_gpt2.py's cumulative train_time: differences; it restarts from 0 after the first steps (250 ms for step 2)
+    timed = [p for p in read(DATA / "llmc_train_time.log") if not p.is_eval]
+    assert [p.step for p in timed] == [0, 1, 2, 3, 5]
+    assert [p.step_seconds for p in timed] == [None, pytest.approx(21.0), pytest.approx(0.25), pytest.approx(0.25),
+                                               pytest.approx(0.255)]
+
+
+# --- Hugging Face Trainer stdout: log dicts, tqdm bars, DeepSpeed overflows ---------------------------------
+
+def test_hf_stdout_bar_dicts_evals_overflows_and_a_checkpoint(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "hf_stdout_tqdm_eval.log"
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        items = list(read_items(path))
+    pts = [i for i in items if isinstance(i, LogPoint)]
+    # The step bar is the Trainer's (n/30; its first draw 0/30 is no step): not "Loading checkpoint shards" (2/2),
+    # not "Map" (examples/s), not the evaluation's bar (n/4). Carriage-return redraws are lines; a counter drawn
+    # twice is one point. Its rate is the step time (the clock's whole seconds span under a minute here).
+    assert [(p.step, p.step_seconds, p.skipped, p.source_line) for p in pts if not p.is_eval] == [
+        (1, 2.43, 0, 4), (2, 2.27, 0, 5), (3, 2.21, 0, 7),
+        (4, 2.17, 1, 9),   # "[deepspeed] OVERFLOW! Skipping step" after 3/30: step 4 was skipped
+        (5, 2.16, 2, 14),  # two more (the same line printed by two ranks is one): 32768 -> 16384 -> 8192
+        (6, 2.19, 0, 24), (10, 2.2, 0, 27)]
+    five, ten = pts[4], pts[-1]  # the dicts logged at 5 and 10 are on the bar's points
+    assert (five.loss, five.grad_norm, five.lr, five.tokens) == (2.345, 1.25, 4.5e-05, 20480)  # '%.4g' strings
+    assert (ten.loss, ten.grad_norm, ten.tokens) == (1.9, 0.9, 61440)  # tokens since step 5's dict
+    assert pts[6].loss is None  # step 6's dict does not parse
+    assert [(p.step, p.eval_seconds, p.source_line) for p in pts if p.is_eval] == [(5, 0.4461, 20)]
+    # "Saving model checkpoint to out/checkpoint-5": a save at step 5, after its evaluation; the summary is no step
+    assert items[6] == LogEvent("checkpoint_save", step=5, source_line=22)
+    assert [type(i).__name__ for i in items].count("LogEvent") == 1
+    assert warnings_of(caplog) == [f"{path}: skipped 1 malformed Trainer log dict line(s); the first: line 25: not a "
+                                   "flat dict of numbers and strings: key 'device' at column 113"]
+
+
+def test_hf_stdout_without_a_bar_numbers_the_dicts(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "hf_stdout_printer.log"
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        pts = list(read(path))
+    # PrinterCallback (no bar): the steps are the ordinals of the training dicts; the bad third still counts
+    assert [(p.step, p.is_eval, p.source_line) for p in pts] == [(1, False, 3), (2, False, 4), (2, True, 5),
+                                                                 (4, False, 7)]
+    assert (pts[0].loss, pts[0].grad_norm, pts[1].loss) == (2.5, math.inf, -math.inf) and math.isnan(pts[1].grad_norm)
+    assert (pts[2].eval_seconds, pts[3].loss, pts[3].lr) == (3.5, 2.0, 4.8e-05)
+    assert {p.skipped for p in pts} == {None}  # no overflow lines in this log: unknown, not 0
+    assert warnings_of(caplog) == [
+        f"{path}: no training progress bar before the log dicts: their steps are the ordinals of the training dicts "
+        "(1, 2, 3, …), not the optimizer steps",
+        f"{path}: skipped 1 malformed Trainer log dict line(s); the first: line 6: field 'learning_rate' is not a "
+        "number: 'five'"]
+
+
+def test_a_tqdm_bar_alone_with_its_postfix() -> None:
+    pts = list(read(DATA / "tqdm_postfix.log"))  # a custom loop's bar: "Steps: …, 1.17it/s, loss=0.398, lr=1e-05]"
+    assert [(p.step, p.loss, p.lr, p.skipped) for p in pts[:2]] == [(1, 0.412, 1e-05, None), (2, 0.398, 1e-05, None)]
+    assert pts[2].step == 3 and math.isnan(pts[2].loss)
+    assert [p.step_seconds for p in pts] == pytest.approx([1.67, 1 / 1.17, 1 / 1.49])  # s/it, then 1 / it/s
+
+
+def test_a_slow_bar_times_steps_by_its_clock(tmp_path: Path) -> None:
+    path = tmp_path / "slow.log"  # 70-80 s per step: the elapsed clock's differences, not tqdm's smoothed rate
+    path.write_text(" 0%|  | 10/100 [11:40<1:45:00, 70.00s/it]\n 0%|  | 11/100 [13:00<1:44:00, 71.00s/it]\n"
+                    " 0%|  | 13/100 [15:20<1:43:00, 71.50s/it]\n 0%|  | 14/100 [15:50<1:43:00, 70.00s/it]\n")
+    assert [(p.step, p.step_seconds) for p in read(path)] == [(10, 70.0), (11, 80.0), (13, 70.0), (14, 70.0)]
+
+
+# --- mmengine / mmcv 1.x -----------------------------------------------------------------------------------
+
+def test_mmengine_iteration_based(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "mmengine_iter.log"
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        items = list(read_items(path))
+    pts = [i for i in items if isinstance(i, LogPoint)]
+    # lr, not base_lr; the total loss, not decode.loss_ce; time: seconds per iteration
+    assert [(p.step, p.loss, p.grad_norm, p.lr, p.step_seconds) for p in pts if not p.is_eval] == [
+        (50, 3.2, 2.5, 0.01, 0.5012), (100, 2.9, math.inf, 0.0099, 0.4988), (200, 2.6, 2.3, 0.0097, 0.505)]
+    # the validation's progress line is no step; its summary is an evaluation of 500 x 0.0910 s at step 100
+    assert [(p.step, p.eval_seconds, p.source_line) for p in pts if p.is_eval] == [(100, pytest.approx(45.5), 5)]
+    assert items[2] == LogEvent("checkpoint_save", step=100, source_line=3)  # "Saving checkpoint at 100 iterations"
+    assert warnings_of(caplog) == [f"{path}: skipped 1 malformed mmengine/mmcv training line(s); the first: line 6: "
+                                   "field 'loss' is not a number: '2.7O00'"]
+    assert rows(DATA / "mmengine_iter.log", "source_line")[-1] == (200, 7)
+
+
+def test_mmcv_epoch_and_iteration_based() -> None:
+    items = list(read_items(DATA / "mmcv_epoch.log"))
+    pts = [i for i in items if isinstance(i, LogPoint)]
+    # Epoch [e][i/N]: the step is (e - 1) x N + i; lr_backbone (the first group's) when there is no lr
+    assert [(p.step, p.loss, p.grad_norm, p.lr, p.step_seconds) for p in pts[:2]] == [
+        (50, 1.5, 12.3456, 0.01, 0.6), (100, 1.2, 10.0, 0.01, 0.58)]
+    assert (pts[3].step, pts[3].lr, pts[3].step_seconds) == (150, 0.001, 0.59)
+    assert math.isnan(pts[3].loss) and math.isnan(pts[3].grad_norm)
+    assert (pts[2].step, pts[2].eval_seconds) == (100, 0.0)  # Epoch(val) [1][25]: an evaluation, not timed
+    assert items[2] == LogEvent("checkpoint_save", step=100, source_line=3)  # "Saving checkpoint at 1 epochs"
+    assert rows(DATA / "mmcv_iter.log", "loss", "step_seconds", "eval_seconds") == [
+        (20, 0.9, 0.6, None), (40, 0.85, 0.59, None), (40, None, None, 0.0)]
+
+
+# --- generic text logs: a step counter and key/value pairs -------------------------------------------------
+
+def test_text_kv_llmc_stdout() -> None:
+    pts = list(read(DATA / "llmc_stdout.log"))  # "step 1/74 | loss … | norm … | lr … | 1234.56 ms | …"
+    assert [(p.step, p.loss, p.grad_norm, p.lr) for p in pts] == [
+        (1, 11.01, 15.4212, 8.57e-07), (2, 10.902, 14.2001, 1.71e-06), (3, 10.801, 13.0, 2.57e-06)]
+    assert [p.step_seconds for p in pts] == pytest.approx([1.23456, 0.25625, 0.25575])  # "val loss" is no step
+
+
+def test_text_kv_pairs_units_and_checkpoints(caplog: pytest.LogCaptureFixture) -> None:
+    path = DATA / "kv_pairs.log"
+    with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
+        items = list(read_items(path))
+    pts = [i for i in items if isinstance(i, LogPoint)]
+    # train_loss, not val_loss; grad_norm, not param_norm; 250ms, 0.26s, "time (ms): 240", 4.00 it/s; tensor(2.1875)
+    assert [(p.step, p.loss, p.grad_norm, p.lr, p.step_seconds) for p in pts[:3]] == [
+        (100, 2.31, 0.92, 3e-4, 0.25), (200, 2.25, 0.88, 3e-4, 0.26), (400, 2.1875, 0.8, 2.9e-4, 0.24)]
+    assert (pts[3].step, pts[3].step_seconds) == (500, 0.25) and math.isnan(pts[3].loss)
+    # "saving checkpoint at iteration 400" then "successfully saved checkpoint …": one save, at step 400
+    assert [i for i in items if isinstance(i, LogEvent)] == [LogEvent("checkpoint_save", step=400, source_line=6)]
+    assert warnings_of(caplog) == [f"{path}: skipped 1 malformed step line(s); the first: line 4: field "
+                                   "'train_loss' is not a number: 'abc'"]
+
+
+def test_text_kv_elapsed_clock_and_tensorflow_lines() -> None:
+    items = list(read_items(DATA / "kv_clock.log"))
+    pts = [i for i in items if isinstance(i, LogPoint)]
+    # global_step, lm loss, learning rate; elapsed 0:05:00 / 300 steps, then differences ("1 day, 0:10:30" too)
+    assert [(p.step, p.loss, p.lr, p.step_seconds) for p in pts] == [
+        (300, 3.25, 1e-4, 1.0), (600, 3.125, 1e-4, 1.1), (900, 3.0, 9e-5, 288.0), (1000, 2.875, None, None)]
+    assert items[-1] == LogEvent("checkpoint_save", step=1000, source_line=6)  # "Checkpoint saved to …"
+
+
+def test_text_kv_is_the_last_text_format_tried(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.log"
+    lines = [f"step {i} loss = {3 - i / 10}" for i in range(1, 20)]
+    path.write_text("\n".join([*lines, "iter 20: loss 1.0, time 250.00ms, mfu 30.00%"]) + "\n")
+    assert detect(path) == "nanogpt"  # one line of a known format outweighs any number of generic ones
+    assert [p.step for p in read(path, fmt="text_kv")] == list(range(1, 21))
+    path.write_text("\n".join(lines) + "\n")
+    assert detect(path) == "text_kv"

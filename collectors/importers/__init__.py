@@ -28,6 +28,16 @@ Formats (name: what — how :func:`detect` recognises it; the file name first, t
 - ``nanogpt``: nanoGPT stdout — lines ``iter N: loss X, time Yms, mfu Z%``.
 - ``modded_nanogpt``: modded-nanogpt stdout (its source code first) — lines ``step:N/M train_loss:…``.
 - ``word_lm``: PyTorch ``word_language_model`` stdout — lines ``| epoch E | B/ N batches |``.
+- ``llmc``: llm.c ``main.log`` — lines ``s:N trl:X lr:Y norm:Z`` (train), ``s:N tel:X`` (validation:
+  evaluations), ``s:N eval:X`` (HellaSwag: skipped).
+- ``hf_stdout``: Hugging Face Trainer stdout — its printed log dicts ``{'loss': 0.0, 'grad_norm': nan, …}``
+  and tqdm bar lines ``N/M [elapsed<remaining, rate]`` (the step: the bar's counter, else the dict's
+  ordinal), DeepSpeed ``OVERFLOW! … Skipping step`` lines (skipped steps), checkpoint saves.
+- ``mmengine``: mmengine / mmcv 1.x text logs — lines ``Epoch(train) [e][i/N] lr: … time: … loss: …``,
+  ``Iter(train) [i/N]``, mmcv's ``Epoch [e][i/N]``/``Iter [i/N]`` (validation summaries: evaluations).
+- ``text_kv``: any other text log with a step counter and ``key: value``/``key = value``/``key=value``
+  pairs (``step 12972 \t loss = 0.854, (1.013 sec/step)``): loss, grad norm, learning rate and step
+  time found by name — only when no line of the formats above is found.
 - ``csv``: any CSV with a header holding a step column (``step``, ``global_step``, ``iteration``, …).
 - ``jsonl``: any JSON lines with a step field.
 
@@ -48,7 +58,9 @@ Event logs (no training steps; :class:`LogEvent` s only, see :func:`read_items`)
   ``restart_count=K`` (events ``worker_restart``).
 
 For text logs the format whose line pattern matches the most lines of the first 8 MiB wins (a tie goes to
-the format listed first: a training log before an event log).
+the format listed first: a training log before an event log); ``text_kv`` only when none does. Text readers
+also report what a log says besides its steps as :class:`LogEvent` s (:func:`read_items`): checkpoint saves
+(``checkpoint_save``, at the last step logged before the save line).
 Table-shaped formats (CSV, JSON lines, TensorBoard, golden values) take ``mapping={field: name}``
 to name their columns/tags/metrics (fields: ``step``, ``loss``, ``grad_norm``, ``lr``,
 ``step_seconds``, ``tokens``, ``tokens_total``, ``consumed_samples``, ``skipped``, ``wall_time``,
@@ -65,6 +77,12 @@ A well-formed row whose field is not a number (CSV, a valid JSON line, golden va
 TensorBoard) means the columns are not what the reader thinks: an error, never a skip.
 A number written out in full that no float holds (``1e999``, a 400-digit integer) and a step
 beyond ±2**53 - 1 are "out of range" (an error or a skipped line as above); a UTF-8 BOM is ignored.
+
+Files cut mid-write (a crash, a copy of a file being written, an excerpt): a text or JSON-lines log
+whose last line has no line end and does not parse gets a warning of its own naming that line and
+its byte offset ("ends mid-line … truncated?"), and the lines before it are read; a
+``trainer_state.json`` whose JSON breaks off at its end gives the complete ``log_history`` entries
+before the cut, with a warning naming the byte offset (an error naming it when none is complete).
 """
 
 from __future__ import annotations
@@ -80,16 +98,20 @@ from typing import Any
 from trainhealth.collectors.importers import (
     allreduce_bench,
     generic,
+    hf_stdout,
     hf_trainer_state,
     kineto_trace,
     lightning_csv,
     llamafactory,
+    llmc_log,
     megatron_golden,
     megatron_log,
+    mmengine_log,
     modded_nanogpt_log,
     nanogpt_log,
     nccl_watchdog,
     tensorboard,
+    text_kv,
     torchelastic,
     wandb_history,
     word_lm_log,
@@ -116,6 +138,11 @@ FORMATS: dict[str, tuple[Reader, bool, str]] = {
     "nanogpt": (lambda p, m=None: nanogpt_log.read(p), False, "nanoGPT training log"),
     "modded_nanogpt": (lambda p, m=None: modded_nanogpt_log.read(p), False, "modded-nanogpt training log"),
     "word_lm": (lambda p, m=None: word_lm_log.read(p), False, "PyTorch word_language_model log"),
+    "llmc": (lambda p, m=None: llmc_log.read(p), False, "llm.c main.log"),
+    "hf_stdout": (lambda p, m=None: hf_stdout.read(p), False,
+                  "Hugging Face Trainer stdout (log dicts, tqdm bar, DeepSpeed overflows)"),
+    "mmengine": (lambda p, m=None: mmengine_log.read(p), False, "mmengine / mmcv 1.x (OpenMMLab) text log"),
+    "text_kv": (lambda p, m=None: text_kv.read(p), False, "plain text log with a step counter and key: value pairs"),
     "csv": (generic.read_csv, True, "generic CSV with a step column"),
     "jsonl": (generic.read_jsonl, True, "generic JSON lines with a step field"),
     "kineto_trace": (lambda p, m=None: kineto_trace.read(p), False, "PyTorch profiler (Kineto) trace, one rank"),
@@ -133,14 +160,21 @@ TEXT_FORMATS: dict[str, Callable[[str], bool]] = {
     "nanogpt": nanogpt_log.sniff_line,
     "modded_nanogpt": modded_nanogpt_log.sniff_line,
     "word_lm": word_lm_log.sniff_line,
+    "llmc": llmc_log.sniff_line,
+    "hf_stdout": hf_stdout.sniff_line,
+    "mmengine": mmengine_log.sniff_line,
     "allreduce_bench": allreduce_bench.sniff_line,
     # Last: a training log that also holds a few of these lines (a run under torchrun) stays a training log.
     "nccl_watchdog": nccl_watchdog.sniff_line,
     "torchelastic": torchelastic.sniff_line,
 }
+#: Text formats tried only when no line of a :data:`TEXT_FORMATS` format is found: the generic reader.
+FALLBACK_TEXT_FORMATS: dict[str, Callable[[str], bool]] = {"text_kv": text_kv.sniff_line}
 SNIFF_BYTES = 8 << 20
 #: A Chrome trace's key, looked for before parsing a large JSON document whole.
 _TRACE_KEY = re.compile(rb'"traceEvents"\s*:')
+#: A trainer_state.json's history, looked for in a JSON document that does not parse (cut mid-write).
+_HISTORY_KEY = re.compile(rb'"log_history"\s*:\s*\[')
 
 
 def supported() -> str:
@@ -263,6 +297,8 @@ def detect(path: str | Path) -> str:
         except RecursionError:
             raise _unknown(path, "JSON nested too deeply to read") from None
         except json.JSONDecodeError as exc:
+            if stripped.startswith("{") and _HISTORY_KEY.search(head, 0, 1 << 20):
+                return "hf_trainer_state"  # cut mid-write: its reader recovers the entries before the cut
             doc = None  # maybe a text log whose first line starts with a bracket: sniff its lines below
             json_error = f"not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}"
         if doc is not None:
@@ -287,6 +323,9 @@ def detect(path: str | Path) -> str:
     best = max(counts, key=lambda f: counts[f])
     if counts[best] > 0:
         return best
+    for fmt, match in FALLBACK_TEXT_FORMATS.items():
+        if any(match(line) for line in text.splitlines()):
+            return fmt
     if json_error is not None and stripped.startswith("{"):
         raise _unknown(path, json_error)
     raise _unknown(path, "unknown log format (no line of a known training log in its first "

@@ -8,11 +8,14 @@ import json
 import logging
 import math
 import re
+import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainhealth.exceptions import InputFormatError
+from trainhealth.logpoint import LogEvent
 from trainhealth.wire import MAX_STEP
 
 log = logging.getLogger("trainhealth.collectors.importers")
@@ -40,13 +43,72 @@ def open_text(path: Path, newline: str | None = None) -> io.TextIOBase:
 
 def read_lines(path: Path) -> Iterator[tuple[int, str]]:
     """``(1-based line number, line without its end)`` of a text log; read errors become InputFormatError."""
-    f = open_text(path)
-    try:
-        with f:
-            for i, line in enumerate(f, 1):
-                yield i, line.rstrip("\r\n")
-    except (OSError, EOFError) as exc:  # a truncated .gz, a vanished file
-        raise InputFormatError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    return iter(Lines(path))
+
+
+class Lines:
+    """The lines of a text log, ``(1-based line number, line without its end)``, remembering a torn last line.
+
+    Lines end at ``\\n``, ``\\r\\n`` or a lone ``\\r`` (universal newlines: a progress bar's carriage-return
+    redraws are lines of their own). While the last line is handed out, :attr:`torn` is its number when it
+    has no line end and is not blank — a file cut mid-write, an excerpt cut mid-line — else None.
+    Read errors become :class:`InputFormatError`.
+
+    >>> import tempfile, os
+    >>> f = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+    >>> _ = f.write("step 1\\rstep 2\\nste"); f.close()
+    >>> lines = Lines(Path(f.name))
+    >>> list(lines), lines.torn, lines.torn_offset()
+    ([(1, 'step 1'), (2, 'step 2'), (3, 'ste')], 3, 14)
+    >>> os.unlink(f.name)
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.torn: int | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        self.torn = None
+        f = open_text(self.path)
+        try:
+            with f:
+                for i, line in enumerate(f, 1):
+                    if not line.endswith("\n") and line.strip():  # only the last line can lack its end
+                        self.torn = i
+                    yield i, line.rstrip("\r\n")
+        except (OSError, EOFError) as exc:  # a truncated .gz, a vanished file
+            raise InputFormatError(f"{self.path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+
+    def torn_offset(self) -> int | None:
+        """The byte offset (of the uncompressed text) where the torn last line starts; None if unreadable."""
+        try:
+            with open(self.path, "rb") as f:
+                if f.read(2) != GZIP_MAGIC:
+                    pos = f.seek(0, io.SEEK_END)
+                    while pos > 0:  # backwards from the end to the last line end
+                        n = min(1 << 16, pos)
+                        pos -= n
+                        f.seek(pos)
+                        chunk = f.read(n)
+                        i = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+                        if i >= 0:
+                            return pos + i + 1
+                    return 0
+            start = pos = 0
+            with gzip.open(self.path, "rb") as g:
+                while chunk := g.read(1 << 20):
+                    i = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+                    if i >= 0:
+                        start = pos + i + 1
+                    pos += len(chunk)
+            return start
+        except (OSError, EOFError, zlib.error):
+            return None
+
+    def where_torn(self) -> str:
+        """``line N (from byte B)`` of the torn last line, for messages."""
+        off = self.torn_offset()
+        return f"line {self.torn}" + ("" if off is None else f" (from byte {off:,})")
 
 
 #: Largest step accepted is :data:`trainhealth.wire.MAX_STEP`, the wire's own (2**53 - 1: the largest integer a
@@ -116,6 +178,11 @@ def json_loads(text: str | bytes) -> Any:
 
 def _guarded_loads(text: str | bytes) -> Any:
     return json.loads(text, parse_int=_json_int, parse_float=_json_float)
+
+
+def guarded_decoder() -> json.JSONDecoder:
+    """A decoder with :func:`json_loads`' guards, for ``raw_decode`` of one value at a time."""
+    return json.JSONDecoder(parse_int=_json_int, parse_float=_json_float)
 
 
 def show(v: Any, limit: int = 40) -> str:
@@ -245,28 +312,55 @@ def finite_positive(x: float | None) -> bool:
     return x is not None and math.isfinite(x) and x > 0
 
 
+#: ``BadLines.finish(last=…)`` not given: the reader does not say which line it read last.
+_UNTRACKED = -1
+
+
 class BadLines:
     """Counts malformed lines (or entries) of a log; one warning at the end, naming the first.
 
     ``place`` formats a line number (or entry index) into the message: ``"line {}: "`` for lines,
     ``"log_history[{}] "`` for the entries of a ``trainer_state.json``.
     ``finish(good)`` raises :class:`InputFormatError` for the first bad line when nothing good was read.
+
+    With ``lines`` (the :class:`Lines` being read), a torn last line (no line end) that does not parse
+    is not counted as malformed: it gets a warning of its own, "ends mid-line … truncated?", naming its
+    line and byte offset — the file was cut, the lines before it stand. It does not parse when it was
+    :meth:`add` ed, or, if the reader passes ``finish(good, last=…)`` (the line of the last record it
+    read, None for none), when it is not that line.
     """
 
-    def __init__(self, path: Path, what: str, place: str = "line {}: ", unit: str = "line") -> None:
+    def __init__(self, path: Path, what: str, place: str = "line {}: ", unit: str = "line",
+                 lines: Lines | None = None) -> None:
         self.path = path
         self.what = what
         self.place = place
         self.unit = unit
+        self.lines = lines
         self.count = 0
         self.first: tuple[int, str] | None = None
+        self.torn: tuple[int, str | None] | None = None
 
     def add(self, line: int, reason: str) -> None:
+        if self.lines is not None and line == self.lines.torn:
+            self.torn = (line, reason)
+            return
         self.count += 1
         if self.first is None:
             self.first = (line, reason)
 
-    def finish(self, good: int) -> None:
+    def finish(self, good: int, last: int | None = _UNTRACKED) -> None:
+        if (self.torn is None and last != _UNTRACKED and self.lines is not None and self.lines.torn is not None
+                and last != self.lines.torn):
+            self.torn = (self.lines.torn, None)
+        if self.torn is not None and self.lines is not None:
+            why = "" if self.torn[1] is None else f" ({self.torn[1]})"
+            where = self.lines.where_torn()
+            if good == 0 and self.first is None:
+                raise InputFormatError(f"{self.path}: ends mid-line: {where} has no line end and does not "
+                                       f"parse{why}; truncated? No {self.what} {self.unit} before it")
+            log.warning("%s: ends mid-line: %s has no line end and does not parse%s; truncated? "
+                        "It is left out, the lines before it are read", self.path, where, why)
         if self.first is None:
             if good == 0:
                 raise InputFormatError(f"{self.path}: no {self.what} {self.unit}s found")
@@ -320,3 +414,136 @@ class CumulativeTokens:
         tokens = int(cum - (self.seen or 0.0))
         self.seen = cum
         return tokens
+
+
+# --- lines several text logs share: progress bars, fp16 overflows, checkpoint saves ------------------------
+
+#: A tqdm progress bar (``tqdm.format_meter``): ``[desc: ][ 9%|▉    | ]243/2724 [8:57:06<91:26:08, 132.61s/it[, k=v]]``,
+#: or ``243it [8:57:06, 132.61s/it]`` without a total. Elapsed and remaining are ``[H:]MM:SS`` (hours may pass 24);
+#: the rate is ``s/<unit>`` below one unit per second, else ``<unit>/s`` (``?`` before the second update).
+TQDM = re.compile(
+    r"(?<![\w.])(?P<n>\d+)(?:/(?P<total>\d+)|it)\s?\[(?P<elapsed>(?:\d+:)?\d{1,2}:\d\d)"
+    r"(?:<(?P<remaining>(?:\d+:)?\d{1,2}:\d\d|\?))?"
+    r"(?:,\s*(?P<rate>\d+(?:\.\d+)?[kMG]?|\?)\s?(?P<unit>s/[A-Za-z]+|[A-Za-z]+/s))?")
+_BAR_PREFIX = re.compile(r"\s*\d{1,3}%\|[^|]*\|\s*$")
+_SCALE = {"k": 1e3, "M": 1e6, "G": 1e9}
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One tqdm progress-bar line: counter ``n`` of ``total``, ``elapsed`` seconds since the bar started, the
+    bar's own (smoothed) ``seconds_per_unit`` when it shows a rate, its ``unit`` (``it`` unless set) and the
+    description before it (``""`` for the Hugging Face Trainer's bar; ``"Map"``, ``"Loading checkpoint shards:"``)."""
+
+    n: str  # the digits (see :func:`step_of`)
+    total: int | None
+    elapsed: float
+    seconds_per_unit: float | None
+    unit: str
+    desc: str
+    started: bool  # the bar's first draw (``?`` rate at 00:00): nothing done yet
+
+
+def _clock(text: str) -> float:
+    parts = [int(x) for x in text.split(":")]
+    return float(parts[-1] + 60 * parts[-2] + (3600 * parts[-3] if len(parts) == 3 else 0))
+
+
+def parse_bar(line: str) -> Bar | None:
+    """The tqdm bar on ``line`` (the first one), or None.
+
+    >>> b = parse_bar("  9%|▉         | 243/2724 [8:59:24<91:26:08, 132.68s/it]")
+    >>> (b.n, b.total, b.elapsed, b.seconds_per_unit, b.unit, b.desc)
+    ('243', 2724, 32364.0, 132.68, 'it', '')
+    >>> parse_bar("Map: 100%|██████████| 1000/1000 [00:01<00:00, 8000.00 examples/s]").unit
+    'examples'
+    >>> parse_bar("Steps:  50%|█████     | 5/10 [00:02<00:02,  2.50it/s, loss=0.5]").seconds_per_unit
+    0.4
+    """
+    if "[" not in line:
+        return None
+    m = TQDM.search(line)
+    if m is None:
+        return None
+    per, unit = None, "it"
+    if m.group("unit") is not None:
+        u = m.group("unit")
+        inverse = u.startswith("s/")
+        unit = u[2:] if inverse else u[:-2]
+        rate = m.group("rate")
+        if rate != "?":
+            x = float(rate.rstrip("kMG")) * _SCALE.get(rate[-1], 1.0)
+            per = x if inverse else (1.0 / x if x > 0 else None)
+    desc = _BAR_PREFIX.sub("", line[:m.start()]).strip()
+    total = m.group("total")
+    elapsed = _clock(m.group("elapsed"))
+    return Bar(m.group("n"), None if total is None else int(total) if len(total) < 20 else None, elapsed, per, unit,
+               desc, elapsed == 0 and m.group("rate") == "?")
+
+
+#: An fp16 loss-scale overflow that skipped the optimizer step: DeepSpeed's ``[deepspeed] OVERFLOW! Rank 0 Skipping
+#: step. Attempted loss scale: 2048, reducing to 1024``, its older ``OVERFLOW! Skipping step. Attempted loss scale:
+#: 4294967296`` and the fused optimizer's ``fp16 dynamic loss scale overflow! Skipping step``.
+OVERFLOW = re.compile(r"overflow!\s*(?:rank\s+(\d+)\s+)?skipping step\.?(?:\s*attempted loss scale:\s*([\d.]+))?",
+                      re.IGNORECASE)
+
+
+class Overflows:
+    """The overflow lines since the last :meth:`take`: the optimizer steps they skipped.
+
+    Each rank that prints them counts on its own and the most any rank reports is kept (every rank
+    of the older optimizers prints each overflow); one rank's overflows are told apart by their
+    attempted loss scale, which halves at each one (the same line printed twice is one overflow).
+    """
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, tuple[set[str], list[int]]] = {}
+
+    def add(self, text: str) -> bool:
+        """Count ``text`` if it is an overflow line; True if it is."""
+        if "verflow!" not in text and "VERFLOW!" not in text:
+            return False
+        m = OVERFLOW.search(text)
+        if m is None:
+            return False
+        scales, plain = self.ranks.setdefault(int(m.group(1)) if m.group(1) else -1, (set(), [0]))
+        if m.group(2):
+            scales.add(m.group(2).rstrip("."))
+        else:
+            plain[0] += 1
+        return True
+
+    def take(self) -> int:
+        """The skipped steps counted since the last call (0 for none), and start counting again."""
+        n = max((len(scales) + plain[0] for scales, plain in self.ranks.values()), default=0)
+        self.ranks.clear()
+        return n
+
+
+#: A line a training script prints when it saves a checkpoint: ``The checkpoint has been created.``,
+#: ``Saving model checkpoint to out/checkpoint-500`` (Hugging Face), ``Saving checkpoint at 5000 iterations``
+#: (mmengine), ``saved checkpoint``, ``Checkpoint saved to …``. Not ``Loading checkpoint shards``, not a setting.
+CHECKPOINT_SAVE = re.compile(
+    r"\b(?:(?:saving|saved)\s+(?:the\s+|a\s+|model\s+)*checkpoints?"
+    r"|checkpoints?\b[^.\n]{0,20}?\b(?:has|have|was|were|is)\s+(?:been\s+)?(?:created|saved|written)"
+    r"|checkpoints?\s+(?:created|saved|written))\b", re.IGNORECASE)
+
+
+class Checkpoints:
+    """``checkpoint_save`` :class:`LogEvent` s from a text log's save lines, at the last step logged before them.
+
+    Consecutive save lines with no step logged between them are one save (``saving checkpoint …`` then
+    ``successfully saved checkpoint …``).
+    """
+
+    def __init__(self) -> None:
+        self.at: object = self  # the step of the last event (self: none yet)
+
+    def event(self, text: str, lineno: int, step: int | None) -> LogEvent | None:
+        """The event ``text`` reports, if it is a save line not already reported at ``step``."""
+        if "heckpoint" not in text and "HECKPOINT" not in text:
+            return None
+        if CHECKPOINT_SAVE.search(text) is None or step == self.at:
+            return None
+        self.at = step
+        return LogEvent("checkpoint_save", step=step, source_line=lineno)

@@ -17,10 +17,10 @@ from trainhealth.collectors.importers._common import (
     NOT_A_STEP,
     BadLines,
     CumulativeTokens,
+    Lines,
     Timeline,
     json_loads,
     open_text,
-    read_lines,
     reason,
     show,
     to_float,
@@ -208,8 +208,15 @@ def read_csv(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[str, str]]
 
 
 def iter_jsonl(path: Path, bad: BadLines | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
-    """JSON-object lines as (line, dict), lazily; a torn or non-object line is counted in ``bad`` (skipped)."""
-    for line, text in read_lines(path):
+    """JSON-object lines as (line, dict), lazily; a torn or non-object line is counted in ``bad`` (skipped).
+
+    A last line cut mid-write (no line end, not valid JSON) is not counted as malformed: ``bad`` warns that
+    the file ends mid-line (see :class:`~trainhealth.collectors.importers._common.BadLines`).
+    """
+    lines = Lines(path)
+    if bad is not None:
+        bad.lines = lines
+    for line, text in lines:
         s = text.strip()
         if not s:
             continue

@@ -40,7 +40,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainhealth.collectors.importers._common import MAX_RANK, BadLines, read_lines, show
+from trainhealth.collectors.importers._common import MAX_RANK, BadLines, Lines, show
 from trainhealth.logpoint import LogPoint
 
 HEADER = re.compile(r"^\s*(\d+):\s*$")
@@ -79,13 +79,14 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         When the file cannot be read or has no good duration line (naming its first bad line).
     """
     path = Path(path)
-    bad = BadLines(path, "all-reduce benchmark duration")
+    lines = Lines(path)
+    bad = BadLines(path, "all-reduce benchmark duration", lines=lines)
     hosts: dict[int, str] = {}
     nranks: int | None = None
     iterations: dict[int, int] = {}
     waiting: list[tuple[int, int, int]] = []  # (rank, iteration, line) of '<rank>:' lines without a duration yet
     good = 0
-    for lineno, text in read_lines(path):
+    for lineno, text in lines:
         m = HEADER.match(text)
         if m is not None:
             if len(m.group(1)) > len(str(MAX_RANK)) or int(m.group(1)) > MAX_RANK:  # int() of 5,000 digits raises

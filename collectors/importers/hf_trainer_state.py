@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
+import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from trainhealth.collectors.importers._common import (
     BadLines,
     HugeNumber,
     check_step,
+    guarded_decoder,
     json_loads,
+    log,
     reason,
     show,
     to_float,
@@ -52,12 +55,91 @@ def _step(entry: dict[str, Any]) -> int:
         raise _BadEntry(f"field 'step' is {STEP_RANGE}: {show(step)}") from None
 
 
+#: Where ``log_history``'s list starts, to recover the entries of a document cut mid-write.
+_HISTORY = re.compile(r'"log_history"\s*:\s*\[')
+#: What is left at a JSON error when the text was cut inside a literal or a number (``tru``, ``1.0e``).
+_CUT_TOKEN = re.compile(r"[\w.+-]{0,24}")
+
+
+def _runtime_key(entry: dict[str, Any]) -> str | None:
+    """The runtime key of an evaluation entry: ``eval_runtime``, or ``eval_<set>_runtime`` for each of several
+    eval sets (``metric_key_prefix``), ``test_runtime``; never the summary's ``train_runtime``."""
+    if "eval_runtime" in entry:
+        return "eval_runtime"
+    return next((k for k in entry if k.endswith("_runtime") and k != "train_runtime"), None)
+
+
+def _load(path: Path) -> tuple[Any, list[Any] | None]:
+    """The document, or (when the file was cut mid-write) None and the complete ``log_history`` entries before the cut.
+
+    Raises InputFormatError for invalid JSON that is not a cut document, or a cut before any entry.
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InputFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if raw[:2] == b"\x1f\x8b":  # gzip magic: trainer_state.json.gz (a torn one: what decompresses)
+        d = zlib.decompressobj(zlib.MAX_WBITS | 16)
+        try:
+            raw = d.decompress(raw)
+        except zlib.error:
+            raise InputFormatError(f"{path}: a gzip file that cannot be decompressed") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        if exc.reason != "unexpected end of data":
+            raise InputFormatError(f"{path}: not a text JSON file (not UTF-8)") from None
+        text = raw[:exc.start].decode("utf-8-sig")  # cut inside a multi-byte character
+    try:
+        return json_loads(text), None  # a BOM is dropped; huge numbers stay text (see _num)
+    except json.JSONDecodeError as exc:
+        cut = exc.msg.startswith("Unterminated string") or _CUT_TOKEN.fullmatch(text[exc.pos:].strip())
+        if not cut:
+            raise InputFormatError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}): "
+                                   f"{exc.msg}") from None
+    except RecursionError:
+        raise InputFormatError(f"{path}: JSON nested too deeply to read") from None
+    end = len(raw)
+    m = _HISTORY.search(text)
+    if m is None:
+        raise InputFormatError(f"{path}: ends mid-document at byte {end:,} (truncated?), before its "
+                               "'log_history' list")
+    decoder, entries, pos = guarded_decoder(), [], m.end()
+    ws = re.compile(r"\s*")
+    while True:
+        pos = ws.match(text, pos).end()
+        if text.startswith("]", pos):
+            break
+        try:
+            entry, pos = decoder.raw_decode(text, pos)
+        except (json.JSONDecodeError, RecursionError):
+            break  # the entry the cut went through
+        entries.append(entry)
+        pos = ws.match(text, pos).end()
+        if not text.startswith(",", pos):
+            break
+        pos += 1
+    if not entries:
+        raise InputFormatError(f"{path}: ends mid-document at byte {end:,} (truncated?), before the first "
+                               "complete 'log_history' entry")
+    log.warning("%s: ends mid-document at byte %s (truncated?): read the %d complete log_history entries "
+                "before the cut", path, f"{end:,}", len(entries))
+    return None, entries
+
+
 def read(path: str | Path) -> Iterator[LogPoint]:
     """Yield the train and eval entries of a ``trainer_state.json`` in file order.
 
     Train entries (with ``loss``) give loss, ``grad_norm``, ``learning_rate`` and tokens as
     the difference of the cumulative ``num_tokens``/``num_input_tokens_seen``; eval entries
-    (with ``eval_runtime``) give their runtime. Summary entries (``train_runtime``) are skipped.
+    (with ``eval_runtime``, or ``eval_<set>_runtime`` — one entry per eval set when the Trainer
+    evaluates several — or ``test_runtime``) give their runtime. Summary entries (``train_runtime``)
+    are skipped.
+
+    A file cut mid-write (a crash while saving; a copy of a file being written) is not valid JSON:
+    when the JSON breaks off at its end (not in the middle), the complete ``log_history`` entries
+    before the cut are read, with one warning naming the byte offset where the file ends; a cut
+    before the first complete entry is an InputFormatError naming that offset.
 
     An entry that cannot be read (a field that is not a number, or out of range; a step that is
     not an integer) is skipped, with one warning for all of them naming the first: the entries
@@ -83,20 +165,9 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     >>> os.unlink(f.name)
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-        if raw[:2] == b"\x1f\x8b":  # gzip magic: trainer_state.json.gz
-            raw = gzip.decompress(raw)
-        doc = json_loads(raw.decode("utf-8-sig"))  # a BOM is dropped; huge numbers stay text (see _num)
-    except json.JSONDecodeError as exc:
-        raise InputFormatError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from None
-    except UnicodeDecodeError:
-        raise InputFormatError(f"{path}: not a text JSON file (not UTF-8)") from None
-    except RecursionError:
-        raise InputFormatError(f"{path}: JSON nested too deeply to read") from None
-    except (OSError, EOFError) as exc:
-        raise InputFormatError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
-    history = doc.get("log_history") if isinstance(doc, dict) else None
+    doc, history = _load(path)
+    if history is None:
+        history = doc.get("log_history") if isinstance(doc, dict) else None
     if not isinstance(history, list):
         raise InputFormatError(f"{path}: no 'log_history' list: not a Hugging Face trainer_state.json")
     bad = BadLines(path, "log_history", place="log_history[{}] ", unit="entry")
@@ -117,8 +188,8 @@ def read(path: str | Path) -> Iterator[LogPoint]:
                     tokens = int(cum - (seen_tokens or 0.0))
                     seen_tokens = cum
                 point = LogPoint(step=step, loss=loss, grad_norm=gn, lr=lr, tokens=tokens, source_line=i)
-            elif "eval_runtime" in entry:
-                point = LogPoint(step=step, eval_seconds=_num(entry, "eval_runtime"), source_line=i)
+            elif (runtime := _runtime_key(entry)) is not None:
+                point = LogPoint(step=step, eval_seconds=_num(entry, runtime), source_line=i)
             else:
                 continue
         except _BadEntry as exc:

@@ -44,7 +44,7 @@ from trainhealth.collectors.importers._common import (
     NOT_A_NUMBER,
     BadLines,
     CumulativeTokens,
-    read_lines,
+    Lines,
     reason,
     show,
     step_of,
@@ -139,12 +139,14 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     >>> os.unlink(f.name)
     """
     path = Path(path)
-    bad = BadLines(path, "iteration")
+    source = Lines(path)
+    bad = BadLines(path, "iteration", lines=source)
     tokens = CumulativeTokens()
     overflows: Counter[int] = Counter()
-    lines = read_lines(path)
+    lines = iter(source)
     held: list[tuple[int, str]] = []
     good = 0
+    last: int | None = None  # the last line of the last record read
 
     def next_line() -> tuple[int, str] | None:
         return held.pop() if held else next(lines, None)
@@ -154,11 +156,12 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         o = OVERFLOW.search(text)
         if o:
             overflows[int(o.group(1)) if o.group(1) else -1] += 1
+            last = lineno
             continue
         if START.search(text) is None or text.lstrip().startswith("#"):
             continue
         nemo = NEMO.search(text) is not None
-        parts = [text]
+        parts, end = [text], lineno
         while not nemo and len(parts) <= MAX_WRAPPED and not parts[-1].rstrip().endswith("|"):
             peek = next_line()
             if peek is None:
@@ -168,10 +171,12 @@ def read(path: str | Path) -> Iterator[LogPoint]:
                 held.append(peek)
                 break
             parts.append(peek[1])
+            end = peek[0]
         fields, step, err = _parse("".join(parts), nemo)
         if err is not None:
-            bad.add(lineno, err)
+            bad.add(end if end == source.torn else lineno, err)  # a record cut by the file's end: truncated
             continue
+        last = end
         skipped = fields.get("skipped")
         seen = max(overflows.values(), default=0)
         overflows.clear()
@@ -186,4 +191,4 @@ def read(path: str | Path) -> Iterator[LogPoint]:
             lr=fields.get("lr"), tokens=tokens.delta(fields.get("tokens_total")), source_line=lineno,
             step_seconds=fields.get("step_seconds"), skipped=None if skipped is None else int(skipped),
             consumed_samples=int(fields["consumed_samples"]) if "consumed_samples" in fields else None)
-    bad.finish(good)
+    bad.finish(good, last)

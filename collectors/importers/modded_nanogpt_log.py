@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainhealth.collectors.importers._common import BadLines, read_lines, reason, show, step_of, to_float
+from trainhealth.collectors.importers._common import BadLines, Lines, reason, show, step_of, to_float
 from trainhealth.logpoint import LogPoint
 
 START = re.compile(r"^step:(\d+)/(\d+)\s")
@@ -46,10 +46,12 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     >>> os.unlink(f.name)
     """
     path = Path(path)
-    bad = BadLines(path, "step:N/M")
+    lines = Lines(path)
+    bad = BadLines(path, "step:N/M", lines=lines)
     good = 0
+    last: int | None = None
     prev: tuple[int, float] | None = None  # (step, train_time ms) of the last timer reading
-    for lineno, text in read_lines(path):
+    for lineno, text in lines:
         m = START.match(text)
         if m is None:
             continue
@@ -83,8 +85,9 @@ def read(path: str | Path) -> Iterator[LogPoint]:
                 elapsed = t_ms - prev[1] if t_ms >= prev[1] else t_ms  # a reset: the timer restarted at 0
                 per = elapsed / (step - prev[0]) / 1000.0
             prev = (step, t_ms)
+        last = lineno
         if "val_loss" in fields:
             continue  # a validation line: a timer reading, not a step
         good += 1
         yield LogPoint(step=step, loss=loss, step_seconds=per, source_line=lineno)
-    bad.finish(good)
+    bad.finish(good, last)

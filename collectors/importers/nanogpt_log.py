@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainhealth.collectors.importers._common import BadLines, read_lines, reason, show, step_of, to_float
+from trainhealth.collectors.importers._common import BadLines, Lines, reason, show, step_of, to_float
 from trainhealth.logpoint import LogPoint
 
 START = re.compile(r"^iter (\d+):")
@@ -38,9 +38,11 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     >>> os.unlink(f.name)
     """
     path = Path(path)
-    bad = BadLines(path, "nanoGPT iter")
+    lines = Lines(path)
+    bad = BadLines(path, "nanoGPT iter", lines=lines)
     good = 0
-    for lineno, text in read_lines(path):
+    last: int | None = None
+    for lineno, text in lines:
         if not START.match(text):
             continue
         m = LINE.match(text)
@@ -65,6 +67,7 @@ def read(path: str | Path) -> Iterator[LogPoint]:
             continue
         ms = vals["time"]
         good += 1
+        last = lineno
         yield LogPoint(step=step, loss=vals["loss"], lr=vals["lr"], step_seconds=None if ms is None else ms / 1000.0,
                        source_line=lineno)
-    bad.finish(good)
+    bad.finish(good, last)

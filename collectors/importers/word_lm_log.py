@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainhealth.collectors.importers._common import BadLines, check_step, read_lines, reason, show, step_of, to_float
+from trainhealth.collectors.importers._common import BadLines, Lines, check_step, reason, show, step_of, to_float
 from trainhealth.logpoint import LogPoint
 
 START = re.compile(r"^\|\s*epoch\s+\d")
@@ -40,9 +40,11 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     >>> os.unlink(f.name)
     """
     path = Path(path)
-    bad = BadLines(path, "'| epoch'")
+    lines = Lines(path)
+    bad = BadLines(path, "'| epoch'", lines=lines)
     good = 0
-    for lineno, text in read_lines(path):
+    last: int | None = None
+    for lineno, text in lines:
         if not START.match(text):
             continue
         m = LINE.match(text)
@@ -75,7 +77,8 @@ def read(path: str | Path) -> Iterator[LogPoint]:
             bad.add(lineno, err)
             continue
         good += 1
+        last = lineno
         ms = vals.get("ms")
         yield LogPoint(step=step, loss=vals["loss"], lr=vals.get("lr"),
                        step_seconds=None if ms is None else ms / 1000.0, source_line=lineno)
-    bad.finish(good)
+    bad.finish(good, last)
