@@ -58,7 +58,7 @@ from eval_corpus import (
 )
 from eval_peers import PEER_KINDS, make_peers
 
-from trainhealth.anomaly import KINDS
+from trainhealth.anomaly import KINDS, SEVERITIES
 
 #: Label kinds on which a detection of the key kind is a right call under another name (neither hit nor
 #: false alarm): a spike detector firing on a divergence (an unrecovered rise is first a spike) or on a NaN
@@ -94,12 +94,14 @@ SPLITS = ("dev", "heldout", "real", "all")
 
 @dataclass(frozen=True)
 class Det:
-    """One detection: kind, onset step, and the ranks / hosts it names."""
+    """One detection: kind, onset step, the ranks / hosts it names, and its (highest) severity (a peer rule's
+    alerts count as warnings)."""
 
     kind: str
     step: int
     ranks: tuple[int, ...] = ()
     hosts: tuple[str, ...] = ()
+    severity: str = "warning"
 
 
 @dataclass
@@ -189,6 +191,12 @@ def _inside(d: Det, lab: Label) -> bool:
     return lab.lo <= d.step <= lab.hi and ranks_ok(d, lab)
 
 
+def _excused(d: Det, lab: Label) -> bool:
+    """Inside an ambiguous stretch, and no louder than it allows (``max_severity``)."""
+    return _inside(d, lab) and (lab.max_severity is None
+                                or SEVERITIES.index(d.severity) <= SEVERITIES.index(lab.max_severity))
+
+
 def healthy_steps(steps: list[int], labels: list[Label], kind: str) -> int:
     """Steps (sorted, repeats kept) outside every label of ``kind`` or of a kind it accepts, tolerance included."""
     kinds = {kind} | ACCEPT.get(kind, frozenset())
@@ -239,7 +247,7 @@ def score(dets: list[Det], labels: list[Label], steps: list[int], kind: str, cov
             sc.delays.append(d.step - targets[j].start)
         elif cands:
             sc.dup += 1
-        elif any(_inside(d, lab) for lab in soft):
+        elif any(_excused(d, lab) for lab in soft):
             sc.ignored += 1
         else:
             sc.fa += 1
@@ -279,6 +287,8 @@ class _Feeder:
         self.anomalies: dict[str, Any] = {}
         #: Ranks and hosts an anomaly named when it opened (its rank set may grow later), by id.
         self.first: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+        #: The loudest severity each anomaly reached (a spike escalating to critical is scored as critical).
+        self.loudest: dict[str, str] = {}
         self.peer_dets: dict[str, list[Det]] = {p.name: [] for p in self.peers}
         self._last: dict[tuple[str, str], int] = {}
         self.inputs: set[str] = set()
@@ -311,12 +321,16 @@ class _Feeder:
         for a in anomalies:
             self.first.setdefault(a.id, (tuple(a.ranks), tuple(a.hosts)))
             self.anomalies[a.id] = a
+            if SEVERITIES.index(a.severity) > SEVERITIES.index(self.loudest.get(a.id, "info")):
+                self.loudest[a.id] = a.severity
+            else:
+                self.loudest.setdefault(a.id, a.severity)
 
     def result(self, src: Source, seconds: float) -> RunResult:
         if self.steps and self.timed >= 0.5 * len(self.steps):
             self.inputs.add("timed")
-        ours = [Det(a.kind, a.step, *self.first.get(i, (tuple(a.ranks), tuple(a.hosts))))
-                for i, a in self.anomalies.items()]
+        ours = [Det(a.kind, a.step, *self.first.get(i, (tuple(a.ranks), tuple(a.hosts))),
+                    severity=self.loudest.get(i, a.severity)) for i, a in self.anomalies.items()]
         return RunResult(src.name, src.split, src.family, list(src.labels), sorted(self.steps),
                          {"ours": ours, **self.peer_dets}, self.inputs, seconds, src.note)
 
@@ -329,7 +343,7 @@ def run_source(src: Source, peers: bool = True) -> RunResult:
     each point's output kept for the peers); a synthetic run through a :class:`RunPipeline` of its world size,
     with ``flush_stale`` and ``check_heartbeats`` at every heartbeat check, as the service's tick does.
     """
-    from trainhealth.commands.replay import read_points
+    from trainhealth.collectors.importers import read_items
     from trainhealth.detectors.offline import OfflineRun
     from trainhealth.detectors.pipeline import RunPipeline
     from trainhealth.timeline import timeline
@@ -338,8 +352,11 @@ def run_source(src: Source, peers: bool = True) -> RunResult:
     fd = _Feeder(peers)
     if src.path is not None:
         run = OfflineRun(run=src.name)
-        for tp in timeline(read_points(src.path), run.step_seconds):
+        for tp in timeline(read_items(src.path), run.step_seconds):
             out = run.feed(tp)
+            if tp.is_event:
+                fd.out(out, lambda agg: None)
+                continue
             if tp.point.skipped is not None:
                 fd.inputs.add("skip")
             own = getattr(tp, "step_s", tp.point.step_seconds if tp.timed else None)

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainhealth.anomaly import SEVERITIES
 from trainhealth.wire import Event, StepRecord
 
 if sys.version_info >= (3, 11):
@@ -88,6 +89,11 @@ HB_INTERVAL_S = 5.0
 #: PyTorch's NCCL process-group timeout (``torch.distributed`` default for NCCL, 10 min): how long the surviving
 #: ranks block in the collective after a rank died before the job is torn down.
 NCCL_TIMEOUT_S = 600.0
+#: The step span of an ``anywhere`` label (a log without training steps): any step.
+ANYWHERE = 2**62
+#: Kinds whose labels' ``ranks`` decide a match (the detection must blame those ranks and no other); on other
+#: kinds (a job-wide hang naming the ranks that reported it) the ranks are information only.
+RANK_SCOPED = frozenset({"straggler", "slow_node", "rank_outlier", "dead_rank"})
 
 Item = tuple  # ("step", StepRecord) | ("event", Event) | ("hb", now, {rank: heartbeat dict})
 
@@ -110,6 +116,10 @@ class Label:
         Ambiguous: detections here are neither credited nor counted as false alarms.
     why : str
         Explanation.
+    severity : str | None
+        The severity the condition deserves (``labels.toml``'s ``severity``), when stated.
+    max_severity : str | None
+        On an ambiguous stretch: a detection there louder than this is a false alarm after all.
     """
 
     kind: str
@@ -121,6 +131,8 @@ class Label:
     hosts: tuple[str, ...] = ()
     ignore: bool = False
     why: str = ""
+    severity: str | None = None
+    max_severity: str | None = None
 
     @property
     def lo(self) -> int:
@@ -943,8 +955,13 @@ def load_labels(path: Path = LABELS_PATH) -> list[dict[str, Any]]:
         if "path" not in entry or "status" not in entry:
             raise ValueError(f"{path}: every [[file]] needs 'path' and 'status'")
         for lab in entry.get("label", []) + entry.get("ignore", []):
-            if "kind" not in lab or "why" not in lab or not ("steps" in lab or "at" in lab):
-                raise ValueError(f"{path}: {entry['path']}: every label needs kind, steps (or at) and why")
+            if "kind" not in lab or "why" not in lab or not ("steps" in lab or "at" in lab or lab.get("anywhere")):
+                raise ValueError(f"{path}: {entry['path']}: every label needs kind, steps (or at, or anywhere) and "
+                                 "why")
+            for name in ("severity", "max_severity"):
+                if lab.get(name, "info") not in SEVERITIES:
+                    raise ValueError(f"{path}: {entry['path']}: {name}={lab[name]!r} is not one of "
+                                     f"{', '.join(SEVERITIES)}")
     return files
 
 
@@ -954,9 +971,15 @@ def labels_of(entry: dict[str, Any]) -> list[Label]:
     for lab, ignore in [(x, False) for x in entry.get("label", [])] + [(x, True) for x in entry.get("ignore", [])]:
         tol = lab.get("tolerance", 0)
         before, after = (tol, tol) if isinstance(tol, int) else tuple(tol)
-        ranges = [tuple(lab["steps"])] if "steps" in lab else [(s, s) for s in lab["at"]]
+        if lab.get("anywhere"):  # a log without training steps: found once, at whatever step
+            ranges = [(-ANYWHERE, ANYWHERE)]
+        else:
+            ranges = [tuple(lab["steps"])] if "steps" in lab else [(s, s) for s in lab["at"]]
         for a, b in ranges:
-            out.append(Label(lab["kind"], int(a), int(b), int(before), int(after), ignore=ignore, why=lab["why"]))
+            ranks = tuple(lab.get("ranks", ())) if lab["kind"] in RANK_SCOPED else ()
+            out.append(Label(lab["kind"], int(a), int(b), int(before), int(after), ranks=ranks,
+                             ignore=ignore, why=lab["why"], severity=lab.get("severity"),
+                             max_severity=lab.get("max_severity")))
     return out
 
 

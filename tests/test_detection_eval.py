@@ -181,4 +181,4 @@ def test_quick_json_run_has_rows_for_every_kind() -> None:
             assert (split, kind, "ours") in rows, (split, kind)
     assert ("real", "loss_spike", "lightning") in rows and ("all", "divergence", "llm-foundry") in rows
     assert {t["kind"] for t in doc["targets"]} >= set(KINDS)
-    assert doc["meta"]["runs_by_split"]["real"] == 12
+    assert doc["meta"]["runs_by_split"]["real"] == 22

@@ -14,7 +14,7 @@ from typing import Any
 KINDS = (
     "nan_inf", "skipped_steps", "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion",
     "straggler", "slow_node", "rank_outlier", "hang", "dead_rank", "throughput_drop", "slow_step",
-    "restart", "restart_storm",
+    "restart", "restart_storm", "loss_collapse", "plateau",
 )
 SEVERITIES = ("info", "warning", "critical")
 ACTIVE, RESOLVED = "active", "resolved"
