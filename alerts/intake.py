@@ -36,7 +36,7 @@ from trainhealth.alerts.notification import FIRING, Alert, Notification
 from trainhealth.alerts.outbox import claim_all, enqueue
 from trainhealth.alerts.watchdog import SERVICE_DOWN_KEY, check_service, service_down_alert
 from trainhealth.anomaly import SEVERITIES
-from trainhealth.keys import ALERTS_GROUPS, ALERTS_SILENCES, ALERTS_STATE, RUNS, run_keys
+from trainhealth.keys import ALERTS_GROUPS, ALERTS_SILENCES, ALERTS_STATE, RUNS, run_keys, run_of
 from trainhealth.silences import Silence
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class Intake:
             reply = self.client.xreadgroup(self.group, self.consumer, streams, count=self.count,
                                            block=block_ms or None)
             for stream_raw, items in reply or []:
-                run = _s(stream_raw).split("{", 1)[1].split("}", 1)[0]
+                run = run_of(stream_raw)
                 entries += [(run, _s(i), f) for i, f in items]
         notes = self._apply(entries, self.clock())
         now = self.clock()

@@ -11,6 +11,7 @@ from typing import Any
 
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 from trainhealth.wire import Event
 
 #: A report's integer fields (``Event.extra`` carries them as text) and its float ones.
@@ -70,7 +71,7 @@ def _parse(ev: Event) -> dict[str, Any]:
     return out
 
 
-class CollectiveTimeoutDetector:
+class CollectiveTimeoutDetector(StepDetector):
     """One critical ``hang`` for the job when its ranks' NCCL watchdogs report a collective timeout.
 
     PyTorch's ``ProcessGroupNCCL`` watchdog aborts a collective that ran longer than the process group's

@@ -11,6 +11,7 @@ from dataclasses import replace
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 from trainhealth.detectors.loss_spike import NOT_RECOVERED, LossSpikeDetector
 from trainhealth.detectors.robust import Baseline, SortedWindow, robust_scale_sorted
 from trainhealth.text import plural
@@ -18,7 +19,7 @@ from trainhealth.text import plural
 _second = operator.itemgetter(1)  # the value of a (step, value) point
 
 
-class DivergenceDetector:
+class DivergenceDetector(StepDetector):
     """Training that stopped converging: one ``divergence`` anomaly (critical) per episode.
 
     Two ways in, both on ``log(loss)`` (the loss must be positive, as cross-entropy is):

@@ -11,12 +11,13 @@ from dataclasses import replace
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 from trainhealth.detectors.robust import SortedWindow
 
 _second = operator.itemgetter(1)  # the value of a (step, value) point
 
 
-class GradNormExplosionDetector:
+class GradNormExplosionDetector(StepDetector):
     """A grad norm that rises ``factor`` times above the run's own floor and stays there.
 
     Not a one-off spike (that is :class:`~trainhealth.detectors.grad_norm_spike.GradNormSpikeDetector`'s), and not a

@@ -11,6 +11,7 @@ from dataclasses import replace
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 from trainhealth.detectors.robust import SMALL_SAMPLE_Z, Baseline, History, Tail, fit_baseline
 from trainhealth.text import plural
 
@@ -18,7 +19,7 @@ from trainhealth.text import plural
 FAST, SLOW, NOT_RECOVERED = "fast", "slow", "not_recovered"
 
 
-class LossSpikeDetector:
+class LossSpikeDetector(StepDetector):
     """Loss spikes on a detrended trailing window of log-loss, classified once they settle.
 
     Loss noise is multiplicative (a spike doubles the loss whatever its level), so the statistics

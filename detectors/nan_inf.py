@@ -6,9 +6,10 @@ import math
 
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 
 
-class NanInfDetector:
+class NanInfDetector(StepDetector):
     """Flags steps whose loss or grad norm is NaN or ±Inf; one anomaly per consecutive run of them.
 
     A non-finite **loss** is ``critical`` (the weights are likely corrupted from here on).

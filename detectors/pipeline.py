@@ -17,6 +17,7 @@ from typing import Any
 from trainhealth.anomaly import Anomaly
 from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
+from trainhealth.detectors.base import StepDetector
 from trainhealth.detectors.collective_timeout import CollectiveTimeoutDetector
 from trainhealth.detectors.dead_rank import DeadRankDetector
 from trainhealth.detectors.divergence import DivergenceDetector
@@ -91,11 +92,11 @@ class RunPipeline:
         # What the job's own logs report (events): a collective timeout is a hang, a launcher restart a restart.
         self.collective_timeout = CollectiveTimeoutDetector()
         self.worker_restart = WorkerRestartDetector()
-        self.step_detectors = [NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(),
-                               DivergenceDetector(), GradNormExplosionDetector(), SkippedStepsDetector(),
-                               self.slow_node, self.straggler, self.rank_outlier, RestartStormDetector(),
-                               self.throughput, SlowStepDetector(),
-                               self.collective_timeout]  # a step completed after a collective timeout ends it
+        self.step_detectors: list[StepDetector] = [
+            NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(), DivergenceDetector(),
+            GradNormExplosionDetector(), SkippedStepsDetector(), self.slow_node, self.straggler, self.rank_outlier,
+            RestartStormDetector(), self.throughput, SlowStepDetector(),
+            self.collective_timeout]  # a step completed after a collective timeout ends it
         self.ended_ranks: set[int] = set()
         self.run = run
         self.advisor = RollbackAdvisor()
@@ -202,7 +203,7 @@ class RunPipeline:
         # Conditions of a live job (slowness) cannot be observed once every rank has ended: left active they
         # would keep firing for a finished run. Loss findings (divergence, NaN) stay: they describe the model.
         out = Output()
-        for det in (self.slow_node, self.straggler, self.rank_outlier, self.throughput):
+        for det in self.step_detectors:
             try:
                 found = det.finish(self.current_step)
             except Exception:

@@ -10,6 +10,7 @@ import numpy as np
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 from trainhealth.detectors.persistence import Persistence
 from trainhealth.detectors.robust import MAD_TO_SIGMA
 from trainhealth.detectors.slow_node import busy_matrix, column_quantiles
@@ -75,7 +76,7 @@ def window_features(b: np.ndarray, data_s: np.ndarray, min_count: int = 3) -> tu
     return ranks, x
 
 
-class RankOutlierDetector:
+class RankOutlierDetector(StepDetector):
     """Flags a rank that differs from the others in several ways at once, none enough for its own alarm.
 
     Every ``window`` complete steps each rank gets the features of :func:`window_features`

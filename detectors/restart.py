@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 from trainhealth.text import plural
 
 
-class RestartDetector:
+class RestartDetector(StepDetector):
     """Reports each restart (new processes) or rollback (step number going back) once.
 
     The aggregator starts a new generation when ranks restart or rewind; the first step of

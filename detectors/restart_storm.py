@@ -8,9 +8,10 @@ from dataclasses import replace
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 
 
-class RestartStormDetector:
+class RestartStormDetector(StepDetector):
     """Flags ``count`` or more restarts within ``window_s`` seconds of wall time, once per storm.
 
     A restart is the first step of a new generation (new processes, or a rollback to an earlier

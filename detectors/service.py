@@ -34,7 +34,7 @@ from trainhealth.anomaly import Anomaly
 from trainhealth.detectors.advisor import RollbackAdvisor
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
-from trainhealth.keys import RUNS, RunKeys, run_keys, service_heartbeat
+from trainhealth.keys import RUNS, RunKeys, run_keys, run_of, service_heartbeat
 from trainhealth.loop import LEASE_LUA, Backoff
 from trainhealth.recommendations import Recommendation
 from trainhealth.wire import MAX_RANKS, Event, decode_event, decode_step_rows
@@ -383,7 +383,7 @@ class DetectorService:
         n = 0
         for stream_raw, entries in reply or []:
             stream = _s(stream_raw)
-            run = stream.split("{", 1)[1].split("}", 1)[0]
+            run = run_of(stream)
             by_run.setdefault(run, []).extend((_sid(i), stream, f) for i, f in entries)
             ids[stream] = [i for i, _ in entries]
             n += len(entries)

@@ -7,9 +7,10 @@ from dataclasses import replace
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 
 
-class SkippedStepsDetector:
+class SkippedStepsDetector(StepDetector):
     """One ``skipped_steps`` anomaly per run of consecutive skipped optimizer steps of ``min_steps`` or more.
 
     With fp16 dynamic loss scaling an overflowing step is skipped and the loss scale lowered; DeepSpeed

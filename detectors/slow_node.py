@@ -11,6 +11,7 @@ import numpy as np
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 from trainhealth.detectors.persistence import Persistence
 
 
@@ -82,7 +83,7 @@ def rank_medians(b: np.ndarray, min_count: int) -> tuple[np.ndarray, np.ndarray]
     return ranks, column_quantiles(b[:, ranks], [0.5])[0] if ranks.size else np.empty(0)
 
 
-class SlowNodeDetector:
+class SlowNodeDetector(StepDetector):
     """Flags a host most of whose ranks are slow together, as one anomaly for the host.
 
     A slow node (GPU clocks throttled by heat or power, a degraded PCIe/NVLink switch, a busy

@@ -8,11 +8,12 @@ from collections import deque
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 from trainhealth.detectors.robust import SortedWindow
 from trainhealth.detectors.throughput import step_seconds
 
 
-class SlowStepDetector:
+class SlowStepDetector(StepDetector):
     """Steps many times the recent normal while their neighbours are normal (severity ``info``).
 
     On ``y = log(step time)`` (see :func:`~trainhealth.detectors.throughput.step_seconds`) against the

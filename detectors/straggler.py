@@ -10,10 +10,11 @@ from dataclasses import replace
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 from trainhealth.detectors.persistence import Persistence
 
 
-class StragglerDetector:
+class StragglerDetector(StepDetector):
     """Relative performance score per rank over fixed windows of steps, as NVIDIA's resiliency kit.
 
     In synchronous data parallelism the all-reduce makes every rank's whole step equally long,

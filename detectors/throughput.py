@@ -11,6 +11,7 @@ from typing import NamedTuple
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly, run_ended
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.base import StepDetector
 from trainhealth.detectors.robust import SortedWindow
 
 
@@ -88,7 +89,7 @@ def _highest_median(values: list[float], n: int) -> float:
     return best
 
 
-class ThroughputDropDetector:
+class ThroughputDropDetector(StepDetector):
     """A sustained step-time level shift (a throughput drop), one anomaly per shift.
 
     Works on ``y = log(step time)`` (see :func:`step_seconds`), so a shift is relative. The

@@ -121,7 +121,22 @@ def run_keys(run: str) -> RunKeys:
     return RunKeys(validate_run_id(run))
 
 
-# --- Alerting (issue 6; detectors/alerts) ---------------------------------------------------------
+def run_of(key: str | bytes) -> str:
+    """The run id in a run's key: the text of its hash tag (the inverse of :func:`run_keys`).
+
+    Raises :class:`ConfigError` naming the key when it has no ``{run}`` tag.
+
+    >>> run_of("th:{llama-70b}:steps"), run_of(b"th:{x}:anomaly_log")
+    ('llama-70b', 'x')
+    """
+    text = key.decode() if isinstance(key, bytes) else key
+    start, end = text.find("{"), text.find("}")
+    if start < 0 or end < start:
+        raise ConfigError(f"key={text!r} is not a run's key (no {{run}} hash tag)")
+    return text[start + 1:end]
+
+
+# --- Alerting (alerts/) ---------------------------------------------------------
 # Global keys of the alert worker. They share the hash tag ``{alerts}`` so that on Redis Cluster they
 # live in one slot, and the MULTI/EXEC that commits grouping state together with new outbox entries
 # (or acknowledges a delivery together with its log entry) stays on one node. See docs/alerts.md.
