@@ -217,7 +217,8 @@ class Sender(threading.Thread):
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until everything queued so far is sent; True if it was."""
         deadline = time.monotonic() + timeout
-        while self._buffer or self._inflight or (self._spill is not None and len(self._spill)):
+        while (self._buffer or self._inflight or (self._spill is not None and len(self._spill))
+               or (self.connected and self.dropped_total > self._reported_drops)):  # the drops are reported too
             self._idle.clear()
             self._wake.set()
             left = deadline - time.monotonic()
@@ -310,7 +311,7 @@ class Sender(threading.Thread):
         client = self._client
         now = time.time()
         hb_due = now >= self._next_hb
-        drops = self.dropped_total - self._reported_drops
+        drops = 0
         first = True
         # Oldest first: the batch that failed, then the spill, then the in-memory buffer.
         while True:
@@ -318,6 +319,8 @@ class Sender(threading.Thread):
                 self._next_batch()
             if not self._inflight and not first:
                 return
+            if first:  # counted after taking the batch: encoding it may drop records too
+                drops = self.dropped_total - self._reported_drops
             # One MULTI/EXEC per batch: a batch lands whole or not at all, so a retry after a
             # dropped connection does not write part of it twice.
             pipe = client.pipeline(transaction=True)
@@ -340,7 +343,8 @@ class Sender(threading.Thread):
             self._inflight = []
             if first and drops > 0:
                 self._reported_drops += drops
-                log.warning("trainhealth collector: %d records were dropped while Redis was away", drops)
+                log.warning("trainhealth collector: %d records were dropped (buffer full, spill bound reached or "
+                            "not encodable); reported as a collector_drops event", drops)
             if first and hb_due:
                 self._next_hb = now + self.heartbeat_interval
             first = False
