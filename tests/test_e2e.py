@@ -39,7 +39,7 @@ def test_demo_job_through_serve_flags_spike_straggler_and_restart(r: redis.Redis
                                                    "restart:*:200:1", "straggler:2:40:0"]
         assert "throughput_drop:*:40:0" in timing
         # The straggler slows every step 3x (the all-reduce waits for it): the job-level symptom, same onset
-        # (its alert is inhibited by the straggler's, see detectors/alerts/inhibition.py).
+        # (its alert is inhibited by the straggler's, see alerts/inhibition.py).
         td = anomalies["throughput_drop:*:40:0"]
         assert (td["status"], td["step"], td["evidence"]["rel_change"] > 1.0) == ("resolved", 40, True)
         # the grad norm jumps two steps before the loss: the early warning
