@@ -33,6 +33,7 @@ from trainhealth.collectors.spill import default_directory as default_spill_dire
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import run_keys
 from trainhealth.text import show
+from trainhealth.warn_once import WarnOnce
 
 #: Section that :meth:`Monitor.step`'s ``data_from`` fills (the first of ``defaults.DATA_SECTIONS``).
 DATA_SECTION = defaults.DATA_SECTIONS[0]
@@ -730,13 +731,13 @@ class Monitor:
             self.flush(self.close_timeout)
 
     # -- errors ----------------------------------------------------------------------------------------
-    _warned: set[str]
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        warned = self.__dict__.setdefault("_warned", set())
-        if key not in warned:
-            warned.add(key)
-            log.warning("trainhealth collector: " + msg, *args)
+    @property
+    def _warn_once(self) -> WarnOnce:
+        # Made on first use: the constructor's own validation warns before the other attributes exist.
+        warn = self.__dict__.get("_warn")
+        if warn is None:
+            warn = self.__dict__["_warn"] = WarnOnce(log, "trainhealth collector: ")
+        return warn
 
     def _internal_error(self) -> None:
         self._errors += 1

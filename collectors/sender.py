@@ -30,6 +30,7 @@ from trainhealth.collectors.spill import Spill
 from trainhealth.keys import RUNS, RunKeys
 from trainhealth.loop import Backoff
 from trainhealth.text import show
+from trainhealth.warn_once import WarnOnce
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,9 @@ class Sender(threading.Thread):
         self._unsendable = 0  # records that could not be encoded (no valid step or time, or worse)
         self._next_hb = 0.0
         self._backoff = Backoff()
-        self._warned: set[str] = set()
+        # Internal errors, once each with their traceback: the sender must never die or flood the job's log.
+        self._log_once = WarnOnce(log, level=logging.ERROR)
+        self._warn_once = WarnOnce(log, "trainhealth collector: ")  # values the wire format cannot carry
         #: Records delivered to Redis, and whether the last attempt reached it.
         self.sent = 0
         self.connected = False
@@ -334,7 +337,7 @@ class Sender(threading.Thread):
                     rank, body = self._heartbeat()
                     pipe.hset(self._keys.heartbeats, str(rank), body)
                 except Exception:  # a heartbeat that cannot be built must not hold the records back
-                    self._log_once("heartbeat", "trainhealth collector: cannot build the heartbeat")
+                    self._log_once("heartbeat", "trainhealth collector: cannot build the heartbeat", exc_info=True)
             if len(pipe):
                 pipe.execute()
             self.sent += len(self._inflight)
@@ -372,7 +375,7 @@ class Sender(threading.Thread):
                 rec = self._clean(stream, fields)
             except Exception:  # a value nothing can encode must not jam the sender: drop that record only
                 self._log_once("encode", "trainhealth collector: a %s record cannot be encoded; dropped "
-                               "(further ones counted as dropped)", stream)
+                               "(further ones counted as dropped)", stream, exc_info=True)
                 rec = None
             if rec is None:
                 self._unsendable += 1
@@ -391,7 +394,7 @@ class Sender(threading.Thread):
                     raise TypeError(f"event field values must be str or int: {show(rec)}")
             except Exception:
                 self._log_once("salvage", "trainhealth collector: a %s record cannot be sent; dropped "
-                               "(further ones counted as dropped)", stream)
+                               "(further ones counted as dropped)", stream, exc_info=True)
                 continue
             good.append((stream, rec))
         bad = len(self._inflight) - len(good)
@@ -403,11 +406,6 @@ class Sender(threading.Thread):
         self._inflight = good
         self._unsendable += bad
         return True
-
-    def _log_once(self, key: str, msg: str, *args: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.exception(msg, *args)
 
     def _add_batch(self, pipe: Any, records: list[Record], clean: bool = False) -> None:
         """Queue encoded ``records`` (with ``clean``, raw ones, encoded first) on ``pipe``: each run of
@@ -462,17 +460,13 @@ class Sender(threading.Thread):
             else:
                 e, why = _event_value(k, v)
             if e is None:
-                if k not in self._warned:
-                    self._warned.add(k)
-                    log.warning("trainhealth collector: field %r %s %s; not recorded",
-                                k, why, show(v) if why == _NON_NUMERIC else f"({show(v)})")
+                self._warn_once(k, "field %r %s %s; not recorded", k, why,
+                                show(v) if why == _NON_NUMERIC else f"({show(v)})")
                 continue
             out[k] = e
         if numeric and ("step" not in out or "t" not in out):
-            if "record" not in self._warned:
-                self._warned.add("record")
-                log.warning("trainhealth collector: a step record without a valid step number or time was "
-                            "dropped (step=%s); further ones counted as dropped", show(fields.get("step")))
+            self._warn_once("record", "a step record without a valid step number or time was dropped (step=%s); "
+                            "further ones counted as dropped", show(fields.get("step")))
             return None
         return out
 

@@ -37,6 +37,7 @@ from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth.keys import RUNS, RunKeys, run_keys, run_of, service_heartbeat
 from trainhealth.loop import LEASE_LUA, Backoff
 from trainhealth.recommendations import Recommendation
+from trainhealth.warn_once import WarnOnce
 from trainhealth.wire import MAX_RANKS, Event, decode_event, decode_step_rows
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ class DetectorService:
         #: Runs whose processing raised (a bug, or garbage no decoder catches): run -> (retry at, errors).
         #: Quarantined alone, so every other run goes on; retried (rebuilt from the streams) after a while.
         self.broken: dict[str, tuple[float, int]] = {}
-        self._warned: set[str] = set()
+        self._warn_once = WarnOnce(log)  # garbage in Redis, each distinct problem once
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -279,11 +280,6 @@ class DetectorService:
         with contextlib.suppress(redis.RedisError):  # another service (a fixed version) may take it meanwhile
             if _s(self.client.get(run_keys(run).owner) or b"") == self.consumer:
                 self.client.delete(run_keys(run).owner)
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        if key not in self._warned and len(self._warned) < 10_000:
-            self._warned.add(key)
-            log.warning(msg, *args)
 
     def _meta_num(self, run: str, meta: dict[str, str], name: str, kind: type, ok: Callable[[Any], bool]) -> Any:
         """``meta[name]`` as ``kind`` when present and ``ok``; else None, warned once per run and field."""
