@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import random
-import signal
 import socket
 import threading
 import time
@@ -38,7 +37,7 @@ from trainhealth.alerts.intake import Intake
 from trainhealth.alerts.outbox import Deliverer
 from trainhealth.alerts.secrets import redact
 from trainhealth.keys import ALERTS_LEADER, alerts_worker_heartbeat
-from trainhealth.loop import LEASE_LUA, RELEASE_LUA, Backoff
+from trainhealth.loop import LEASE_LUA, RELEASE_LUA, Backoff, stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +89,9 @@ class AlertWorker:
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
-        """Stop cleanly on SIGTERM and SIGINT (main thread only)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
+        """Stop cleanly on SIGTERM and SIGINT, at once on a second one (:func:`trainhealth.loop.stop_on_signals`;
+        main thread only)."""
+        stop_on_signals(self.stop, log, f"alert worker {self.consumer}")
 
     @property
     def is_leader(self) -> bool:

@@ -18,7 +18,6 @@ import logging
 import math
 import operator
 import os
-import signal
 import socket
 import threading
 import time
@@ -35,7 +34,7 @@ from trainhealth.detectors.advisor import RollbackAdvisor
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth.keys import RUNS, RunKeys, run_keys, run_of, service_heartbeat
-from trainhealth.loop import LEASE_LUA, Backoff
+from trainhealth.loop import LEASE_LUA, Backoff, stop_on_signals
 from trainhealth.recommendations import Recommendation
 from trainhealth.warn_once import WarnOnce
 from trainhealth.wire import MAX_RANKS, Event, decode_event, decode_step_rows
@@ -199,9 +198,9 @@ class DetectorService:
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
-        """Stop cleanly on SIGTERM and SIGINT (main thread only)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
+        """Stop cleanly on SIGTERM and SIGINT, at once on a second one (:func:`trainhealth.loop.stop_on_signals`;
+        main thread only)."""
+        stop_on_signals(self.stop, log, f"detector service {self.consumer}")
 
     def run_forever(self) -> None:
         """Process until :meth:`stop`; back off exponentially (capped) while Redis is away."""

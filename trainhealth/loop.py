@@ -7,6 +7,11 @@ TTL renewed while alive) so that several processes split the work without two ow
 
 from __future__ import annotations
 
+import logging
+import signal
+from collections.abc import Callable
+from typing import Any
+
 from trainhealth import defaults
 
 #: Renew the lease ``KEYS[1]`` if ``ARGV[1]`` holds it, else take it when free, for ``ARGV[2]`` seconds.
@@ -59,3 +64,27 @@ class Backoff:
     def reset(self) -> None:
         """Record a success: the next failure waits ``base`` again."""
         self._delay = 0.0
+
+
+def stop_on_signals(stop: Callable[[], None], logger: logging.Logger, what: str) -> None:
+    """SIGTERM and SIGINT stop a loop in two stages, as rq's worker does (main thread only).
+
+    The first signal calls ``stop()`` (a warm stop: finish the current batch, acknowledge it, hand the leases
+    over) and says so; a second one exits at once (``SystemExit(1)``), for a loop that is far behind and a
+    supervisor that will not wait. Nothing is lost by the cold stop: entries not acknowledged stay pending in
+    their consumer group and are processed again.
+    """
+    signals = 0
+
+    def handle(signum: int, _frame: Any) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            logger.warning("%s: second %s, stopping now", what, signal.Signals(signum).name)
+            raise SystemExit(1)
+        logger.info("%s: %s, stopping after the current batch (send it again to stop now)", what,
+                    signal.Signals(signum).name)
+        stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handle)
