@@ -8,6 +8,7 @@ before it is logged or stored.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -110,3 +111,50 @@ def redact(text: str, secrets: Iterable[Secret | None]) -> str:
             if rest and rest in text:
                 text = text.replace(rest, "***")
     return text
+
+
+#: Loggers of the HTTP stack that name every request's full URL at INFO (a Slack webhook URL is itself the
+#: secret): kept at WARNING in a process holding secrets.
+CHATTY_LOGGERS = ("httpx", "httpcore")
+
+
+class RedactingFilter(logging.Filter):
+    """A logging filter that replaces every secret value in a record's message and traceback by ``***``.
+
+    Attached to the handlers of the root logger by :func:`protect_logs`, so it applies to every record a
+    process writes, whichever library logs it.
+
+    >>> f = RedactingFilter([Secret("https://h/x?token=abc")])
+    >>> rec = logging.LogRecord("httpx", logging.INFO, "", 0, "HTTP Request: POST %s", ("https://h/x?token=abc",), None)
+    >>> f.filter(rec), rec.getMessage()
+    (True, 'HTTP Request: POST ***')
+    """
+
+    def __init__(self, secrets: Iterable[Secret | None]) -> None:
+        super().__init__()
+        self.secrets = [s for s in secrets if s is not None and s.reveal()]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.secrets:
+            return True
+        msg = record.getMessage()
+        clean = redact(msg, self.secrets)
+        if clean != msg:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text, self.secrets)
+        return True
+
+
+def protect_logs(secrets: Iterable[Secret | None]) -> RedactingFilter:
+    """Keep ``secrets`` out of this process's logs: quiet :data:`CHATTY_LOGGERS` to WARNING and put a
+    :class:`RedactingFilter` on every handler of the root logger (call after logging is configured).
+    Returns the filter."""
+    flt = RedactingFilter(secrets)
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(flt)
+    return flt

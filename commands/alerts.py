@@ -72,8 +72,10 @@ def run_alerts(args: argparse.Namespace, connect: Callable[[], redis.Redis]) -> 
     if args.check:
         print(cfg.describe())
         return 0
+    from trainhealth.alerts.secrets import protect_logs
     from trainhealth.alerts.worker import AlertWorker
 
+    protect_logs(cfg.secrets())  # webhook URLs and keys never reach a log line, whichever library writes it
     worker = AlertWorker(connect(), cfg, consumer=args.consumer)
     worker.install_signal_handlers()
     worker.run_forever()

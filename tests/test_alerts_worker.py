@@ -515,3 +515,33 @@ def test_worker_thread_keeps_notifying_after_a_malformed_entry(r: redis.Redis, h
     finally:
         w.stop()
         t.join(10)
+
+
+def test_a_webhook_url_holding_a_token_never_reaches_the_worker_log(r: redis.Redis, httpserver: HTTPServer,
+                                                                    worker_env: dict[str, str], tmp_path: Path,
+                                                                    procs: list[subprocess.Popen]) -> None:
+    """httpx logs every request's full URL at INFO; a Slack webhook URL is itself the secret."""
+    got: list[str] = []
+    httpserver.expect_request("/hook").respond_with_handler(lambda req: got.append(req.full_path) or Response("ok"))
+    token = "tok-7f3a9c"
+    cfg = tmp_path / "alerts.toml"
+    cfg.write_text("""
+[route]
+receivers = ["bot"]
+group_wait = "0s"
+[sinks.bot]
+type = "webhook"
+url_env = "TH_TEST_HOOK_URL"
+secret_env = "TH_TEST_WEBHOOK_SECRET"
+""")
+    now = time.time()
+    log(r, "opened", anomaly(first=now, last=now))
+    env = {**worker_env, "TH_TEST_HOOK_URL": httpserver.url_for(f"/hook?token={token}")}
+    proc = _start(cfg, env, tmp_path, "w")
+    procs.append(proc)
+    _wait(lambda: got, what="the delivery")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    text = (tmp_path / "w.log").read_text()
+    assert got == [f"/hook?token={token}"] and "alert worker w stopped" in text
+    assert token not in text and SECRET not in text
