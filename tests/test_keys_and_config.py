@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainhealth import config, keys
+from trainhealth import Monitor, config, keys
 from trainhealth.exceptions import ConfigError
 
 
@@ -41,6 +41,23 @@ def test_redis_url_resolution_order(monkeypatch: pytest.MonkeyPatch, tmp_path) -
     monkeypatch.setenv("TRAINHEALTH_REDIS_URL", "localhost:6379")
     with pytest.raises(ConfigError, match=r"TRAINHEALTH_REDIS_URL='localhost:6379'"):
         config.redis_url()
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("http://:hunter2@cache:6379/0", "redis_url='http://:***@cache:6379/0' is not a Redis URL: expected redis://, "
+                                      "rediss:// or unix://"),
+    ("redis://:hunter2@cache:99999/0", "redis_url='redis://***@cache:99999/0' is not a Redis URL: Port out of range "
+                                        "0-65535"),
+    ("redis://ops:hunter2@cache:63x9/0", "redis_url='redis://***@cache:63x9/0' is not a Redis URL: Port could not be "
+                                          "cast to integer value as '63x9'"),
+])
+def test_a_bad_redis_url_is_refused_without_its_password(url: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config.redis_url(url)
+    assert str(err.value) == message and "hunter2" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        Monitor("r", redis_url=url, rank=0, world_size=1)  # refused where the handle is made, not in the sender
+    assert str(err.value) == message
 
 
 def test_retention_env(monkeypatch: pytest.MonkeyPatch) -> None:
