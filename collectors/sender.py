@@ -312,27 +312,28 @@ class Sender(threading.Thread):
             self._register(self._client)
             self.connected = True
         client = self._client
-        now = time.time()
-        hb_due = now >= self._next_hb
-        drops = 0
         first = True
-        # Oldest first: the batch that failed, then the spill, then the in-memory buffer.
+        # Oldest first: the batch that failed, then the spill, then the in-memory buffer. The heartbeat and the
+        # drop count ride along with whichever batch is sent when they are due, so a backlog that takes
+        # minutes to drain never starves them (a live rank must not look dead because it logs fast).
         while True:
             if not self._inflight:
                 self._next_batch()
-            if not self._inflight and not first:
+            batch = self._inflight
+            now = time.time()
+            hb_due = now >= self._next_hb
+            drops = self.dropped_total - self._reported_drops  # after taking the batch: encoding may drop some
+            if not batch and not (first and (hb_due or drops > 0)):
                 return
-            if first:  # counted after taking the batch: encoding it may drop records too
-                drops = self.dropped_total - self._reported_drops
             # One MULTI/EXEC per batch: a batch lands whole or not at all, so a retry after a
             # dropped connection does not write part of it twice.
             pipe = client.pipeline(transaction=True)
-            self._add_batch(pipe, self._inflight)
-            if first and drops > 0:
+            self._add_batch(pipe, batch)
+            if drops > 0:
                 ev = self._clean("events", {"kind": "collector_drops", "count": drops,
                                             **self._registry_event_fields()})
                 self._add_batch(pipe, [("events", ev)])  # type: ignore[list-item]
-            if first and hb_due:
+            if hb_due:
                 try:
                     rank, body = self._heartbeat()
                     pipe.hset(self._keys.heartbeats, str(rank), body)
@@ -340,16 +341,18 @@ class Sender(threading.Thread):
                     self._log_once("heartbeat", "trainhealth collector: cannot build the heartbeat", exc_info=True)
             if len(pipe):
                 pipe.execute()
-            self.sent += len(self._inflight)
+            self.sent += len(batch)
             if self._inflight_spilled:
-                self._spill.commit(len(self._inflight))  # type: ignore[union-attr]
+                self._spill.commit(len(batch))  # type: ignore[union-attr]
             self._inflight = []
-            if first and drops > 0:
+            if drops > 0:
                 self._reported_drops += drops
                 log.warning("trainhealth collector: %d records were dropped (buffer full, spill bound reached or "
                             "not encodable); reported as a collector_drops event", drops)
-            if first and hb_due:
+            if hb_due:
                 self._next_hb = now + self.heartbeat_interval
+            if not batch:
+                return
             first = False
 
     def _next_batch(self) -> None:

@@ -709,3 +709,24 @@ def test_spill_close_removes_delivered_segments_and_keeps_undelivered_ones(tmp_p
         sp.commit(len(sp.peek(10)))
     sp.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-00000000.jsonl"]
+
+
+def test_a_backlog_does_not_starve_the_heartbeat(r: redis.Redis, redis_url: str) -> None:
+    """A rank logging faster than the sender drains must keep heartbeating while the backlog drains: the service
+    judges a rank dead from its heartbeat, and this one is alive."""
+    import json
+
+    n = 600_000
+    mon = Monitor("run-backlog", redis_url=redis_url, rank=0, world_size=1, heartbeat_interval=0.2,
+                  buffer_records=n)
+    for step in range(n):  # ~1 s of the training loop, seconds of the sender's work
+        mon.log_step(step, loss=1.0)
+    seen = set()
+    while mon.buffered:
+        raw = r.hget("th:{run-backlog}:hb", "0")
+        if raw is not None:
+            seen.add(json.loads(raw)["t"])
+        time.sleep(0.05)
+    assert mon.close() is True
+    assert r.xlen("th:{run-backlog}:steps") > 0 and mon.dropped_total == 0
+    assert len(seen) >= 3  # written while draining, not only before and after
