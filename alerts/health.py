@@ -13,16 +13,14 @@ import time
 import redis
 
 from trainhealth import alert_store as store
+from trainhealth.text import fmt_duration
 
 #: A sink with this many failures in a row counts as failing.
 FAILING_AFTER = 1
 
 
 def _age(now: float, t: float | None) -> str:
-    if t is None:
-        return "never"
-    s = max(0.0, now - float(t))
-    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
+    return "never" if t is None else f"{fmt_duration(now - float(t))} ago"
 
 
 def doctor_report(client: redis.Redis, now: float | None = None) -> tuple[list[str], bool]:
