@@ -378,11 +378,18 @@ class Timeline:
 
     ``wall`` readings give ``(t - t_prev) / (step - step_prev)`` (None for the first point);
     ``elapsed`` readings (seconds since the start of training) also give the first point
-    ``elapsed / step``. A clock that goes back (a restart) or a step that does not advance gives None.
+    ``elapsed / step``. A clock that goes back (a restart) or a step that does not advance gives None,
+    unless ``resets``: a cumulative timer that restarts at 0 with the process (llm.c's and modded-nanogpt's
+    ``train_time``), whose reading after going back is the time since the restart.
+
+    >>> clock = Timeline(elapsed=False, resets=True)
+    >>> [clock.per_step(s, t) for s, t in ((0, 0.3), (1, 24.3), (2, 1.5), (3, 1.75))]
+    [None, 24.0, 1.5, 0.25]
     """
 
-    def __init__(self, elapsed: bool) -> None:
+    def __init__(self, elapsed: bool, resets: bool = False) -> None:
         self.elapsed = elapsed
+        self.resets = resets
         self.prev: tuple[int, float] | None = None
 
     def per_step(self, step: int, t: float | None) -> float | None:
@@ -394,6 +401,8 @@ class Timeline:
                 return t / step
             return None
         dstep, dt = step - prev[0], t - prev[1]
+        if dt < 0 and self.resets:
+            dt = t
         if dstep <= 0 or dt <= 0:
             return None
         return dt / dstep

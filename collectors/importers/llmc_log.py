@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainhealth.collectors.importers._common import BadLines, Lines, reason, show, step_of, to_float
+from trainhealth.collectors.importers._common import BadLines, Lines, Timeline, reason, show, step_of, to_float
 from trainhealth.logpoint import LogPoint
 
 START = re.compile(r"^s:(\d+)\s")
@@ -66,7 +66,7 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     bad = BadLines(path, "llm.c s:N", lines=lines)
     good = 0
     last: int | None = None
-    prev: tuple[int, float] | None = None  # (step, train_time ms) of the last timer reading
+    clock = Timeline(elapsed=False, resets=True)  # train_time: cumulative ms, restarting with the process
     for lineno, text in lines:
         m = START.match(text)
         if m is None:
@@ -99,13 +99,8 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         if err is not None:
             bad.add(lineno, err)
             continue
-        per = None
         t_ms = vals.get("train_time")
-        if t_ms is not None:
-            if prev is not None and step > prev[0]:
-                elapsed = t_ms - prev[1] if t_ms >= prev[1] else t_ms  # a reset: the timer restarted at 0
-                per = elapsed / (step - prev[0]) / 1000.0
-            prev = (step, t_ms)
+        per = None if t_ms is None else clock.per_step(step, t_ms / 1000.0)
         good += 1
         last = lineno
         if "trl" in fields:

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainhealth.collectors.importers._common import BadLines, Lines, reason, show, step_of, to_float
+from trainhealth.collectors.importers._common import BadLines, Lines, Timeline, reason, show, step_of, to_float
 from trainhealth.logpoint import LogPoint
 
 START = re.compile(r"^step:(\d+)/(\d+)\s")
@@ -50,7 +50,7 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     bad = BadLines(path, "step:N/M", lines=lines)
     good = 0
     last: int | None = None
-    prev: tuple[int, float] | None = None  # (step, train_time ms) of the last timer reading
+    clock = Timeline(elapsed=False, resets=True)  # train_time: cumulative ms, restarting with the process
     for lineno, text in lines:
         m = START.match(text)
         if m is None:
@@ -79,12 +79,7 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         if t_ms is None and loss is None and "val_loss" not in fields:
             bad.add(lineno, f"no train_loss, val_loss or train_time: {text[:80]!r}")
             continue
-        per = None
-        if t_ms is not None:
-            if prev is not None and step > prev[0]:
-                elapsed = t_ms - prev[1] if t_ms >= prev[1] else t_ms  # a reset: the timer restarted at 0
-                per = elapsed / (step - prev[0]) / 1000.0
-            prev = (step, t_ms)
+        per = None if t_ms is None else clock.per_step(step, t_ms / 1000.0)
         last = lineno
         if "val_loss" in fields:
             continue  # a validation line: a timer reading, not a step
