@@ -55,7 +55,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +137,8 @@ def preload(client: redis.Redis, run: str, world: int, steps: int, batch: int) -
     client.hset(keys.meta, mapping={"name": run, "world_size": world, "started_at": repr(T0), "status": "running",
                                     "gpu_hour_usd": "2.5"})
     client.zadd(RUNS, {run: T0})
-    senders = [Sender(lambda: client, keys, deque(), lambda: (0, "{}"), {"_rank": r, "_inc": repr(T0)},
-                      lambda: 0) for r in range(world)]
+    senders = [Sender(lambda: client, keys, 1, lambda: (0, "{}"), {"_rank": r, "_inc": repr(T0)})
+               for r in range(world)]
     rngs = [random.Random(r) for r in range(world)]
     cmds: list[tuple[float, int, tuple]] = []  # (flush time, order, XADD args)
     scratch = client.pipeline(transaction=False)

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import weakref
-from collections import deque
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -316,8 +315,6 @@ class Monitor:
         self.close_timeout = close_timeout
         # Incarnation: a new value per process start tells the service of restarts.
         self.inc = time.time() if started_at is None else float(started_at)
-        self.dropped = 0
-        self._buffer: deque = deque(maxlen=buffer_records)
         self._sections: dict[str, float] = {}
         self._section_cache: dict[tuple[str, bool], _Section] = {}
         self._gpu: GpuTimer | None = None
@@ -354,10 +351,11 @@ class Monitor:
                 log.warning("trainhealth collector: no spill directory %s (%s); records beyond the "
                             "buffer will be dropped while Redis is away", directory, exc)
         self._sender = Sender(
-            connect, self.keys, self._buffer, self._heartbeat_body, registry, lambda: self.dropped,
+            connect, self.keys, buffer_records, self._heartbeat_body, registry,
             batch=batch_records, flush_interval=flush_interval, heartbeat_interval=heartbeat_interval,
             retention=retention or config.retention_entries(), spill=spill,
         )
+        self._put = self._sender.put  # the hot path's one call: bound once, no lookup per record
         self._event("run_start", host=self.host, pid=os.getpid(), world_size=self.world_size,
                     local_rank=self.local_rank, config=config_json, t=self.inc)
         self._sender.start()
@@ -365,12 +363,6 @@ class Monitor:
         atexit.register(self._atexit)
 
     # -- hot path ------------------------------------------------------------------------------
-    def _put(self, stream: str, fields: dict[str, Any]) -> None:
-        buf = self._buffer
-        if len(buf) == buf.maxlen:
-            self.dropped += 1  # deque drops the oldest on append
-        buf.append((stream, fields))
-
     def _put_step(self, rec: dict[str, Any]) -> None:
         gpu = self._gpu
         if gpu is None:
@@ -644,6 +636,11 @@ class Monitor:
     def buffered(self) -> int:
         """Records waiting to be sent (in the buffer, the batch being retried, or the spill)."""
         return self._sender.pending
+
+    @property
+    def dropped(self) -> int:
+        """Records the in-memory buffer dropped because it was full (part of :attr:`dropped_total`)."""
+        return self._sender.overflowed
 
     @property
     def dropped_total(self) -> int:

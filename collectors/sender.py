@@ -152,24 +152,25 @@ class Sender(threading.Thread):
         Called on start and after errors; may raise.
     keys : RunKeys
         The run's keys.
-    buffer : deque
-        The bounded buffer the training thread appends to.
+    buffer_records : int
+        Bound of the buffer the training thread appends to (:meth:`put`); beyond it the oldest records are
+        dropped and counted (:attr:`overflowed`).
     heartbeat : callable returning ``(rank, json_str)`` or None
         Called every ``heartbeat_interval`` seconds.
     registry : dict
         Run metadata fields written (``HSET``; ``started_at`` with ``HSETNX``) on each connect.
-    dropped : callable returning int
-        Number of records dropped so far (reported as a ``collector_drops`` event).
+
+    The sender owns the buffer and every count of what it lost (:attr:`dropped_total`, reported as a
+    ``collector_drops`` event), as sentry-python's ``BackgroundWorker`` owns its queue.
     """
 
     def __init__(
         self,
         connect: Callable[[], redis.Redis],
         keys: RunKeys,
-        buffer: deque,
+        buffer_records: int,
         heartbeat: Callable[[], tuple[int, str]],
         registry: dict[str, Any],
-        dropped: Callable[[], int],
         *,
         batch: int = defaults.COLLECTOR_BATCH_RECORDS,
         flush_interval: float = defaults.COLLECTOR_FLUSH_INTERVAL_S,
@@ -181,10 +182,11 @@ class Sender(threading.Thread):
         super().__init__(name=f"trainhealth-sender-{keys.run}", daemon=True)
         self._connect = connect
         self._keys = keys
-        self._buffer = buffer
+        self._buffer: deque[Record] = deque(maxlen=buffer_records)
+        #: Records the buffer dropped, oldest first, because it was full.
+        self.overflowed = 0
         self._heartbeat = heartbeat
         self._registry = registry
-        self._dropped = dropped
         self.batch = batch
         self.flush_interval = flush_interval
         self.heartbeat_interval = heartbeat_interval
@@ -217,6 +219,26 @@ class Sender(threading.Thread):
         """Ask for an immediate flush."""
         self._wake.set()
 
+    def put(self, stream: str, fields: dict[str, Any]) -> None:
+        """Queue one record for ``stream`` (``steps`` or ``events``): the training thread's only call.
+
+        O(1) and lock-free (``deque.append``); when the buffer is full the oldest record is dropped and
+        counted, never raised.
+        """
+        buf = self._buffer
+        if len(buf) == buf.maxlen:
+            self.overflowed += 1  # deque drops the oldest on append
+        buf.append((stream, fields))
+
+    def start(self) -> None:
+        """Start the thread; never raises: a thread that cannot start (at interpreter shutdown, or out of
+        threads) is logged once, and the records stay buffered until the process ends (as sentry-python's
+        worker does)."""
+        try:
+            super().start()
+        except RuntimeError as exc:  # "can't create new thread at interpreter shutdown", "can't start new thread"
+            log.warning("trainhealth collector: cannot start the sender thread (%s); nothing will be sent", exc)
+
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until everything queued so far is sent; True if it was."""
         deadline = time.monotonic() + timeout
@@ -243,7 +265,8 @@ class Sender(threading.Thread):
         ok = self.flush(timeout)
         self._stopping.set()
         self._wake.set()
-        self.join(max(0.0, min(timeout, 1.0)))
+        if self.is_alive():  # a thread that never started cannot be joined
+            self.join(max(0.0, min(timeout, 1.0)))
         return ok
 
     # -- the thread ----------------------------------------------------------------------------
@@ -438,7 +461,7 @@ class Sender(threading.Thread):
     def dropped_total(self) -> int:
         """Records lost so far: buffer overflow, spill bound exceeded, spill write failures, records that
         could not be encoded."""
-        return (self._dropped() + (self._spill.dropped if self._spill is not None else 0) + self._spill_failed
+        return (self.overflowed + (self._spill.dropped if self._spill is not None else 0) + self._spill_failed
                 + self._unsendable)
 
     def _registry_event_fields(self) -> dict[str, Any]:

@@ -730,3 +730,28 @@ def test_a_backlog_does_not_starve_the_heartbeat(r: redis.Redis, redis_url: str)
     assert mon.close() is True
     assert r.xlen("th:{run-backlog}:steps") > 0 and mon.dropped_total == 0
     assert len(seen) >= 3  # written while draining, not only before and after
+
+
+def test_a_sender_thread_that_cannot_start_never_reaches_the_training_loop(
+    r: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At interpreter shutdown (or out of threads) ``Thread.start`` raises: the job must not notice."""
+    import threading
+
+    from trainhealth.collectors.sender import Sender
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(Sender.__mro__[1], "start", refuse)  # threading.Thread.start, as Sender calls it
+    caplog.set_level(logging.WARNING)
+    mon = Monitor("run-nothread", redis_url=redis_url, rank=0, world_size=1, close_timeout=0.5)
+    with mon.step(1), mon.section("forward"):
+        pass
+    mon.log_step(1, loss=2.0)
+    t0 = time.monotonic()
+    assert mon.close() is False and time.monotonic() - t0 < 2.0
+    assert mon.buffered == 3 and r.xlen("th:{run-nothread}:steps") == 0
+    assert [rec.getMessage() for rec in caplog.records] == [
+        "trainhealth collector: cannot start the sender thread (can't create new thread at interpreter shutdown); "
+        "nothing will be sent", "trainhealth collector: 3 records not delivered at close"]
