@@ -32,22 +32,15 @@ Durations are Alertmanager duration strings (``30s``, ``5m``, ``4h``, ``1h30m``,
 numbers of seconds. Every error is a :class:`~trainhealth.exceptions.ConfigError` reading
 ``<file>: <key> = <value>: <what is wrong>``; secret values are never quoted.
 
-A document is validated in two stages:
-
-1. **Shape.** :class:`RawConfig` and the tables under it are :class:`msgspec.Struct` types declaring which keys
-   each table takes and the type of each value; :func:`msgspec.convert` (``strict=True``) checks them. A fault
-   it reports (``Expected `bool`, got `str` - at `$.sinks.s.send_resolved```) is put in this module's words:
-   the key, the value as written, and ``_PROBLEMS``, one message per declared type.
-2. **Meaning**, on the typed values: durations (:func:`~trainhealth.text.parse_duration`, at most
-   :data:`MAX_DURATION_S`), secrets (exactly one of ``x``, ``x_env``, ``x_file``, read by
-   :mod:`trainhealth.alerts.secrets`), matchers (:mod:`trainhealth.matchers`), receivers naming sinks, label
-   names, unique route names, and the smallest value of each duration.
-
-msgspec stops at the first fault in the order of the file, but a file with several mistakes must always get
-the same first error, the first in the order of stage 2. So stage 1 records every fault (cutting the bad value
-out of a copy and converting again) under the key stage 2 checks it at, and stage 2 reports it on reaching
-that key. Sinks are converted one by one, as stage 2 reaches them: msgspec's paths do not name the key of a
-table's entry (``$.sinks[...]``), and the errors must.
+Validation has two stages. **Shape**: :class:`RawConfig` and the tables under it are :class:`msgspec.Struct`
+types declaring each table's keys and each value's type, checked by :func:`msgspec.convert` (``strict=True``);
+a fault it reports (``Expected `array | null`, got `str` - at `$.route.group_by```) is put in this module's
+words, one per declared type (``_PROBLEMS``). **Meaning**, on the typed values: durations
+(:func:`~trainhealth.text.parse_duration`, at most :data:`MAX_DURATION_S`), secrets
+(:mod:`~trainhealth.alerts.secrets`), matchers (:mod:`~trainhealth.matchers`), receivers naming sinks, label
+names, unique route names. A file with several mistakes gets the first in the order of the second stage (msgspec
+stops at the first in the order of the file): the first stage records every fault, and the second reports one
+when it reaches its key.
 """
 
 from __future__ import annotations
@@ -284,7 +277,8 @@ class RawDeadman(_Table):
 
 
 class RawConfig(_Table):
-    """The whole document. Each sink's table is converted on its own (:data:`RawSinkTable`)."""
+    """The whole document. Each sink's table is converted on its own (:data:`RawSinkTable`), when the checks reach
+    it: msgspec's paths do not name the key of a table's entry (``$.sinks[...]``)."""
 
     version: Any = 1  # any value is compared with 1, the only version
     dashboard_url: Url = defaults.ALERT_DASHBOARD_URL
@@ -343,7 +337,7 @@ def _keys(tp: Any, table: Any) -> dict[str, Any]:
     tag, keys = structs[0].__struct_config__.tag_field, {}
     if tag is not None:
         keys[tag] = Literal[tuple(s.__struct_config__.tag for s in structs)]
-        structs = [s for s in structs if isinstance(table, Mapping) and table.get(tag) == s.__struct_config__.tag]
+        structs = [s for s in structs if table.get(tag) == s.__struct_config__.tag]
     for s in structs[:1]:
         keys.update((f.encode_name, f.type) for f in msgspec.structs.fields(s))
     return keys
@@ -358,40 +352,24 @@ def _problem(tp: Any) -> str:
     return _PROBLEMS[_plain(tp)]
 
 
-def _locate(tp: Any, raw: Any, steps: list[str | int]) -> tuple[list[str | int], Any, Any]:
-    """Where the fault at the path ``steps`` belongs, with its declared type and raw value: the innermost key or
-    entry of an array of tables (a bad entry of a list of strings is the list's fault)."""
-    at: list[str | int] = []
-    found = (at, tp, raw)
+def _locate(tp: Any, raw: Any, key: str, steps: list[str | int]) -> tuple[str, Any, Any, Any, str | int | None]:
+    """Where the fault at the path ``steps`` of table ``raw`` (type ``tp``, at ``key``) belongs: to the innermost key
+    or entry of an array of tables on the path (a bad entry of a list of strings is the list's fault). Returns its
+    key, declared type and value, and what holds it (a table or array; None for ``raw`` itself) with the step."""
+    found: tuple[str, Any, Any, Any, str | int | None] = (key, tp, raw, None, None)
     for step in steps:
+        holder = raw
         if isinstance(step, str):
-            tp = _keys(tp, raw)[step]
-            raw = raw.get(step) if isinstance(raw, Mapping) else None
+            tp, raw, key = _keys(tp, raw)[step], raw.get(step), _dot(key, step)  # get: a missing tag is None
         else:
-            tp, raw = get_args(_plain(tp))[0], raw[step]
-        at = [*at, step]
+            tp, raw, key = get_args(_plain(tp))[0], raw[step], f"{key}[{step}]"
         if isinstance(step, str) or _structs(tp):
-            found = (at, tp, raw)
+            found = (key, tp, raw, holder, step)
     return found
 
 
-def _join(key: str, steps: list[str | int]) -> str:
-    """``key`` followed by ``steps`` as the errors name keys: ``route.routes[0].name``."""
-    for s in steps:
-        key = f"{key}[{s}]" if isinstance(s, int) else f"{key}.{s}" if key else s
-    return key
-
-
-def _cut(raw: Any, steps: list[str | int]) -> None:
-    """Take the value at ``steps`` out of ``raw``: a key is deleted, an entry of an array of tables emptied (so
-    the entries after it keep their index)."""
-    *up, last = steps
-    for s in up:
-        raw = raw[s]
-    if isinstance(last, int):
-        raw[last] = {}
-    else:
-        del raw[last]
+def _dot(key: str, name: str) -> str:
+    return f"{key}.{name}" if key else name
 
 
 class _Ctx:
@@ -407,9 +385,10 @@ class _Ctx:
         return ConfigError(f"{self.path}: {key}{shown}: {problem}")
 
     def convert(self, raw: Any, cls: Any, key: str) -> Any:
-        """Stage 1: ``raw``, the table at ``key``, as ``cls``; each fault recorded under its key (:meth:`shape`).
+        """Stage 1: the table ``raw`` (at ``key``) as ``cls``, each fault recorded under its key (see :meth:`shape`).
 
-        Raises at once when ``raw`` is no table or a sink's ``type`` is unknown: stage 2 checks that first.
+        The bad value is cut out of a copy of ``raw`` and the copy converted again, until it converts. Raises at
+        once when ``raw`` is no table or its ``type`` is unknown: stage 2 would check that first.
         """
         raw = copy.deepcopy(raw)
         while True:
@@ -420,32 +399,31 @@ class _Ctx:
                 steps: list[str | int] = [name or int(i) for name, i in _STEP.findall(path)]
                 if message.startswith(_MISSING):  # the tag: the only required key
                     steps.append(message[len(_MISSING):-1])
-                where, tp, value = _locate(cls, raw, steps)
-                at = _join(key, where)
+                at, tp, value, holder, step = _locate(cls, raw, key, steps)
                 if message.startswith(_UNKNOWN):  # recorded under the table: checked before its keys
                     name = message[len(_UNKNOWN):-1]
-                    self.faults.setdefault(at, self.error(_join(at, [name]), "unknown key (expected one of: "
+                    self.faults.setdefault(at, self.error(_dot(at, name), "unknown key (expected one of: "
                                                           f"{', '.join(_keys(tp, value))})"))
-                    where = [*where, name]
+                    del value[name]
+                    continue
+                fault = self.error(at, _problem(tp), value, show=_plain(tp) not in _UNQUOTED)
+                if holder is None or get_origin(tp) is Literal:
+                    raise fault from None
+                self.faults.setdefault(at, fault)
+                if isinstance(step, int):  # an entry of an array of tables: emptied, the next keep their index
+                    holder[step] = {}
                 else:
-                    fault = self.error(at, _problem(tp), value, show=_plain(tp) not in _UNQUOTED)
-                    if not where or get_origin(tp) is Literal:
-                        raise fault from None
-                    self.faults.setdefault(at, fault)
-                _cut(raw, where)
+                    del holder[step]
 
-    def shape(self, key: str) -> None:
-        """Stage 2 reaches ``key``: raise the fault stage 1 found there (for a table: no table, an unknown key)."""
+    def shape(self, key: str, value: Any = None) -> Any:
+        """Stage 2 reaches ``key``: raise the fault stage 1 found there (a table's: no table, an unknown key in
+        it), else return ``value``, the typed value at ``key``."""
         if key in self.faults:
             raise self.faults[key]
-
-    def value(self, key: str, value: Any) -> Any:
-        """``value``, the typed value at ``key``, once :meth:`shape` found it well-formed."""
-        self.shape(key)
         return value
 
     def duration(self, key: str, value: Any, default: float, minimum: float = 0.0, strict_min: bool = False) -> float:
-        if self.value(key, value) is None:
+        if self.shape(key, value) is None:
             return default
         secs = parse_duration(value)
         if secs is None:
@@ -458,7 +436,7 @@ class _Ctx:
 
     def matchers(self, key: str, texts: list[str] | None) -> tuple[Matcher, ...]:
         out = []
-        for i, text in enumerate(self.value(key, texts) or []):
+        for i, text in enumerate(self.shape(key, texts) or []):
             try:
                 out.append(Matcher.parse(text))
             except MatcherError as exc:
@@ -493,7 +471,7 @@ def _secret(ctx: _Ctx, t: RawSink | RawDeadman, key: str, name: str, *, plain_ok
             raise ctx.error(key, f"missing {name}_env (environment variable) or {name}_file (file holding it)")
         return Secret(default, "default")
     k = given[0]
-    value = ctx.value(f"{key}.{k}", getattr(t, k))
+    value = ctx.shape(f"{key}.{k}", getattr(t, k))
     where = f"{ctx.path}: {key}.{k}"
     if k == name:
         if not plain_ok:
@@ -518,7 +496,7 @@ def _sink(ctx: _Ctx, name: str, raw: Any, dashboard_url: str) -> Sink:
     ctx.shape(key)
     cls = SINK_TYPES[str(t.__struct_config__.tag)]
     kw: dict[str, Any] = {
-        "send_resolved": ctx.value(f"{key}.send_resolved", t.send_resolved),
+        "send_resolved": ctx.shape(f"{key}.send_resolved", t.send_resolved),
         "timeout": ctx.duration(f"{key}.timeout", t.timeout, defaults.ALERT_HTTP_TIMEOUT_S, strict_min=True),
         "dashboard_url": dashboard_url,
     }
@@ -526,7 +504,7 @@ def _sink(ctx: _Ctx, name: str, raw: Any, dashboard_url: str) -> Sink:
     for s in t.SECRETS:
         kw[s] = _secret(ctx, t, key, s, plain_ok=False)
     for option in cls.OPTIONS:  # the sink class's own settings
-        if (value := ctx.value(f"{key}.{option}", getattr(t, option))) is not None:
+        if (value := ctx.shape(f"{key}.{option}", getattr(t, option))) is not None:
             kw[option] = value
     return cls(name, **kw)
 
@@ -534,13 +512,13 @@ def _sink(ctx: _Ctx, name: str, raw: Any, dashboard_url: str) -> Sink:
 def _route(ctx: _Ctx, t: RawRoute | RawChildRoute, key: str, rid: str, parent: Route | None,
            sinks: Mapping[str, Sink], names: set[str]) -> Route:
     ctx.shape(key)
-    name = ctx.value(f"{key}.name", t.name)
+    name = ctx.shape(f"{key}.name", t.name)
     if name is not None:
         if name in names:
             raise ctx.error(f"{key}.name", "another route has this name", name)
         names.add(name)
         rid = name
-    receivers = ctx.value(f"{key}.receivers", t.receivers)
+    receivers = ctx.shape(f"{key}.receivers", t.receivers)
     if receivers is None:
         if parent is None:
             raise ctx.error(f"{key}.receivers", "missing: list the sinks of the root route (may be [])")
@@ -548,7 +526,7 @@ def _route(ctx: _Ctx, t: RawRoute | RawChildRoute, key: str, rid: str, parent: R
     for i, r in enumerate(receivers):
         if r not in sinks:
             raise ctx.error(f"{key}.receivers[{i}]", f"no sink of this name (sinks: {', '.join(sinks) or 'none'})", r)
-    group_by = ctx.value(f"{key}.group_by", t.group_by)
+    group_by = ctx.shape(f"{key}.group_by", t.group_by)
     if group_by is None:
         group_by = list(parent.group_by) if parent else list(defaults.ALERT_GROUP_BY)
     if group_by != ["..."]:
@@ -567,7 +545,7 @@ def _route(ctx: _Ctx, t: RawRoute | RawChildRoute, key: str, rid: str, parent: R
     continue_ = False
     if isinstance(t, RawChildRoute):
         matchers = ctx.matchers(f"{key}.matchers", t.matchers)
-        continue_ = ctx.value(f"{key}.continue", t.continue_)
+        continue_ = ctx.shape(f"{key}.continue", t.continue_)
     route = Route(rid, matchers, tuple(receivers), tuple(group_by), timers, continue_)
     ctx.shape(f"{key}.routes")
     kids = tuple(_route(ctx, c, f"{key}.routes[{i}]", f"{rid}.{i}", route, sinks, names)
@@ -584,7 +562,7 @@ def _inhibit(ctx: _Ctx, rules: list[RawInhibitRule]) -> tuple[InhibitRule, ...]:
         dst = ctx.matchers(f"{key}.target_matchers", t.target_matchers)
         if not src or not dst:
             raise ctx.error(key, "needs non-empty source_matchers and target_matchers")
-        equal = ctx.value(f"{key}.equal", t.equal)
+        equal = ctx.shape(f"{key}.equal", t.equal)
         equal = ["run"] if equal is None else equal
         for j, lb in enumerate(equal):
             if lb not in LABELS:
@@ -620,7 +598,7 @@ def parse(data: Mapping[str, Any], path: str = "<config>", base: Path | None = N
     ctx.shape("")
     if doc.version != 1:
         raise ctx.error("version", "only version 1 exists", doc.version)
-    dashboard_url = ctx.value("dashboard_url", doc.dashboard_url)
+    dashboard_url = ctx.shape("dashboard_url", doc.dashboard_url)
     if not _url_ok(dashboard_url):
         raise ctx.error("dashboard_url", _PROBLEMS[Url], dashboard_url)
     ctx.shape("sinks")
@@ -629,11 +607,11 @@ def parse(data: Mapping[str, Any], path: str = "<config>", base: Path | None = N
     if doc.route is None:
         raise ctx.error("route", "missing: add a [route] table with receivers = [...]")
     route = _route(ctx, doc.route, "route", "root", None, sinks, set())
-    rules = ctx.value("inhibit_rules", doc.inhibit_rules)
+    rules = ctx.shape("inhibit_rules", doc.inhibit_rules)
     inhibit = DEFAULT_RULES if rules is None else _inhibit(ctx, rules)
     d = doc.delivery
     ctx.shape("delivery")
-    attempts, jitter = ctx.value("delivery.max_attempts", d.max_attempts), ctx.value("delivery.jitter", d.jitter)
+    attempts, jitter = ctx.shape("delivery.max_attempts", d.max_attempts), ctx.shape("delivery.jitter", d.jitter)
     base_s = ctx.duration("delivery.backoff_base", d.backoff_base, defaults.ALERT_BACKOFF_BASE_S, strict_min=True)
     delivery = DeliveryConfig(attempts, base_s,
                               ctx.duration("delivery.backoff_max", d.backoff_max, defaults.ALERT_BACKOFF_MAX_S, base_s),
@@ -641,7 +619,7 @@ def parse(data: Mapping[str, Any], path: str = "<config>", base: Path | None = N
                                                    defaults.ALERT_RETRY_AFTER_MAX_S, strict_min=True))
     w = doc.watchdog
     ctx.shape("watchdog")
-    watchdog = WatchdogConfig(ctx.value("watchdog.service_down", w.service_down),
+    watchdog = WatchdogConfig(ctx.shape("watchdog.service_down", w.service_down),
                               ctx.duration("watchdog.service_stale", w.service_stale, defaults.ALERT_SERVICE_STALE_S,
                                            strict_min=True))
     deadman = None
