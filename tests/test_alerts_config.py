@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from trainhealth.alerts.config import load
+from trainhealth.alerts.config import load, parse
 from trainhealth.alerts.inhibition import DEFAULT_RULES
 from trainhealth.alerts.secrets import Secret, redact
 from trainhealth.exceptions import ConfigError
@@ -186,3 +187,86 @@ def test_durations() -> None:
     assert [parse_duration(v) for v in ("0", "500ms", "1d", "1w", "2h30m", "90", 45, 1.5)] == [
         0.0, 0.5, 86400.0, 604800.0, 9000.0, None, 45.0, 1.5]
     assert [parse_duration(v) for v in ("", "1x", "-5s", -1, True, None, float("inf"), float("nan"))] == [None] * 8
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    # several mistakes: the first in the order the checks run, wherever each is written in the file
+    ('[route]\nreceivers = ["nope"]\ngroup_wait = true\n', 'route.receivers[0] = "nope": no sink of this name '
+     "(sinks: none)"),
+    ('[route]\ngroup_by = 3\nfoo = 1\nreceivers = []\n', "route.foo: unknown key (expected one of: name, receivers, "
+     "group_by, group_wait, group_interval, repeat_interval, routes)"),
+    ('[route]\nreceivers = 3\n[sinks.s]\ntype = "slack"\nsend_resolved = 1\n',
+     "sinks.s.send_resolved = 1: must be true or false"),
+    ('[route]\nreceivers = []\nrepeat_interval = 0\n[[route.routes]]\ncontinue = "yes"\n',
+     "route.repeat_interval = 0: must be > 0 s"),
+    ('[route]\nreceivers = []\n[[route.routes]]\ncontinue = "yes"\nfoo = 1\n',
+     "route.routes[0].foo: unknown key (expected one of: name, matchers, receivers, group_by, group_wait, "
+     "group_interval, repeat_interval, continue, routes)"),
+    ('[route]\nreceivers = []\n[[route.routes]]\nname = "a"\n[[route.routes]]\nname = 3\n'
+     '[[route.routes]]\nname = "a"\n', "route.routes[1].name = 3: route names are 1-64 letters, digits, '_', '.', '-'"),
+    ('[route]\nreceivers = []\n[delivery]\nmax_attempts = 0\n[sinks.s]\ntype = "webhook"\nurl = "https://h/x"\n'
+     'secret_env = 5\nmax_alerts = 3\n', "sinks.s.max_alerts: unknown key (expected one of: type, send_resolved, "
+     "timeout, url, url_env, url_file, secret_env, secret_file)"),
+    ('[route]\nreceivers = []\n[sinks.s]\ntype = "webhook"\nurl = "ftp://h/x"\nsecret_env = 5\n',
+     'sinks.s.url = "ftp://h/x": not an http:// or https:// URL'),
+    ('[route]\nreceivers = []\n[sinks.s]\nsecret_env = 5\ntype = "sms"\n',
+     'sinks.s.type = "sms": must be one of slack, webhook, pagerduty'),
+    ('[route]\nreceivers = []\n[deadman]\nurl_file = 3\nurl = "https://x/y"\n',
+     "deadman: give only one of url, url_file"),
+    # a sink type that is no string (this was a TypeError)
+    ('[route]\nreceivers = []\n[sinks.s]\ntype = ["slack"]\n', "sinks.s.type = ['slack']: must be one of slack, "
+     "webhook, pagerduty"),
+    # a secret written in the file is never quoted, whatever is wrong with it
+    ('[route]\nreceivers = []\n[sinks.s]\ntype = "slack"\nurl = 3\n', "sinks.s.url: must be a non-empty string"),
+    ('[route]\nreceivers = []\n[sinks.s]\ntype = "webhook"\nurl = " "\nsecret_env = "X"\n',
+     "sinks.s.url: must be a non-empty string"),
+    ('[route]\nreceivers = []\n[deadman]\nurl_file = ""\n', 'deadman.url_file = "": must be a non-empty string'),
+    ('version = 1.0\nbackfill = 1979-05-27\n[route]\nreceivers = []\n', "backfill = datetime.date(1979, 5, 27): not a "
+     "duration (use e.g. 30s, 5m, 4h, 1h30m, 1d, or a number of seconds)"),
+])
+def test_the_first_error_is_the_first_checked(env: Path, toml: str, message: str) -> None:
+    path = write(env, toml)
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+def _wrong_typed() -> list[tuple[str, dict]]:
+    """Each key of each table the file declares, in a valid document, given a value of the wrong type."""
+    import msgspec
+
+    from trainhealth.alerts import config
+
+    root = {"route": {"receivers": []}}
+    rule = {"source_matchers": ['kind="hang"'], "target_matchers": ['kind="straggler"']}
+    tables = [  # (key, declared type, a valid table, the document holding it)
+        ("", config.RawConfig, root, lambda t: t),
+        ("route", config.RawRoute, {"receivers": []}, lambda t: {"route": t}),
+        ("route.routes[0]", config.RawChildRoute, {}, lambda t: {"route": {"receivers": [], "routes": [t]}}),
+        ("inhibit_rules[0]", config.RawInhibitRule, rule, lambda t: {**root, "inhibit_rules": [t]}),
+        ("delivery", config.RawDelivery, {}, lambda t: {**root, "delivery": t}),
+        ("watchdog", config.RawWatchdog, {}, lambda t: {**root, "watchdog": t}),
+        ("deadman", config.RawDeadman, {"url_env": "TH_DEADMAN_URL"}, lambda t: {**root, "deadman": t}),
+    ]
+    for sink in ({"type": "slack", "url_env": "TH_SLACK_WEBHOOK_URL"},
+                 {"type": "webhook", "url": "https://hooks.example/x", "secret_env": "TH_WEBHOOK_SECRET"},
+                 {"type": "pagerduty", "routing_key_env": "TH_PAGERDUTY_ROUTING_KEY"}):
+        cls = next(c.cls for c in msgspec.inspect.type_info(config.RawSinkTable).types if c.tag == sink["type"])
+        tables.append((f"sinks.{sink['type']}", cls, sink, lambda t, kind=sink["type"]: {**root, "sinks": {kind: t}}))
+    out = []
+    for key, cls, table, document in tables:
+        for name in (f.encode_name for f in msgspec.structs.fields(cls)):
+            group = name.removesuffix("_env").removesuffix("_file")  # one of x, x_env, x_file at a time
+            t = {k: v for k, v in table.items() if k.removesuffix("_env").removesuffix("_file") != group}
+            t[name] = 3 if name in ("route", "routes", "inhibit_rules", "sinks", "delivery", "watchdog", "deadman") \
+                else {"x": 1}
+            out.append((f"{key}.{name}" if key else name, copy.deepcopy(document(t))))
+    return out
+
+
+@pytest.mark.parametrize(("key", "data"), _wrong_typed(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_key_of_the_wrong_type_is_named(env: Path, key: str, data: dict) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(data, "alerts.toml")
+    message = str(err.value)
+    assert message.startswith(f"alerts.toml: {key} = ") or message == f"alerts.toml: {key}: must be a non-empty string"
