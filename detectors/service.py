@@ -187,6 +187,9 @@ class DetectorService:
         self.malformed = 0
         self._stop = threading.Event()
         self._last_tick = 0.0
+        #: When the last batch was processed (unix s; None before the first), in the heartbeat.
+        self._progress_t: float | None = None
+        self._heartbeat_thread: threading.Thread | None = None
         #: Runs whose processing raised (a bug, or garbage no decoder catches): run -> (retry at, errors).
         #: Quarantined alone, so every other run goes on; retried (rebuilt from the streams) after a while.
         self.broken: dict[str, tuple[float, int]] = {}
@@ -205,6 +208,9 @@ class DetectorService:
     def run_forever(self) -> None:
         """Process until :meth:`stop`; back off exponentially (capped) while Redis is away."""
         backoff = Backoff()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="trainhealth-service-heartbeat",
+                                                  daemon=True)
+        self._heartbeat_thread.start()
         log.info("detector service %s started", self.consumer)
         # Detectors import heavy libraries on first use (the rank-outlier forest: scikit-learn, 1-3 s):
         # import them now, not in the middle of a batch, where every anomaly behind it would wait.
@@ -227,6 +233,8 @@ class DetectorService:
                 log.error("Redis refused a command (%s); rebuilding the runs' state in %.1f s", exc, wait)
                 self.runs.clear()
                 self._stop.wait(wait)
+        if self._heartbeat_thread is not None:  # its last beat must not land after the key is deleted
+            self._heartbeat_thread.join(timeout=defaults.SERVICE_HEARTBEAT_INTERVAL_S + 5.0)
         with contextlib.suppress(redis.RedisError):
             self.client.delete(service_heartbeat(self.consumer))
             for run in self.runs.values():  # hand the runs over now instead of after the lease
@@ -549,18 +557,39 @@ class DetectorService:
     # -- timed work ---------------------------------------------------------------------------------
     def _errors(self) -> dict[str, dict[str, int]]:
         """Per run: exceptions of its detectors, and of the service itself for a run set aside."""
-        out = {run_id: dict(run.pipeline.detector_errors) for run_id, run in self.runs.items()
+        # Snapshots (list()): the heartbeat thread reads these while the loop changes them.
+        out = {run_id: dict(run.pipeline.detector_errors) for run_id, run in list(self.runs.items())
                if run.pipeline.detector_errors}
-        for run_id, (_, n) in self.broken.items():
+        for run_id, (_, n) in list(self.broken.items()):
             out.setdefault(run_id, {})["DetectorService"] = n
         return out
 
-    def _tick(self, now: float) -> None:
+    def beat(self, now: float | None = None) -> None:
+        """Write the service's heartbeat ``th:service:{consumer}`` (TTL ``SERVICE_HEARTBEAT_TTL_S``): pid, host,
+        ``t`` (now), ``progress_t`` (the end of the last batch processed: how far behind a live process is),
+        runs, entries processed, malformed records and detector errors."""
+        now = time.time() if now is None else now
         self.client.set(service_heartbeat(self.consumer),
                         json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": now,
-                                    "runs": len(self.runs), "processed": self.processed,
-                                    "malformed": self.malformed, "detector_errors": self._errors()}),
+                                    "progress_t": self._progress_t, "runs": len(self.runs),
+                                    "processed": self.processed, "malformed": self.malformed,
+                                    "detector_errors": self._errors()}),
                         ex=defaults.SERVICE_HEARTBEAT_TTL_S)
+
+    def _heartbeat_loop(self) -> None:
+        # Its own thread: the heartbeat says the process is alive however long a batch takes (progress_t says
+        # how far it got); written before the first batch, so a starting service is never reported down.
+        while not self._stop.is_set():
+            try:
+                self.beat()
+            except (redis.RedisError, OSError):
+                pass  # the main loop backs off and says so
+            except Exception:  # e.g. a run dict changing size under the snapshot: the next beat is in 2 s
+                log.debug("heartbeat not written", exc_info=True)
+            self._stop.wait(defaults.SERVICE_HEARTBEAT_INTERVAL_S)
+
+    def _tick(self, now: float) -> None:
+        self._progress_t = now
         for run_id, run in list(self.runs.items()):
             if not self._renew(keys=[run.keys.owner], args=[self.consumer, self.lease_s]):
                 log.warning("run %s: lease lost to another service; no longer processing it", run_id)

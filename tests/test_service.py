@@ -71,7 +71,10 @@ def test_service_writes_aggregates_anomalies_ledger_and_heartbeat(r: redis.Redis
     assert (snap["steps_done"], snap["tokens_total"], snap["last_step"]) == (120, 240_000, 119)
     assert snap["seconds"]["program_startup"] == 10.0  # T0 -> first step start (untimed steps start at the last end)
     assert abs(sum(snap["seconds"].values()) - snap["wall_s"]) < 1e-6
+    svc.beat()  # the heartbeat thread's write (run_forever starts it)
     assert r.ttl("th:service:test") > 0
+    beat = json.loads(r.get("th:service:test"))
+    assert (beat["runs"], beat["processed"], beat["progress_t"] is not None) == (1, 4, True)  # 4 stream entries
     assert r.xpending("th:{svc}:steps", "th-detectors")["pending"] == 0
 
 
@@ -277,7 +280,7 @@ def test_malformed_entries_are_logged_counted_and_skipped(r: redis.Redis, caplog
         assert f"run bad: skipping malformed record in entry {entry_id} in th:{{bad}}:steps: {why}" in warnings
     assert sum("field 'recs' is not a JSON list of records" in w for w in warnings) == 1
     assert svc.malformed == 6
-    svc._tick(T0 + 201)
+    svc.beat(T0 + 201)  # what the heartbeat thread writes
     assert json.loads(r.get("th:service:m"))["malformed"] == 6
 
 
@@ -307,7 +310,7 @@ def test_a_failing_detector_is_isolated_counted_and_survives_a_rebuild(r: redis.
     assert [rec.getMessage() for rec in errors] == [
         "run bug: GradNormExplosionDetector failed at step 50 (error 1); the other detectors go on"]
     assert errors[0].exc_info is not None and errors[0].exc_info[0] is ZeroDivisionError
-    svc._tick(T0 + 201)
+    svc.beat(T0 + 201)  # what the heartbeat thread writes
     assert json.loads(r.get("th:service:b"))["detector_errors"] == {"bug": {"GradNormExplosionDetector": 2}}
     # A restarted service replays the same entries into a new pipeline: same errors, no crash, no duplicates.
     before = r.xlen("th:{bug}:anomaly_log")
@@ -398,7 +401,7 @@ def test_a_run_whose_processing_raises_is_set_aside_and_the_others_go_on(r: redi
     assert err.getMessage().endswith(": aggregator bug; set aside, retried in 60 s from its streams; the other "
                                      "runs go on")
     assert r.xpending("th:{sick}:steps", "th-detectors")["pending"] > 0  # kept for the retry, not acknowledged
-    svc._tick(T0 + 201)
+    svc.beat(T0 + 201)  # what the heartbeat thread writes
     assert json.loads(r.get("th:service:q"))["detector_errors"] == {"sick": {"DetectorService": 1}}
     # Fixed (a new release) and retried: rebuilt from the streams, nothing lost.
     monkeypatch.setattr(StepAggregator, "add_row", real)
@@ -462,3 +465,33 @@ def test_collective_timeout_events_on_the_stream_give_the_hang_live(r: redis.Red
                                "no rank is behind (no straggler or culprit in the log: every reporting rank waits on "
                                "the same collective with the same progress)")
     assert ("opened", "hang:collective:19:0") in log_entries(r, "nccl")
+
+
+def test_the_heartbeat_is_written_before_the_first_batch_and_during_a_long_one(r: redis.Redis,
+                                                                                 monkeypatch) -> None:
+    """doctor and the alert watchdog read the heartbeat: a starting service (importing scikit-learn) or one in a
+    long catch-up batch is alive, and must not read as down."""
+    import threading
+
+    svc = DetectorService(r, consumer="slow")
+    started = threading.Event()
+
+    def long_batch(block_ms: int = 0) -> int:
+        started.set()
+        svc._stop.wait(3.0)  # a batch that takes longer than the heartbeat interval
+        return 0
+
+    monkeypatch.setattr(svc, "run_once", long_batch)
+    loop = threading.Thread(target=svc.run_forever)
+    loop.start()
+    try:
+        assert started.wait(10)
+        first = json.loads(r.get("th:service:slow"))
+        assert first["progress_t"] is None  # alive, no batch done yet
+        time.sleep(2.5)
+        later = json.loads(r.get("th:service:slow"))
+        assert later["t"] > first["t"] and r.ttl("th:service:slow") > 0
+    finally:
+        svc.stop()
+        loop.join(15)
+    assert not loop.is_alive() and r.exists("th:service:slow") == 0

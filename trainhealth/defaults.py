@@ -61,6 +61,9 @@ READ_COUNT = 5_000
 LEDGER_SNAPSHOT_INTERVAL_S = 2.0
 #: TTL in seconds of the service's own heartbeat key.
 SERVICE_HEARTBEAT_TTL_S = 30
+#: The service writes its heartbeat this often (s), from a thread of its own: a long batch (a catch-up after an
+#: outage, a 1,000-rank step) must not let the key expire while the process is alive (rq's worker heartbeat).
+SERVICE_HEARTBEAT_INTERVAL_S = 2.0
 #: Seconds a detector service's lease on a run lasts without renewal (renewed every ~1 s).
 RUN_LEASE_S = 15
 #: A run whose processing raised an unexpected error is set aside for this long (s), the other runs going
