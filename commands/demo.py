@@ -320,8 +320,9 @@ def run(args: argparse.Namespace) -> int:
               "Ctrl-C stops everything.", flush=True)
         connect(url).hset(run_keys(run_id).meta, "source", "demo")
         restarts = run_job(cfg, url, config.home_dir() / "demo", watch=watch)
-        print(f"Demo job finished ({restarts} restart{'s' if restarts != 1 else ''}). Dashboard and detectors "
-              "stay up; Ctrl-C to stop.", flush=True)
+        up = "Detectors" if args.no_dashboard else "Dashboard and detectors"
+        print(f"Demo job finished ({restarts} restart{'s' if restarts != 1 else ''}). {up} stay up; Ctrl-C to "
+              "stop.", flush=True)
         while True:
             watch()
             time.sleep(0.5)
