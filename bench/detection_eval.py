@@ -335,13 +335,13 @@ class _Feeder:
                          {"ours": ours, **self.peer_dets}, self.inputs, seconds, src.note)
 
 
-def run_source(src: Source, peers: bool = True) -> RunResult:
+def run_source(src: Source, peers: bool = True, setup: Any = None) -> RunResult:
     """Feed one run through the pipeline (and the peer rules); return what was detected.
 
     A real log goes through :class:`trainhealth.detectors.offline.OfflineRun` point by point (what ``feed_all`` does,
-    with
-    each point's output kept for the peers); a synthetic run through a :class:`RunPipeline` of its world size,
-    with ``flush_stale`` and ``check_heartbeats`` at every heartbeat check, as the service's tick does.
+    with each point's output kept for the peers); a synthetic run through a :class:`RunPipeline` of its world size,
+    with ``flush_stale`` and ``check_heartbeats`` at every heartbeat check, as the service's tick does. ``setup``,
+    when given, is called with the pipeline before the first input (to set detector parameters).
     """
     from trainhealth.collectors.importers import read_items
     from trainhealth.detectors.offline import OfflineRun
@@ -352,6 +352,8 @@ def run_source(src: Source, peers: bool = True) -> RunResult:
     fd = _Feeder(peers)
     if src.path is not None:
         run = OfflineRun(run=src.name)
+        if setup is not None:  # e.g. bench/lofo.py setting a detector's parameter
+            setup(run.pipeline)
         for tp in timeline(read_items(src.path), run.step_seconds):
             out = run.feed(tp)
             if tp.is_event:
@@ -365,6 +367,8 @@ def run_source(src: Source, peers: bool = True) -> RunResult:
         fd.keep(run.anomalies.values())
     else:
         pipe = RunPipeline(world_size=src.world_size, run=src.name)
+        if setup is not None:
+            setup(pipe)
         for item in src.items():
             tag = item[0]
             if tag == "step":

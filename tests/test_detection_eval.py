@@ -182,3 +182,31 @@ def test_quick_json_run_has_rows_for_every_kind() -> None:
     assert ("real", "loss_spike", "lightning") in rows and ("all", "divergence", "llm-foundry") in rows
     assert {t["kind"] for t in doc["targets"]} >= set(KINDS)
     assert doc["meta"]["runs_by_split"]["real"] == 22
+
+
+# -- leave-one-file-out (bench/lofo.py) ---------------------------------------------------------------------------
+def test_lofo_sets_parameters_on_nested_detectors_too() -> None:
+    import lofo
+
+    from trainhealth.detectors.pipeline import RunPipeline
+
+    pipe = RunPipeline()
+    lofo.setter({("LossSpikeDetector", "z_open"): 9.5, ("SlowStepDetector", "ratio"): 3.0})(pipe)
+    spikes = [d for d in lofo.detectors_of(pipe) if type(d).__name__ == "LossSpikeDetector"]
+    assert len(spikes) == 2 and {d.z_open for d in spikes} == {9.5}  # the pipeline's and the divergence's own
+    assert [d.ratio for d in lofo.detectors_of(pipe) if type(d).__name__ == "SlowStepDetector"] == [3.0]
+    with pytest.raises(AttributeError, match="LossSpikeDetector has no parameter 'nope'"):
+        lofo.setter({("LossSpikeDetector", "nope"): 1.0})(pipe)
+
+
+def test_lofo_chooses_on_the_other_files_only() -> None:
+    import lofo
+
+    t = lofo.Tunable("loss_spike", "LossSpikeDetector", "z_open", (5.0, 6.5, 8.0))
+    hit, miss, fa = de.Score(labels=1, tp=1), de.Score(labels=1), de.Score(fa=1, healthy=1000)
+    # file 0 favours 5.0 (its label is found only there); files 1 and 2 favour 8.0 (5.0 false-alarms on them)
+    per_value = {5.0: [hit, fa, fa], 6.5: [miss, de.Score(), de.Score()], 8.0: [miss, de.Score(), de.Score()]}
+    assert lofo.choose(t, per_value, leave_out=0, default=6.5) == 6.5  # tie of 6.5 and 8.0: nearest the default
+    assert lofo.choose(t, per_value, leave_out=1, default=6.5) == 5.0  # F1 on files 0 and 2: 5.0 finds file 0's label
+    per_value[8.0] = [hit, de.Score(), de.Score()]
+    assert lofo.choose(t, per_value, leave_out=1, default=6.5) == 8.0  # finds file 0's label without the alarm
