@@ -1,7 +1,7 @@
 """Detection evaluation: every detector kind, and peer rules, scored on a labelled corpus.
 
 Run: ``.venv/bin/python bench/detection_eval.py [--quick] [--json] [--per-scenario] [--save PATH] [--jobs N]
-[--only REGEX] [--no-real] [--no-peers]`` (full: ~330,000 steps, about 3 CPU-minutes; ``--quick``: ~45,000).
+[--only REGEX] [--no-real] [--no-peers] [--lofo]`` (full: ~330,000 steps, about 3 CPU-minutes; ``--quick``: ~45,000).
 
 The corpus (``bench/eval_corpus.py``): seeded synthetic runs with exact ground truth — dev seeds and held-out
 seeds, reported separately — and the real logs of ``shared/real_logs`` labelled in ``bench/labels.toml``. Each
@@ -26,6 +26,10 @@ Scoring, per kind and system
   per-rank sections for the rank kinds, heartbeats for hangs), outside every label of the kind or accepted by it.
 * precision = TP / (TP + FA); recall = TP / labels; F1; median and p90 (nearest rank) delay; false alarms per
   10,000 healthy steps.
+
+The real-log split is printed first: it is the headline (the synthetic corpus tests what no real log shows yet).
+``--lofo`` adds the leave-one-file-out evaluation of the real logs (``bench/lofo.py``): every parameter chosen on
+real logs chosen again without the file being scored.
 
 Targets (printed PASS/FAIL per split): F1 >= 0.9; <= 1 false alarm per 10,000 healthy steps; F1 above every
 peer rule that covers the kind on the same data (equal F1 passes only with fewer false alarms per 10,000 steps).
@@ -580,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-real", action="store_true", help="leave the real logs out")
     ap.add_argument("--no-peers", action="store_true", help="leave the peer rules out")
     ap.add_argument("--save", metavar="PATH", help="also write the JSON document (with the per-run breakdown) here")
+    ap.add_argument("--lofo", action="store_true",
+                    help="then the leave-one-file-out evaluation of the real logs (bench/lofo.py; ~2 CPU-minutes)")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -614,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     print("peers: trainpulse = trainpulse 0.4.0 Monitor, default MonitorConfig; lightning = Lightning SpikeDetection "
           "defaults; llm-foundry = KillLossSpike defaults (transcribed); wandb-zscore = W&B z-score automation, "
           "window 30, threshold 3")
-    for split in SPLITS:
+    # The real logs first: they are the headline; the synthetic splits follow.
+    for split in ("real", *(s for s in SPLITS if s != "real")):
         print_table(table, kinds, split)
     print_targets(targets, kinds)
     lines = misses(table, results, targets, kinds)
@@ -625,6 +632,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\nreal logs left out: " + "; ".join(f"{e['file']} ({e['why']})" for e in meta["excluded_logs"]))
     if args.per_scenario:
         print_per_scenario(per_source(results))
+    if args.lofo:
+        import lofo
+
+        print()
+        lofo.main([])
     return 0
 
 
