@@ -330,4 +330,6 @@ def agg_fields(agg: StepAggregate) -> dict[str, Any]:
             d[name] = v
     if agg.skipped:
         d["skipped"] = 1
+    if agg.loss_missing:
+        d["loss_missing"] = 1
     return d

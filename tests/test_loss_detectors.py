@@ -302,6 +302,51 @@ def test_nan_inf_ignores_an_overflow_the_optimizer_skipped() -> None:
                                                                          ("resolved", 3, 3, "warning")]
 
 
+def test_nan_grad_norm_on_every_point_of_applied_steps_is_critical() -> None:
+    # one non-finite grad norm is the fp16 overflow (warning); a third logged point in a row that the optimizer did
+    # not skip means the updates are NaN: critical, kept so while it lasts
+    nan = float("nan")
+    aggs = [agg(s, 2.0 - s / 1000, nan if s in (100, 200, 210, 220, 230) else 1.0) for s in range(0, 300, 10)]
+    got = feed([NanInfDetector()], aggs)
+    assert [(a.status, a.step, a.end_step, a.severity, a.evidence["steps"], a.evidence["reason"]) for a in got] == [
+        ("active", 100, None, "warning", 1, "grad_norm"), ("resolved", 100, 100, "warning", 1, "grad_norm"),
+        ("active", 200, None, "warning", 1, "grad_norm"), ("active", 200, None, "warning", 2, "grad_norm"),
+        ("active", 200, None, "critical", 3, "grad_norm_persistent"),
+        ("active", 200, None, "critical", 4, "grad_norm_persistent"),
+        ("resolved", 200, 230, "critical", 4, "grad_norm_persistent")]
+    assert "the updates are NaN" in got[4].message and got[4].evidence["history_points"] == 20
+
+
+def test_nan_grad_norm_while_the_loss_scale_calibrates_stays_a_warning_unless_the_loss_is_frozen() -> None:
+    # the first steps of an fp16 run: no finite grad norm yet, 5 steps of overflow, the loss moving: calibration
+    nan = float("nan")
+    moving = [agg(s, 10.5 - 0.01 * s, nan if s < 5 else 3.0) for s in range(10)]
+    got = feed([NanInfDetector()], moving)
+    assert [(a.status, a.severity, a.evidence["steps"]) for a in got][-2:] == [
+        ("active", "warning", 5), ("resolved", "warning", 5)]
+    # the same with the loss frozen at one exact value: nothing trains, whatever the scaler does
+    frozen = [agg(s, 0.0, nan) for s in range(1, 6)]
+    got = feed([NanInfDetector()], frozen)
+    assert [(a.severity, a.evidence["steps"], a.evidence["reason"]) for a in got] == [
+        ("warning", 1, "grad_norm"), ("warning", 2, "grad_norm"), ("critical", 3, "grad_norm_persistent"),
+        ("critical", 4, "grad_norm_persistent"), ("critical", 5, "grad_norm_persistent")]
+
+
+def test_megatron_lines_without_their_loss_are_a_critical_nan_inf() -> None:
+    # bf16 Megatron-LM, every 10 iterations: 1940-1960 print lr, grad norm nan and counters 0 but no lm loss
+    found = offline(Path(__file__).parent / "data" / "importers" / "megatron_lm_loss_missing.log")
+    assert sorted(found) == [("nan_inf", 1940)]
+    a = found["nan_inf", 1940]
+    assert (a.severity, a.status, a.evidence) == ("critical", "active", {
+        "loss": None, "grad_norm": "nan", "steps": 3, "loss_missing": 3, "reason": "loss_missing",
+        "history_points": 3})
+    assert a.message.startswith("the loss is missing from the log line of step 1960 (3 non-finite steps since 1940)")
+    # a skipped step's line has no loss to print: not reported here (SkippedStepsDetector's)
+    aggs = [StepAggregate(s, 0, 0.0, None, float(s), None if s == 3 else 2.0, 1.0, None, None, None, 1, (None,), 0.0,
+                          skipped=s == 3, loss_missing=s == 3) for s in range(6)]
+    assert feed([NanInfDetector()], aggs) == []
+
+
 def test_overflow_skips_during_a_spike_make_it_divergence_at_once() -> None:
     aggs = spiked({s: 1.6 for s in range(1200, 1400)})
     aggs = [agg(a.step, a.loss, skipped=1200 <= a.step < 1204) for a in aggs]

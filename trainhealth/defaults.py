@@ -157,6 +157,12 @@ SKIPPED_STEPS_MIN = 3
 #: ...except while the loss scaler calibrates at the start (no step applied yet in this generation): halving
 #: once per overflow from Megatron-LM's default initial scale 2^32 takes up to 32 skips.
 SKIPPED_STEPS_INITIAL = 32
+#: NaN/Inf grad norm: on this many logged points in a row, none marked skipped, it is critical (the updates are NaN,
+#: or the scaler skips every step without saying so). The reasoning of SKIPPED_STEPS_MIN: two overflows in a row
+#: are the fp16 scalers' hysteresis (DeepSpeed, Megatron-LM: 2), a third is not; within SKIPPED_STEPS_INITIAL
+#: steps of a generation's start, before any finite grad norm, it is the scale calibrating (a warning) unless the
+#: loss on those points is frozen at one value.
+NAN_GRAD_NORM_POINTS = 3
 #: Applied steps in a row that end a skipped-steps episode (a judgement: ten times the fp16 scalers'
 #: hysteresis of 2), so a burst with a few applied steps between overflows is one anomaly.
 SKIPPED_STEPS_QUIET = 20
