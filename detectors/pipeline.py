@@ -25,6 +25,7 @@ from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector
 from trainhealth.detectors.grad_norm_spike import GradNormSpikeDetector
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.ledger import GoodputLedger
+from trainhealth.detectors.loss_collapse import LossCollapseDetector
 from trainhealth.detectors.loss_spike import LossSpikeDetector
 from trainhealth.detectors.nan_inf import NanInfDetector
 from trainhealth.detectors.rank_outlier import RankOutlierDetector
@@ -94,8 +95,8 @@ class RunPipeline:
         self.worker_restart = WorkerRestartDetector()
         self.step_detectors: list[StepDetector] = [
             NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(), DivergenceDetector(),
-            GradNormExplosionDetector(), SkippedStepsDetector(), self.slow_node, self.straggler, self.rank_outlier,
-            RestartStormDetector(), self.throughput, SlowStepDetector(),
+            GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), self.slow_node,
+            self.straggler, self.rank_outlier, RestartStormDetector(), self.throughput, SlowStepDetector(),
             self.collective_timeout]  # a step completed after a collective timeout ends it
         self.ended_ranks: set[int] = set()
         self.run = run

@@ -1,4 +1,5 @@
-"""The loss family (nan_inf, skipped_steps, loss_spike, grad_norm_spike, divergence, grad_norm_explosion) on the
+"""The loss family (nan_inf, skipped_steps, loss_spike, grad_norm_spike, divergence, grad_norm_explosion,
+loss_collapse) on the
 real logs of ../shared/real_logs, through the whole offline pipeline, and on seeded synthetic curves."""
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.detectors.divergence import DivergenceDetector
 from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector
 from trainhealth.detectors.grad_norm_spike import GradNormSpikeDetector
+from trainhealth.detectors.loss_collapse import LossCollapseDetector
 from trainhealth.detectors.loss_spike import LossSpikeDetector
 from trainhealth.detectors.nan_inf import NanInfDetector
 from trainhealth.detectors.offline import OfflineRun
 from trainhealth.detectors.skipped_steps import SkippedStepsDetector
 
-LOSS_FAMILY = {"nan_inf", "skipped_steps", "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion"}
+LOSS_FAMILY = {"nan_inf", "skipped_steps", "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion",
+               "loss_collapse"}
 
 
 def offline(path: Path) -> dict[tuple[str, int], Anomaly]:
@@ -119,6 +122,39 @@ def test_word_lm_all_nan_is_one_nan_inf_from_the_first_step(real_logs: Path) -> 
     found = offline(real_logs / "pytorch_word_lm_all_nan.log")
     assert sorted(found) == [("nan_inf", 200)]
     assert (found["nan_inf", 200].severity, found["nan_inf", 200].evidence["steps"]) == ("critical", 70)
+
+
+def test_hf_stdout_loss_exactly_zero_with_nan_grad_norm_is_a_collapse_and_a_critical_nan(real_logs: Path) -> None:
+    # 10 printed dicts (ordinal steps 1-10): loss 0.0, grad_norm nan, learning_rate 5e-05 on every one
+    found = offline(real_logs / "hf_stdout_loss_zero_gradnorm_nan.log")
+    assert sorted(found) == [("loss_collapse", 1), ("nan_inf", 1)]
+    col, nan = found["loss_collapse", 1], found["nan_inf", 1]
+    assert (col.severity, col.status, col.evidence) == ("critical", "active", {
+        "value": 0.0, "points": 10, "first_step": 1, "last_step": 10, "grad_norm_nonfinite": 10,
+        "grad_norm_logged": 10, "lr_min": 5e-05, "lr_max": 5e-05, "repeat_rate": 0.5, "chance": 0.5 ** 9,
+        "history_points": 0})
+    assert col.message.startswith("loss is exactly 0 on 10 logged points in a row (steps 1-10), with the grad norm "
+                                  "NaN/Inf on every one of them at a constant learning rate 5e-05")
+    # no step was marked skipped: a NaN grad norm on all 10 points is a NaN update, critical (not the fp16 warning)
+    assert (nan.severity, nan.evidence["steps"], nan.evidence["reason"], nan.evidence["history_points"]) == (
+        "critical", 10, "grad_norm_persistent", 0)
+
+
+def test_loss_collapse_needs_a_run_improbable_at_the_log_own_precision() -> None:
+    # a plateau printed to 2 decimals repeats a value on ~30 % of the points: runs of a few equal values are its
+    # rounding; a near-zero memorising loss at 4 decimals with equal pairs is still moving
+    rng = random.Random(5)
+    coarse = [round(3.44 + rng.gauss(0, 0.01), 2) for _ in range(3000)]
+    assert feed([LossCollapseDetector()], [agg(s, x) for s, x in enumerate(coarse)]) == []
+    near_zero = [0.0612, 0.0598, 0.0598, 0.0587, 0.0573, 0.0573, 0.0566, 0.0555, 0.0555, 0.0549]
+    assert feed([LossCollapseDetector()], [agg(401 * (i + 1), x) for i, x in enumerate(near_zero)]) == []
+    # ...but a value frozen for 20 points on the same coarse log is not rounding
+    frozen = coarse[:2000] + [3.45] * 20 + coarse[2000:2100]
+    got = feed([LossCollapseDetector()], [agg(s, x) for s, x in enumerate(frozen)])
+    first, last = got[0], got[-1]
+    assert (first.step, first.evidence["points"], round(first.evidence["repeat_rate"], 3), last.status,
+            last.end_step, last.evidence["points"]) == (1999, 12, 0.259, "resolved", 2019, 21)
+    assert first.message.startswith("loss is frozen at exactly 3.45 on 12 logged points in a row (steps 1999-2010)")
 
 
 # -- synthetic curves ----------------------------------------------------------------------------------------------
@@ -360,7 +396,7 @@ def test_overflow_skips_during_a_spike_make_it_divergence_at_once() -> None:
 
 
 @pytest.mark.parametrize("module", [f"trainhealth.detectors.{name}" for name in (
-    "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion", "skipped_steps", "nan_inf")])
+    "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion", "skipped_steps", "nan_inf", "loss_collapse")])
 def test_doctests(module: str) -> None:
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0

@@ -167,6 +167,19 @@ NAN_GRAD_NORM_POINTS = 3
 #: hysteresis of 2), so a burst with a few applied steps between overflows is one anomaly.
 SKIPPED_STEPS_QUIET = 20
 
+#: Loss collapse: the loss bit-identical on at least LOSS_COLLAPSE_MIN_POINTS logged points in a row, and a run that
+#: long improbable (< LOSS_COLLAPSE_RISK) at the rate this log repeats a value by chance, estimated on the
+#: transitions of the LOSS_COLLAPSE_HISTORY_POINTS logged points before it. Measured on the real logs: equal pairs
+#: occur (hf_overfit_30epochs 2 in 29 transitions, 4-decimal losses near 0.055; LLaMA-Factory Mistral, T5,
+#: modded-nanogpt, llm.c), three equal points in a row never. The risk is per logged point and 100x below the spike
+#: detectors' 1e-4 budget: a collapse is critical, and on a loss printed to 2 decimals (a repeat rate near 0.26,
+#: measured on a simulated plateau) 1e-4 would let the rounding's own longest runs (7-8 points in 3,000) through,
+#: while a loss that really froze stays frozen for far more than the 12 points 1e-6 then asks. 500 points: a repeat
+#: rate of a few percent known to about +-1 % (our choice).
+LOSS_COLLAPSE_MIN_POINTS = 3
+LOSS_COLLAPSE_RISK = 1e-6
+LOSS_COLLAPSE_HISTORY_POINTS = 500
+
 # --- Detectors: timing family (throughput drop, slow steps) --------------------------------------
 #: Both judge a step's own duration: the live ``mon.step()`` time, else the job's own measurement
 #: (``log_step(step_s=)``, a log's time per iteration); never the gap between untimed records (it
