@@ -93,6 +93,21 @@ def test_bloom_176b_excerpt_spike_found_with_six_points_of_history(real_logs: Pa
     a = found["loss_spike", 31219]
     assert (a.end_step, a.evidence["peak"], a.evidence["recovery_class"], a.evidence["recovery_steps"]) == (
         31222, 5.098124, "fast", 31)
+    assert (a.severity, a.evidence["history_points"], a.evidence["record"]) == ("warning", 6, None)
+
+
+def test_tf_deeplab_excerpt_spike_after_28_points_recovers_at_the_next_step(real_logs: Path) -> None:
+    # 30 points, noisy (0.41-1.82 before 13000, a robust SD of 0.43 in log): 5.128 at 13000 is 4.6 robust SDs, under
+    # z_open 6.5, but 2.8x every earlier point: with no noise tail to go by, the Student-t bound for 28 points (4.37)
+    found = offline(real_logs / "tf_deeplab_steps_checkpoint.log")
+    assert sorted(found) == [("loss_spike", 13000)]
+    a = found["loss_spike", 13000]
+    ev = a.evidence
+    assert (a.severity, a.status, a.end_step, ev["loss"], round(ev["z"], 2), round(ev["record"], 2),
+            ev["history_points"], ev["tail_z"], ev["recovery_class"], ev["recovery_steps"]) == (
+        "warning", "resolved", 13000, 5.128, 4.64, 2.82, 28, None, "fast", 1)
+    assert a.message == ("loss 5.128 at step 13000 is 7.35x the expected 0.6979 (4.6 robust SDs, 2.82x the highest "
+                         "of the 28 logged points before it); recovered after 1 step (fast)")
 
 
 def test_104b_excerpt_divergence_with_overflow_skips(real_logs: Path) -> None:
@@ -101,8 +116,8 @@ def test_104b_excerpt_divergence_with_overflow_skips(real_logs: Path) -> None:
     div, spike, skips = found["divergence", 17062], found["loss_spike", 17062], found["skipped_steps", 17062]
     assert (div.severity, div.status, div.evidence["reason"], round(div.evidence["baseline"], 2)) == (
         "critical", "active", "overflow_skips", 2.67)
-    assert (spike.severity, spike.end_step, spike.evidence["recovery_class"], spike.evidence["skipped_run"]) == (
-        "critical", 17064, "not_recovered", 3)
+    assert (spike.severity, spike.end_step, spike.evidence["recovery_class"], spike.evidence["skipped_run"],
+            spike.evidence["history_points"]) == ("critical", 17064, "not_recovered", 3, 9)
     # DeepSpeed's OVERFLOW lines: 17062-17065 skipped (a run of 4), 17066 applied, 17067-17068 skipped again:
     # ...one episode: the overflows resume one applied step later, and the log ends inside it.
     assert (skips.status, skips.end_step, skips.evidence["steps"], skips.evidence["last_step"]) == (
