@@ -178,6 +178,8 @@ class LossSpikeDetector(StepDetector):
     LABEL = "loss"
     #: The other signal that corroborates a spike at the same step.
     PARTNER = "grad_norm"
+    #: Severity of an open (or recovered) spike; ``not_recovered`` is critical.
+    SEVERITY = "warning"
 
     def __init__(
         self,
@@ -411,7 +413,7 @@ class LossSpikeDetector(StepDetector):
         self._back = None
         how = f"{ratio:.2f}x the expected {expected:.4g}" if self._log else f"above the expected {expected:.4g}"
         self._spike = Anomaly(
-            kind=self.KIND, severity="warning", step=agg.step, gen=agg.gen,
+            kind=self.KIND, severity=self.SEVERITY, step=agg.step, gen=agg.gen,
             message=(f"{self.LABEL} {value:.4g} at step {agg.step} is {how} ({min(z, 999.0):.1f} robust SDs"
                      + (f", {record:.2f}x the highest of the {base.n} logged points before it" if record else "")
                      + "); watching whether it recovers"),

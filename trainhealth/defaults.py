@@ -98,6 +98,11 @@ GRAD_NORM_SPIKE_MIN_REL_RISE = 1.0
 #: Steps a spike may stay elevated before it is ``not_recovered`` (-> divergence), and a rise must last to be
 #: divergence. PaLM (§5.1) restarted ~100 steps before a spike that did not recover.
 DIVERGENCE_STEPS = 100
+#: Incidents: loss-family anomalies whose onsets are within this many steps (or one logging interval, if longer) of
+#: a member's are one incident. BLOOM-176B (tr11-176B-ml chronicles): the grad norm left its level at 31215, the
+#: loss spiked at 31219, 4 steps later; PaLM §5.1 and OLMo 2 describe grad-norm spikes "shortly" before loss spikes.
+#: Twice BLOOM's lead plus a step, rounded.
+INCIDENT_STEPS = 10
 #: Straggler: steps per window, relative score threshold and consecutive windows below it before flagging.
 #: The score is NVRx's (fastest rank's median / the rank's). Threshold 0.8 (a rank ~1.25x slower than the fastest),
 #: not NVRx/NeMo's default 0.7 (``gpu_relative_perf_threshold``, ~1.43x): in synchronous training every rank waits
