@@ -29,6 +29,7 @@ from trainhealth.detectors.ledger import GoodputLedger
 from trainhealth.detectors.loss_collapse import LossCollapseDetector
 from trainhealth.detectors.loss_spike import LossSpikeDetector
 from trainhealth.detectors.nan_inf import NanInfDetector
+from trainhealth.detectors.plateau import PlateauDetector
 from trainhealth.detectors.rank_outlier import RankOutlierDetector
 from trainhealth.detectors.restart import RestartDetector
 from trainhealth.detectors.restart_storm import RestartStormDetector
@@ -102,9 +103,9 @@ class RunPipeline:
         self.worker_restart = WorkerRestartDetector()
         self.step_detectors: list[StepDetector] = [
             NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(), DivergenceDetector(),
-            GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), self.slow_node,
-            self.straggler, self.rank_outlier, RestartStormDetector(), self.throughput, SlowStepDetector(),
-            self.collective_timeout]  # a step completed after a collective timeout ends it
+            GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), PlateauDetector(),
+            self.slow_node, self.straggler, self.rank_outlier, RestartStormDetector(), self.throughput,
+            SlowStepDetector(), self.collective_timeout]  # a step completed after a collective timeout ends it
         self.ended_ranks: set[int] = set()
         self.run = run
         self.advisor = RollbackAdvisor()

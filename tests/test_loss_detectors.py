@@ -1,5 +1,5 @@
 """The loss family (nan_inf, skipped_steps, loss_spike, grad_norm_spike, divergence, grad_norm_explosion,
-loss_collapse) on the
+loss_collapse, plateau) on the
 real logs of ../shared/real_logs, through the whole offline pipeline, and on seeded synthetic curves."""
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from trainhealth.detectors.loss_spike import LossSpikeDetector
 from trainhealth.detectors.nan_inf import NanInfDetector
 from trainhealth.detectors.offline import OfflineRun
 from trainhealth.detectors.pipeline import RunPipeline
+from trainhealth.detectors.plateau import PlateauDetector
 from trainhealth.detectors.skipped_steps import SkippedStepsDetector
 from trainhealth.wire import StepRecord
 
 LOSS_FAMILY = {"nan_inf", "skipped_steps", "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion",
-               "loss_collapse"}
+               "loss_collapse", "plateau"}
 
 
 def offline(path: Path) -> dict[tuple[str, int], Anomaly]:
@@ -482,8 +483,53 @@ def test_a_grad_norm_spike_and_the_loss_spike_that_follows_are_one_incident_and_
         ("grad_norm_spike", "info", "grad_norm_spike:*:1500:0"), ("loss_spike", "warning", "loss_spike:*:1530:0")]
 
 
+def levelling(n: int, seed: int, lr: object, floor_at: float = 2.3, tau: float = 400.0
+              ) -> list[tuple[int, float, float]]:
+    """(step, loss, lr) every 5 steps: a loss that falls, then levels off at ``floor_at``; ``lr(step)``."""
+    rng = random.Random(seed)
+    return [(s, (floor_at + 3.0 * math.exp(-s / tau)) * math.exp(rng.gauss(0, 0.01)), lr(s)) for s in range(0, n, 5)]
+
+
+def test_plateau_at_a_held_learning_rate_with_its_cost_per_gpu_hour() -> None:
+    # 4 ranks, each step timed at 2 s: the last third of the run gains nothing at a constant LR
+    pipe, got = RunPipeline(4), []
+    for s, x, lr in levelling(6000, 4, lambda s: 3e-4):
+        for r in range(4):
+            got += [a for a in pipe.feed_step(StepRecord(rank=r, step=s, inc=0.0, t=2.0 * s + 2.0, dur=2.0, loss=x,
+                                                         lr=lr)).anomalies if a.kind == "plateau"]
+    first, last = got[0], got[-1]
+    assert (first.severity, first.status, first.step, first.evidence["last_step"], first.evidence["points"]) == (
+        "warning", "active", 1915, 2870, 192)
+    ev = last.evidence
+    assert (last.step, last.status, ev["first_step"], ev["last_step"], ev["gpus"], ev["hours"]) == (
+        1915, "active", 4000, 5995, 4, pytest.approx(1995 * 2 / 3600))
+    assert (round(ev["gain"], 4), round(ev["gain_upper"], 4), round(ev["median_after"], 3)) == (-0.0043, 0.0002, 2.304)
+    assert ev["gain_per_gpu_hour"] == pytest.approx(ev["gain_per_hour"] / 4)
+    assert ("at a learning rate held at 0.0003 (not a decaying schedule), 4.433 GPU-hours for a gain of -0.00226 per "
+            "GPU-hour" in last.message)
+
+
+def test_no_plateau_when_the_learning_rate_decays_or_the_log_is_noisy_or_has_no_learning_rate() -> None:
+    def plateaus(rows: list[tuple[int, float, float | None]]) -> list[Anomaly]:
+        return feed([PlateauDetector()], [StepAggregate(s, 0, 0.0, None, float(s), x, 1.0, lr, None, None, 1,
+                                                        (None,), 0.0) for s, x, lr in rows])
+    # a loss levelling off after ~4000 of 9000 steps: a plateau from 4000 at a constant LR; under a cosine decay to 0
+    # the LR is below half its peak from 4500 on: the schedule's end, not a plateau (llm.c's late flattening)
+    assert [(a.step, a.evidence["last_step"]) for a in plateaus(levelling(9000, 4, lambda s: 3e-4, tau=900))][:1] == [
+        (4000, 5995)]
+    assert plateaus(levelling(9000, 4, lambda s: 3e-4 * 0.5 * (1 + math.cos(math.pi * s / 9000)), tau=900)) == []
+    # without learning rates a decaying schedule cannot be ruled out: nothing
+    assert plateaus(levelling(6000, 4, lambda s: None)) == []
+    # a healthy constant-LR power law still gains 5 % over its last third; per-batch noise of 30 % hides any trend:
+    # neither is shown flat
+    assert plateaus([(s, x, 1e-4) for s, x in curve(6000, 3, noise=0.02, warmup=1)]) == []
+    rng = random.Random(9)
+    assert plateaus([(s, 2.3 * math.exp(rng.gauss(0, 0.3)), 1e-4) for s in range(0, 6000, 5)]) == []
+
+
 @pytest.mark.parametrize("module", [f"trainhealth.detectors.{name}" for name in (
-    "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion", "skipped_steps", "nan_inf", "loss_collapse")])
+    "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion", "skipped_steps", "nan_inf", "loss_collapse",
+    "plateau")])
 def test_doctests(module: str) -> None:
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0

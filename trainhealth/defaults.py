@@ -196,6 +196,23 @@ LOSS_COLLAPSE_MIN_POINTS = 3
 LOSS_COLLAPSE_RISK = 1e-6
 LOSS_COLLAPSE_HISTORY_POINTS = 500
 
+#: Plateau: the stretch judged is the last PLATEAU_RUN_FRACTION of the steps since the first logged one, at least
+#: PLATEAU_MIN_STEPS steps and PLATEAU_MIN_POINTS points (a third of them, >= 33, backs each median: its SE is then
+#: ~0.22 per-point SDs; our choice, and it keeps excerpts and sparse logs out); no progress is a relative gain
+#: under PLATEAU_MIN_GAIN at the DIVERGENCE_Z upper bound. 1 %: half of what a run on the compute frontier gains
+#: over its last third (1.5x compute) by Kaplan et al. 2020's L ~ C^-0.050 (1.5^-0.05 = 0.980). The learning rate
+#: must stay >= PLATEAU_LR_FRACTION of the run's peak over the whole stretch: below it the flattening is a decaying
+#: schedule's (llm.c GPT-2 and LLaMA-Factory luojiu-7b flatten as their LR decays to ~0; a cosine passes half its
+#: peak at mid-run). Checked every PLATEAU_CHECK_POINTS points, on at most PLATEAU_MAX_POINTS kept (thinned
+#: uniformly beyond). None of these was fitted on a file: no real log has a labelled plateau; all stay silent.
+PLATEAU_MIN_POINTS = 100
+PLATEAU_MIN_STEPS = 500
+PLATEAU_RUN_FRACTION = 1 / 3
+PLATEAU_MIN_GAIN = 0.01
+PLATEAU_LR_FRACTION = 0.5
+PLATEAU_CHECK_POINTS = 25
+PLATEAU_MAX_POINTS = 6000
+
 # --- Detectors: timing family (throughput drop, slow steps) --------------------------------------
 #: Both judge a step's own duration: the live ``mon.step()`` time, else the job's own measurement
 #: (``log_step(step_s=)``, a log's time per iteration); never the gap between untimed records (it
