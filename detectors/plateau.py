@@ -36,7 +36,7 @@ class PlateauDetector(StepDetector):
     last thousands of steps as its LR goes to 0, a cosine or linear decay's tail) is the schedule, not a plateau;
     a log without learning rates cannot tell the two apart and gets no finding.
 
-    The anomaly's onset is the stretch's first step; it is updated every check while the stretch stays flat and
+    The anomaly's onset is the stretch's first step; it is updated at each check while the stretch stays flat and
     resolved when the gain is again above ``min_gain`` with the same confidence (``gain - z * SE``), or when the
     learning rate starts to decay (the schedule takes over).
 
@@ -59,7 +59,7 @@ class PlateauDetector(StepDetector):
     lr_fraction : float
         The learning rate must stay at least this fraction of the run's highest over the whole stretch.
     check_every : int
-        Logged points between two checks.
+        Logged points between two checks (at least 1 % of the points seen so far).
     max_points : int
         Points kept (thinned to every other one when full: the whole run at a coarser grain).
 
@@ -125,6 +125,7 @@ class PlateauDetector(StepDetector):
         self._positive = True
         self._ranks = 1
         self._since = 0
+        self._seen = 0  # positive losses fed
         self._prev_step: int | None = None
         self._open: Anomaly | None = None
 
@@ -170,7 +171,10 @@ class PlateauDetector(StepDetector):
                 self._pts = self._pts[1::2]
                 self._stride *= 2
         self._since += 1
-        if self._since < self.check_every:
+        self._seen += 1
+        # Checked every check_every points, and at least every 1 % of the points so far (a check sorts thousands of
+        # points: a million-step run is checked a few hundred times, a plateau of a third of it is found as soon).
+        if self._since < max(self.check_every, self._seen // 100):
             return out
         self._since = 0
         return out + self._check(agg)

@@ -203,8 +203,9 @@ LOSS_COLLAPSE_HISTORY_POINTS = 500
 #: over its last third (1.5x compute) by Kaplan et al. 2020's L ~ C^-0.050 (1.5^-0.05 = 0.980). The learning rate
 #: must stay >= PLATEAU_LR_FRACTION of the run's peak over the whole stretch: below it the flattening is a decaying
 #: schedule's (llm.c GPT-2 and LLaMA-Factory luojiu-7b flatten as their LR decays to ~0; a cosine passes half its
-#: peak at mid-run). Checked every PLATEAU_CHECK_POINTS points, on at most PLATEAU_MAX_POINTS kept (thinned
-#: uniformly beyond). None of these was fitted on a file: no real log has a labelled plateau; all stay silent.
+#: peak at mid-run). Checked every PLATEAU_CHECK_POINTS points (and 1 % of those seen), on at most PLATEAU_MAX_POINTS
+#: kept (thinned uniformly beyond). None of these was fitted on a file: no real log has a labelled plateau; all stay
+#: silent.
 PLATEAU_MIN_POINTS = 100
 PLATEAU_MIN_STEPS = 500
 PLATEAU_RUN_FRACTION = 1 / 3
