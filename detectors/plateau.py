@@ -26,10 +26,11 @@ class PlateauDetector(StepDetector):
     points). Its *gain* is the median of its first third minus the median of its last third; the noise scale
     ``s`` is 1.4826 x MAD of its points around Tukey's resistant line (a trend does not inflate it, a slow wander
     does), and the gain's standard error ``SE = 1.2533 s sqrt(2 / k)`` (two medians of ``k`` points). The stretch
-    is a plateau when even the upper bound ``gain + z * SE`` is below ``log(1 + min_gain)``: the data show with
-    confidence that the loss improved by less than ``min_gain`` — a noisy log, whose SE is large, is never called
-    flat (absence of evidence of progress is not evidence of a plateau). A rise of up to 20 % is a plateau too;
-    a larger one is :class:`~trainhealth.detectors.divergence.DivergenceDetector`'s.
+    is a plateau when the loss is shown to stay within ``min_gain`` both ways (two one-sided tests): the upper bound
+    ``gain + z * SE`` below ``log(1 + min_gain)`` — it improved by less than that — and the lower bound
+    ``gain - z * SE`` above ``-log(1 + min_gain)`` — it did not rise either (a rising loss is
+    :class:`~trainhealth.detectors.divergence.DivergenceDetector`'s, a level shift a spike's). A noisy log, whose
+    SE is large, is never called flat: absence of evidence of progress is not evidence of a plateau.
 
     Only at a held learning rate: every point of the stretch must log one, and all of them at least
     ``lr_fraction`` of the highest the run reached. The flattening at the end of a decaying schedule (llm.c GPT-2's
@@ -65,7 +66,7 @@ class PlateauDetector(StepDetector):
 
     Evidence: ``first_step``, ``last_step`` (the stretch judged), ``points``, ``median_before``, ``median_after``
     (loss medians of its first and last thirds), ``gain`` (relative improvement, negative for a rise),
-    ``gain_upper`` (its upper confidence bound), ``min_gain``, ``noise`` (robust per-point SD of log-loss),
+    ``gain_upper``, ``gain_lower`` (its confidence bounds), ``min_gain``, ``noise`` (robust per-point SD of log-loss),
     ``lr_min``, ``lr_max`` (over the stretch), ``lr_peak`` (the run's highest), ``hours`` (wall time of the stretch,
     None when unknown), ``gpus`` (None when unknown), ``gain_per_hour``, ``gain_per_gpu_hour`` (loss units; None
     when unknown), ``history_points`` (points the decision had).
@@ -92,7 +93,7 @@ class PlateauDetector(StepDetector):
     J. Kaplan et al., "Scaling Laws for Neural Language Models", arXiv:2001.08361 (2020) (L ~ C^-0.050: a run on
     the compute frontier gains ~2 % over its last third of compute, 1.5x); J. W. Tukey, "Exploratory Data Analysis"
     (1977) (the resistant line); D. J. Schuirmann, J. Pharmacokinet. Biopharm. 15 (1987) (two one-sided tests:
-    flatness is shown by an upper bound, not by a failed test of a difference).
+    flatness is shown by confidence bounds inside a margin, not by a failed test of a difference).
     """
 
     KIND = "plateau"
@@ -208,10 +209,10 @@ class PlateauDetector(StepDetector):
         floor = math.log1p(self.min_gain)
         secs = [p[3] for p in window[1:]]
         hours = sum(secs) / 3600.0 if secs and all(v is not None for v in secs) else None
-        ev = self._evidence(window, before, after, gain, gain + self.z * se, noise, lrs, hours)
+        ev = self._evidence(window, before, after, gain, gain + self.z * se, gain - self.z * se, noise, lrs, hours)
         if cur is None:
-            if gain + self.z * se >= floor or gain < -math.log1p(defaults.DIVERGENCE_MIN_RISE):
-                return []
+            if gain + self.z * se >= floor or gain - self.z * se <= -floor:
+                return []  # not shown within +-min_gain: improving, rising (divergence's), or too noisy to tell
             self._open = Anomaly(kind=self.KIND, severity="warning", step=window[0][0], gen=agg.gen, evidence=ev,
                                  message=self._message(ev) + self._advice())
             return [self._open]
@@ -226,14 +227,15 @@ class PlateauDetector(StepDetector):
         self._open = None
         return replace(cur, status=RESOLVED, end_step=step, message=cur.message.split(";")[0] + f"; {note}")
 
-    def _evidence(self, window: list, before: float, after: float, gain: float, upper: float, noise: float,
-                  lrs: list[float], hours: float | None) -> dict:
+    def _evidence(self, window: list, before: float, after: float, gain: float, upper: float, lower: float,
+                  noise: float, lrs: list[float], hours: float | None) -> dict:
         gain_loss = math.exp(before) - math.exp(after)  # in loss units
         gpus = self._ranks if self._ranks > 1 else None
         per_hour = gain_loss / hours if hours else None
         return {"first_step": window[0][0], "last_step": window[-1][0], "points": len(window),
                 "median_before": math.exp(before), "median_after": math.exp(after), "gain": math.expm1(gain),
-                "gain_upper": math.expm1(upper), "min_gain": self.min_gain, "noise": noise,
+                "gain_upper": math.expm1(upper), "gain_lower": math.expm1(lower), "min_gain": self.min_gain,
+                "noise": noise,
                 "lr_min": min(lrs), "lr_max": max(lrs), "lr_peak": self._lr_peak, "hours": hours, "gpus": gpus,
                 "gain_per_hour": per_hour,
                 "gain_per_gpu_hour": per_hour / gpus if per_hour is not None and gpus else None,
@@ -245,9 +247,9 @@ class PlateauDetector(StepDetector):
         change = ev["median_after"] / ev["median_before"] - 1.0
         text = (f"loss has not improved over steps {ev['first_step']}-{ev['last_step']} "
                 f"({plural(ev['points'], 'logged point')}): median {ev['median_before']:.4g} -> "
-                f"{ev['median_after']:.4g} ({change * 100:+.2f} %; at most {ev['gain_upper'] * 100:.2f} % gained at "
-                f"{self.z:g} SEs, under the {self.min_gain * 100:g} % that is progress) at {held} (not a decaying "
-                f"schedule)")
+                f"{ev['median_after']:.4g} ({change * 100:+.2f} %; {ev['gain_lower'] * 100:+.2f} to "
+                f"{ev['gain_upper'] * 100:+.2f} % gained at {self.z:g} SEs, inside the +-{self.min_gain * 100:g} % "
+                f"that is progress or a rise) at {held} (not a decaying schedule)")
         if ev["hours"] is None:
             cost = ", over an unknown wall time (the log has no step times)"
         elif ev["gpus"] is None:
