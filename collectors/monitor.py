@@ -459,6 +459,7 @@ class Monitor:
         skipped: bool | None = None,
         timestamp: float | None = None,
         step_s: float | None = None,
+        loss_missing: bool | None = None,
         **unknown: Any,
     ) -> None:
         """Record a step's metrics: loss, global grad norm, learning rate, tokens and samples on this rank.
@@ -489,6 +490,8 @@ class Monitor:
             metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "samples": samples,
                        "consumed_samples": consumed_samples, "batch_index": batch_index, "skipped": skipped,
                        "step_s": step_s}
+            if loss_missing:
+                metrics["loss_missing"] = 1  # only replayed logs set it: live records keep their fields
             cur = self._cur
             if cur is not None and cur.step == step:
                 cur.metrics = metrics

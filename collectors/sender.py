@@ -60,7 +60,7 @@ def encode_value(v: Any) -> str | int | None:
 _PLAIN = frozenset({int, float, bool, type(None)})
 #: Integer fields of a step record (``trainhealth.wire``: rank, step and ``_STEP_INTS``). The detector
 #: service refuses a record whose value there is not a finite number; the ledger keeps them as int64.
-INT_FIELDS = ("rank", "step", "tokens", "samples", "consumed_samples", "batch_index", "skipped")
+INT_FIELDS = ("rank", "step", "tokens", "samples", "consumed_samples", "batch_index", "skipped", "loss_missing")
 #: Float fields a caller can fill (sections and ``dur`` are floats by construction, ``inc`` is checked).
 _FLOAT_FIELDS = ("t", "loss", "grad_norm", "lr", "step_s")
 _INT_SET = frozenset(INT_FIELDS)

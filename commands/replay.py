@@ -268,7 +268,8 @@ def replay(
                     mon._sections = dict(p.sections)  # what section() would have timed: log_step attaches them
                 # step_s: the log's own time per step, never the assumed pace (see TimedPoint.step_s).
                 mon.log_step(p.step, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr, tokens=p.tokens,
-                             consumed_samples=p.consumed_samples, skipped=skip, timestamp=ts, step_s=tp.step_s)
+                             consumed_samples=p.consumed_samples, skipped=skip, timestamp=ts, step_s=tp.step_s,
+                             loss_missing=p.loss_missing or None)
                 n += 1
             if progress is not None:
                 progress(n, off)

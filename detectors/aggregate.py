@@ -52,6 +52,9 @@ class StepAggregate:
         Max over ranks of seconds in data-loading sections.
     bad_ranks : tuple[int, ...]
         Ranks whose loss or grad norm was NaN/Inf.
+    loss_missing : bool
+        Whether any rank's record says its log printed the step without its loss (``StepRecord.loss_missing``:
+        a replayed Megatron-LM line whose loss was left out because it was not finite).
     """
 
     step: int
@@ -72,6 +75,7 @@ class StepAggregate:
     batch_index: int | None = None
     skipped: bool = False
     step_s: float | None = None
+    loss_missing: bool = False
 
     @property
     def dur(self) -> float | None:
@@ -83,7 +87,7 @@ def _merge(a: StepRecord, b: StepRecord) -> StepRecord:
     # Same rank, same step, two records (timing, then metrics): keep what each has.
     kw = {f: getattr(b, f) if getattr(b, f) is not None else getattr(a, f)
           for f in ("dur", "loss", "grad_norm", "lr", "tokens", "samples", "consumed_samples", "batch_index",
-                    "skipped", "step_s")}
+                    "skipped", "step_s", "loss_missing")}
     return StepRecord(rank=a.rank, step=a.step, inc=a.inc, t=max(a.t, b.t),
                       sections={**a.sections, **b.sections}, gpu={**a.gpu, **b.gpu}, **kw)
 
@@ -215,7 +219,7 @@ class StepAggregator:
         # Columns of the ranks' values in rank order (see record_row); each field computed as the
         # comment beside it says, from the ranks' records r.
         (loss_c, gn_c, t_c, dur_c, tokens_c, samples_c, inc_c, lr_c, consumed_c, batch_c, skipped_c, step_s_c,
-         _rank_c, _step_c, busy_c, data_c, _src_c) = zip(*rs, strict=True)
+         _rank_c, _step_c, missing_c, busy_c, data_c, _src_c) = zip(*rs, strict=True)
         losses = [x for x in loss_c if x is not None]  # r.loss
         norms = [x for x in gn_c if x is not None]  # r.grad_norm
         try:
@@ -256,4 +260,5 @@ class StepAggregator:
             batch_index=max([x for x in batch_c if x is not None], default=None),
             skipped=any(skipped_c),
             step_s=max([x for x in step_s_c if x is not None], default=None),
+            loss_missing=any(missing_c),
         )

@@ -12,7 +12,15 @@ from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.detectors.base import StepDetector
-from trainhealth.detectors.robust import SMALL_SAMPLE_Z, Baseline, History, Tail, fit_baseline
+from trainhealth.detectors.robust import (
+    SMALL_SAMPLE_Z,
+    STUDENT_Z,
+    STUDENT_Z_LIMIT,
+    Baseline,
+    History,
+    Tail,
+    fit_baseline,
+)
 from trainhealth.text import plural
 
 #: Recovery classes, in ``evidence["recovery_class"]``.
@@ -54,6 +62,13 @@ class LossSpikeDetector(StepDetector):
       routine blips quiet. Waived when the partner signal (the grad norm for the loss) is at least
       ``corroborate_z`` robust SDs above its own median at the same step: two signals agreeing.
 
+    A log too short for the tail fit (fewer than ``tail_min_points`` accepted points: an excerpt, a sparse log)
+    has only the margin of ``z_open`` over the Student-t bound to stand for its unknown tail. There, a point at
+    least ``record_ratio`` times *every* point of its window (log scale only) needs only the Student-t bound for
+    the window's size (:data:`~trainhealth.detectors.robust.STUDENT_Z`) and the relative floor: a 2x jump over
+    everything seen before is overwhelming however few points came before it (tf_deeplab's step 13000: 5.13 after
+    28 points of 0.41-1.82).
+
     When the partner spikes at the same step (``partner_spike_z`` robust SDs, the partner detector's own
     threshold), this signal's excursion needs only ``corroborate_z`` SDs besides the relative floor: the
     grad norm that jumps 12x with a loss spike (TrOCR, step 682) is part of it, though alone it would be
@@ -68,8 +83,10 @@ class LossSpikeDetector(StepDetector):
     A spike stays open while the loss is still elevated, ``e > max(z_close * s, log(1 + close_rel))``,
     against the frozen pre-spike baseline, its trend extrapolated (spike points never enter the window,
     so the baseline is not dragged up by the spike itself); it has settled when two logged points in a
-    row are back (one noisy dip during a slow recovery is not the end), ``recovery_steps`` counting to
-    the first of them. Once settled it is classified:
+    row are back (one noisy dip during a slow recovery is not the end) — on a log too short for the tail
+    fit, already the first point back after a spike of one elevated point (there was no recovery to dip
+    in, and an excerpt often ends right after its spike) —, ``recovery_steps`` counting to the first of
+    them. Once settled it is classified:
 
     * ``fast``: back within ``fast_steps`` steps of the onset, or at the very next logged point (a
       sparse log cannot show a faster recovery);
@@ -111,10 +128,15 @@ class LossSpikeDetector(StepDetector):
     skipped_steps : int
         Consecutive skipped optimizer steps during an open spike that make it ``not_recovered``
         (0 disables).
+    record_ratio : float | None
+        Before the tail fit, a point this many times every point of the window is judged at the Student-t bound
+        (None disables).
 
     Evidence: ``loss`` (value at onset), ``baseline`` (expected value), ``z``, ``rise`` (ratio to the
     expected value), ``threshold`` (smallest ratio that would have opened), ``tail_z`` (the tail threshold
-    in SDs, None before it exists), ``partner_z`` (None when the partner is not logged), ``peak``, ``peak_step``;
+    in SDs, None before it exists), ``partner_z`` (None when the partner is not logged), ``peak``, ``peak_step``,
+    ``history_points`` (points in the window the decision had: 3 on an excerpt's third point), ``record`` (the
+    value over the window's highest point when the record test decided, else None);
     once settled ``recovery_class``, ``recovered``, ``recovery_steps`` (first step back at the
     baseline minus the onset; None if not recovered), ``elevated_steps``; ``skipped_run`` when
     skipped steps decided it; ``rolled_back`` when training went back past the onset.
@@ -156,6 +178,8 @@ class LossSpikeDetector(StepDetector):
     LABEL = "loss"
     #: The other signal that corroborates a spike at the same step.
     PARTNER = "grad_norm"
+    #: Severity of an open (or recovered) spike; ``not_recovered`` is critical.
+    SEVERITY = "warning"
 
     def __init__(
         self,
@@ -174,6 +198,7 @@ class LossSpikeDetector(StepDetector):
         fast_steps: int = defaults.LOSS_SPIKE_FAST_STEPS,
         divergence_steps: int = defaults.DIVERGENCE_STEPS,
         skipped_steps: int = defaults.SKIPPED_STEPS_MIN,
+        record_ratio: float | None = defaults.LOSS_SPIKE_RECORD_RATIO,
     ) -> None:
         self.window = window
         self.warmup = warmup
@@ -190,6 +215,7 @@ class LossSpikeDetector(StepDetector):
         self.fast_steps = fast_steps
         self.divergence_steps = divergence_steps
         self.skipped_steps = skipped_steps
+        self.record_ratio = record_ratio
         self._hist = History(window)
         self._log = True
         self._spike: Anomaly | None = None
@@ -347,6 +373,15 @@ class LossSpikeDetector(StepDetector):
             if not e <= floor:
                 small = SMALL_SAMPLE_Z.get(base.n, 0.0)
                 need = max(max(self.z_open, small) * base.scale, floor)
+                record = None
+                if self.record_ratio is not None and self._log and not self._tail.ready:
+                    # A log too short to know its own noise tail (an excerpt): a point at least record_ratio times
+                    # every point of the window needs only the Student-t bound for this many points, not the
+                    # Hampel margin z_open that stands in for the tail.
+                    over = x - self._hist.sorted[-1]
+                    if over >= math.log(self.record_ratio):
+                        record = math.exp(over)
+                        need = min(need, max(STUDENT_Z.get(base.n, STUDENT_Z_LIMIT) * base.scale, floor))
                 tail, partner_z = None, -math.inf
                 if e > max(max(self.corroborate_z, small) * base.scale, floor):
                     partner_z = self._partner_z(agg)
@@ -360,7 +395,7 @@ class LossSpikeDetector(StepDetector):
                         if tail is not None and partner_z < self.corroborate_z:
                             need = max(need, tail * base.scale)
                 if e > need:
-                    self._open(agg, value, x, base, pred, need, tail, partner_z)
+                    self._open(agg, value, x, base, pred, need, tail, partner_z, record)
                     out.append(self._spike)
                     return out
             self._accept(agg, x, base)
@@ -368,7 +403,7 @@ class LossSpikeDetector(StepDetector):
         return out + self._follow(agg, value, x)
 
     def _open(self, agg: StepAggregate, value: float, x: float, base: Baseline, pred: float, need: float,
-              tail: float | None, partner_z: float) -> None:
+              tail: float | None, partner_z: float, record: float | None = None) -> None:
         expected = self._inv(pred)
         z = (x - pred) / base.scale
         ratio = value / expected if self._log and expected > 0 else float("nan")
@@ -378,13 +413,14 @@ class LossSpikeDetector(StepDetector):
         self._back = None
         how = f"{ratio:.2f}x the expected {expected:.4g}" if self._log else f"above the expected {expected:.4g}"
         self._spike = Anomaly(
-            kind=self.KIND, severity="warning", step=agg.step, gen=agg.gen,
-            message=(f"{self.LABEL} {value:.4g} at step {agg.step} is {how} ({min(z, 999.0):.1f} robust SDs); "
-                     f"watching whether it recovers"),
+            kind=self.KIND, severity=self.SEVERITY, step=agg.step, gen=agg.gen,
+            message=(f"{self.LABEL} {value:.4g} at step {agg.step} is {how} ({min(z, 999.0):.1f} robust SDs"
+                     + (f", {record:.2f}x the highest of the {base.n} logged points before it" if record else "")
+                     + "); watching whether it recovers"),
             evidence={self.FIELD: value, "baseline": expected, "z": z, "rise": ratio,
                       "threshold": math.exp(need) if self._log else need, "tail_z": tail,
                       "partner_z": partner_z if math.isfinite(partner_z) else None,
-                      "peak": value, "peak_step": agg.step},
+                      "peak": value, "peak_step": agg.step, "history_points": base.n, "record": record},
         )
 
     def _follow(self, agg: StepAggregate, value: float, x: float) -> list[Anomaly]:
@@ -417,10 +453,13 @@ class LossSpikeDetector(StepDetector):
                 self._accept(agg, x, None)
                 return [done]
             return []
-        # Back: settled once two logged points in a row are back (one dip of a slow recovery is not the end).
+        # Back: settled once two logged points in a row are back (one dip of a slow recovery is not the end); on a log
+        # too short for the tail fit, at once after a one-point spike (no recovery to dip in: an excerpt often ends
+        # right after its spike).
         if self._back is None:
             self._back = agg.step
-            return []
+            if self._elevated_points > 1 or self._tail.ready:
+                return []
         rec = self._back - spike.step
         if rec <= self.fast_steps:
             cls, note = FAST, f"recovered after {plural(rec, 'step')} (fast)"

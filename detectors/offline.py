@@ -118,6 +118,7 @@ class OfflineRun:
         rec = StepRecord(rank=rank, step=p.step, inc=self.start, t=t, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr,
                          tokens=p.tokens, consumed_samples=p.consumed_samples,
                          skipped=None if tp.skipped is None else int(tp.skipped),
+                         loss_missing=1 if p.loss_missing else None,  # the log line left its loss out
                          sections=dict(p.sections),  # the rank's busy time for the rank-comparison detectors
                          step_s=tp.step_s)  # the log's own step time, never an assumed one
         return self._keep(self.pipeline.feed_step(rec))

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from trainhealth import defaults
 from trainhealth.anomaly import Anomaly
 from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
@@ -25,8 +26,10 @@ from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector
 from trainhealth.detectors.grad_norm_spike import GradNormSpikeDetector
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.ledger import GoodputLedger
+from trainhealth.detectors.loss_collapse import LossCollapseDetector
 from trainhealth.detectors.loss_spike import LossSpikeDetector
 from trainhealth.detectors.nan_inf import NanInfDetector
+from trainhealth.detectors.plateau import PlateauDetector
 from trainhealth.detectors.rank_outlier import RankOutlierDetector
 from trainhealth.detectors.restart import RestartDetector
 from trainhealth.detectors.restart_storm import RestartStormDetector
@@ -43,6 +46,12 @@ log = logging.getLogger(__name__)
 
 #: A failing detector's traceback is logged on its first error and then on every this-many-th.
 ERROR_LOG_EVERY = 1000
+#: Kinds that describe the model's training signal: anomalies of these kinds whose onsets are close are one
+#: incident (:meth:`RunPipeline._incident`).
+INCIDENT_KINDS = frozenset({"loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion", "nan_inf",
+                            "skipped_steps", "loss_collapse"})
+#: Of those, the ones showing the loss itself moved (a grad-norm spike in their incident is a warning, not info).
+LOSS_MOVED_KINDS = frozenset({"loss_spike", "divergence", "loss_collapse"})
 
 
 @dataclass
@@ -94,9 +103,9 @@ class RunPipeline:
         self.worker_restart = WorkerRestartDetector()
         self.step_detectors: list[StepDetector] = [
             NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(), DivergenceDetector(),
-            GradNormExplosionDetector(), SkippedStepsDetector(), self.slow_node, self.straggler, self.rank_outlier,
-            RestartStormDetector(), self.throughput, SlowStepDetector(),
-            self.collective_timeout]  # a step completed after a collective timeout ends it
+            GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), PlateauDetector(),
+            self.slow_node, self.straggler, self.rank_outlier, RestartStormDetector(), self.throughput,
+            SlowStepDetector(), self.collective_timeout]  # a step completed after a collective timeout ends it
         self.ended_ranks: set[int] = set()
         self.run = run
         self.advisor = RollbackAdvisor()
@@ -111,6 +120,11 @@ class RunPipeline:
         self._resumed = False  # the first step followed a checkpoint load: not the start of training
         self._last_advice = -(10**9)
         self._prev_end: tuple[int, float, int] | None = None
+        # Incidents (docs/anomalies.md): anomaly id -> its incident's id; and the open incidents of the recent steps,
+        # [incident id, generation, first onset, last onset, whether the loss moved in it, member ids].
+        self._incident_of: dict[str, str] = {}
+        self._incidents: list[list] = []
+        self._gap = 1  # steps between the last two logged steps (the log's interval: the incident window's floor)
         #: Exceptions raised by a detector (or the advisor), by its class name. A bug in one detector must
         #: not stop the others, the ledger, or the service (which would crash again on the same entry
         #: when it replays the stream after a restart): the step is skipped for that detector only.
@@ -210,10 +224,55 @@ class RunPipeline:
                 self._failed(det, self.current_step)
                 continue
             for a in found:
-                a = self._with_hosts(a)
-                self.anomalies[a.id] = a
-                out.anomalies.append(a)
+                for b in self._incident(self._with_hosts(a)):
+                    self.anomalies[b.id] = b
+                    out.anomalies.append(b)
         return out
+
+    def _incident(self, a: Anomaly) -> list[Anomaly]:
+        """``a`` with its incident id in ``evidence["incident"]`` (and the states it changes in its incident).
+
+        One root cause is one incident: a loss spike, its grad-norm spike and the divergence that follows, a NaN
+        grad norm and the collapse it comes with. Anomalies of :data:`INCIDENT_KINDS` of one generation whose
+        onsets are within ``max(defaults.INCIDENT_STEPS, the log's interval)`` steps of a member's onset share the
+        id of the first of them (its anomaly id); every later state of a member carries it. A grad-norm spike is
+        ``info`` alone and ``warning`` once a loss anomaly (:data:`LOSS_MOVED_KINDS`, or a non-finite or missing
+        loss) is in its incident: the state of a grad-norm spike raised by a newer member is returned after ``a``.
+        """
+        if a.kind not in INCIDENT_KINDS:
+            return [a]
+        inc = self._incident_of.get(a.id)
+        moved = a.kind in LOSS_MOVED_KINDS or (a.kind == "nan_inf" and a.evidence.get("reason") in
+                                               ("loss", "loss_missing"))
+        group = None
+        if inc is None:
+            reach = max(defaults.INCIDENT_STEPS, self._gap)
+            for g in self._incidents:
+                if g[1] == a.gen and g[2] - reach <= a.step <= g[3] + reach:
+                    group = g
+                    break
+            if group is None:
+                group = [a.id, a.gen, a.step, a.step, False, []]
+                self._incidents.append(group)
+                del self._incidents[:-100]  # the recent ones: an incident spans a few steps
+            group[2], group[3] = min(group[2], a.step), max(group[3], a.step)
+            group[5].append(a.id)
+            inc = self._incident_of[a.id] = group[0]
+        else:
+            group = next((g for g in self._incidents if g[0] == inc), None)
+        raised = []
+        if moved and group is not None and not group[4]:
+            group[4] = True
+            for other in group[5]:
+                b = self.anomalies.get(other)
+                if b is not None and b.kind == "grad_norm_spike" and other != a.id:
+                    raised.append(_loss_moved(b, True))
+        if a.kind == "grad_norm_spike":
+            a = _loss_moved(a, group is not None and group[4])
+        a = replace(a, evidence={**a.evidence, "incident": inc})
+        for b in (a, *raised):  # stored at once: a later anomaly of the same step may raise a grad-norm spike
+            self.anomalies[b.id] = b
+        return [a, *raised]
 
     def flush_stale(self, now: float) -> Output:
         """Close steps still missing ranks after the aggregator's stale timeout."""
@@ -256,6 +315,8 @@ class RunPipeline:
             if dur is None and prev is not None and prev[0] == agg.gen:
                 dur = (agg.t_end - prev[1]) / max(agg.step - prev[2], 1)
             self.hang.observe_step(dur, agg.gen)
+            if prev is not None and prev[0] == agg.gen and agg.step > prev[2]:
+                self._gap = agg.step - prev[2]
             self._prev_end = (agg.gen, agg.t_end, agg.step)
             self.current_step = agg.step
             if self.first_step is None:
@@ -271,7 +332,8 @@ class RunPipeline:
                 except Exception:  # see detector_errors
                     self._failed(det, agg.step)
                     continue
-                changed += [self._with_hosts(a) for a in found]
+                for a in found:
+                    changed += self._incident(self._with_hosts(a))
             out.anomalies += changed
             for a in changed:
                 self.anomalies[a.id] = a
@@ -306,6 +368,13 @@ class RunPipeline:
         return replace(a, hosts=hosts) if hosts != a.hosts else a
 
 
+def _loss_moved(a: Anomaly, moved: bool) -> Anomaly:
+    """A grad-norm spike's state with ``evidence["loss_moved"]``; an ``info`` one is a ``warning`` when the loss moved
+    in its incident (see :meth:`RunPipeline._incident`)."""
+    sev = "warning" if moved and a.severity == "info" else a.severity
+    return replace(a, severity=sev, evidence={**a.evidence, "loss_moved": moved})
+
+
 def agg_fields(agg: StepAggregate) -> dict[str, Any]:
     """Stream fields of a ``th:{run}:agg`` entry (see docs/architecture.md)."""
     import json
@@ -330,4 +399,6 @@ def agg_fields(agg: StepAggregate) -> dict[str, Any]:
             d[name] = v
     if agg.skipped:
         d["skipped"] = 1
+    if agg.loss_missing:
+        d["loss_missing"] = 1
     return d

@@ -31,10 +31,17 @@ MAD_TO_SIGMA = 1.4826
 #: D. C. Montgomery, "Introduction to Statistical Quality Control", table VI): sigma ~ range / d2(n).
 D2 = (1.128, 1.693, 2.059, 2.326, 2.534, 2.704, 2.847, 2.970, 3.078, 3.173, 3.258, 3.336, 3.407, 3.472, 3.532,
       3.588, 3.640, 3.689, 3.735)
-#: Small windows: the z a new point must exceed for a one-sided 1e-4 false-alarm rate when the scale itself is
-#: estimated from n points, the Student-t prediction bound t_{n-1}(1 - 1e-4) * sqrt(1 + 1/n) (n = 3..9; from 10
-#: points on it is below LOSS_SPIKE_Z_OPEN). Values from scipy.stats.t.ppf.
-SMALL_SAMPLE_Z = {3: 81.64, 4: 24.82, 5: 14.28, 6: 10.45, 7: 8.58, 8: 7.49, 9: 6.79}
+#: The z a new point must exceed for a one-sided 1e-4 false-alarm rate when the scale itself is estimated from n
+#: points (n = 3..50, the loss-spike window's sizes): the Student-t prediction bound t_{n-1}(1 - 1e-4) * sqrt(1 + 1/n).
+#: Values from scipy.stats.t.ppf; beyond 50 points, STUDENT_Z_LIMIT (the normal quantile, 3.72).
+STUDENT_Z = {3: 81.64, 4: 24.82, 5: 14.28, 6: 10.45, 7: 8.58, 8: 7.49, 9: 6.79, 10: 6.3, 11: 5.95, 12: 5.68,
+             13: 5.46, 14: 5.29, 15: 5.15, 16: 5.03, 17: 4.93, 18: 4.84, 19: 4.77, 20: 4.7, 21: 4.65, 22: 4.59,
+             23: 4.55, 24: 4.51, 25: 4.47, 26: 4.43, 27: 4.4, 28: 4.37, 29: 4.35, 30: 4.32, 31: 4.3, 32: 4.28,
+             33: 4.26, 34: 4.24, 35: 4.23, 36: 4.21, 37: 4.2, 38: 4.18, 39: 4.17, 40: 4.16, 41: 4.14, 42: 4.13,
+             43: 4.12, 44: 4.11, 45: 4.1, 46: 4.09, 47: 4.08, 48: 4.08, 49: 4.07, 50: 4.06}
+STUDENT_Z_LIMIT = 3.72
+#: Small windows: STUDENT_Z for n = 3..9, where it is above LOSS_SPIKE_Z_OPEN (from 10 points on it is below).
+SMALL_SAMPLE_Z = {n: z for n, z in STUDENT_Z.items() if n <= 9}
 
 
 # Every detector judges each step against medians and MADs of a trailing window of 50-2000 points. Recomputing
@@ -303,6 +310,11 @@ class Tail:
     def clear(self) -> None:
         self._vals.clear()
         self._since, self._fit = self.refit, None
+
+    @property
+    def ready(self) -> bool:
+        """Whether ``min_points`` residuals are in (before that :meth:`level` is None: the stream's tail is unknown)."""
+        return len(self._vals) >= self.min_points
 
     def level(self, risk: float) -> float | None:
         """The residual exceeded with probability ``risk`` per point (None while too few points)."""

@@ -38,6 +38,19 @@ EXPECTED = {
                                       ("grad_norm_spike", "warning", 682, 682, "resolved")]),
     TINYLLAMA: (186, 15, 2790, "assumed", []),
     WORD_LM: (70, 200, 14732, "logged", [("nan_inf", "critical", 200, None, "active")]),
+    # Loss exactly 0 with a NaN grad norm on all 10 printed dicts: a collapse and a NaN update, one incident.
+    "hf_stdout_loss_zero_gradnorm_nan.log": (10, 1, 10, "assumed", [("nan_inf", "critical", 1, None, "active"),
+                                                                    ("loss_collapse", "critical", 1, None, "active")]),
+    # 30 steps of a noisy excerpt: 5.128 at 13000 is 2.8x every earlier point, back at 13001.
+    "tf_deeplab_steps_checkpoint.log": (30, 12972, 13001, "logged", [("loss_spike", "warning", 13000, 13000,
+                                                                      "resolved")]),
+    # Healthy: grad-norm blips that do not move the loss are info; the late flattening is the LR decaying to 0.
+    "llmc_gpt2_124m_main.log": (19552, 0, 19551, "assumed", [
+        ("grad_norm_spike", "info", 3843, 3843, "resolved"), ("grad_norm_spike", "info", 7689, 7690, "resolved"),
+        ("grad_norm_spike", "info", 8715, 8716, "resolved"), ("grad_norm_spike", "info", 18658, 18658, "resolved")]),
+    "megatron_bert_release_a100.golden_values.json": (4001, 1, 20000, "partial", []),
+    "hf_overfit_30epochs.trainer_state.json": (30, 401, 12030, "assumed", []),
+    "llamafactory_luojiu7b_cpt.trainer_log.jsonl": (1742, 5, 8710, "logged", []),
     # Logs of events only (no training step): the onset is step 0, the start of their timeline.
     NCCL: (0, None, None, "assumed", [("hang", "critical", 0, None, "active")]),
     ELASTIC: (0, None, None, "assumed", [("restart", "warning", 0, 0, "resolved")]),

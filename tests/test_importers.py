@@ -406,6 +406,17 @@ def test_replay_of_real_logs_flags_what_current_detectors_can(r: redis.Redis, re
     assert {919, 947} <= spikes
 
 
+def test_replay_carries_a_megatron_line_without_its_loss_to_the_service(r: redis.Redis) -> None:
+    # the same anomaly as `trainhealth analyze` (tests/test_loss_detectors.py): the missing loss travels the wire
+    path = Path(__file__).parent / "data" / "importers" / "megatron_lm_loss_missing.log"
+    replay(path, r, run="lossless")
+    _drain(r)
+    found = _anomalies(r, "lossless")
+    assert sorted(found) == ["nan_inf:*:1940:0"]
+    a = found["nan_inf:*:1940:0"]
+    assert (a["severity"], a["evidence"]["reason"], a["evidence"]["loss_missing"]) == ("critical", "loss_missing", 3)
+
+
 def test_cli_replays_a_megatron_log(r: redis.Redis, redis_url: str, real_logs: Path) -> None:
     path = real_logs / "megatron_deepspeed_bloom176b_excerpt.log"
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}

@@ -32,7 +32,8 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 @pytest.mark.parametrize(("name", "fmt"), [
-    ("megatron_lm.log", "megatron"), ("gpt_neox.log", "megatron"), ("nemo.log", "megatron"),
+    ("megatron_lm.log", "megatron"), ("megatron_lm_loss_missing.log", "megatron"), ("gpt_neox.log", "megatron"),
+    ("nemo.log", "megatron"),
     ("megatron_deepspeed_overflow.log", "megatron"), ("megatron_wrapped_partly_bad.log", "megatron"),
     ("megatron_all_bad.log", "megatron"), ("nanogpt.log", "nanogpt"), ("nanogpt_partly_bad.log", "nanogpt"),
     ("modded_nanogpt.log", "modded_nanogpt"), ("modded_nanogpt_record_no_train_loss.log", "modded_nanogpt"),
@@ -123,6 +124,33 @@ def test_megatron_lm() -> None:
     last = pts[3]  # every iteration of the interval NaN: Megatron omits the loss and counts them
     assert (last.step, math.isnan(last.loss), math.isnan(last.grad_norm), last.skipped) == (22, True, True, 10)
     assert {p.tokens for p in pts} == {None}  # no consumed tokens on Megatron-LM lines
+
+
+def test_megatron_lm_line_without_its_loss_is_a_missing_loss() -> None:
+    # bf16 run, log interval 10: from iteration 1940 the lines print learning rate, grad norm (nan) and both
+    # counters (0) but no "lm loss": Megatron-LM prints a loss only if its interval average is >= 0 (NaN is not)
+    pts = list(read(DATA / "megatron_lm_loss_missing.log"))
+    assert [(p.step, p.loss, p.grad_norm, p.skipped, p.loss_missing, p.source_line) for p in pts[:3]] == [
+        (1910, 2.953117, 1.103, 0, False, 4), (1920, 2.948804, 1.087, 0, False, 5),
+        (1930, 2.95126, 1.254, 0, False, 6)]
+    assert [(p.step, p.loss, math.isnan(p.grad_norm), p.skipped, p.loss_missing, p.lr) for p in pts[3:]] == [
+        (1940, None, True, 0, True, 7.897e-05), (1950, None, True, 0, True, 7.896e-05),
+        (1960, None, True, 0, True, 7.895e-05)]
+
+
+def test_megatron_line_without_loss_explained_by_its_counters(tmp_path: Path) -> None:
+    head = " iteration {:8d}/    1000 | elapsed time per iteration (ms): 900.0 | learning rate: 1.000000E-04 | "
+    tail = "loss scale: {} | grad norm: {} | number of skipped iterations: {:3d} | number of nan iterations: {:3d} |"
+    lines = [head.format(10) + "lm loss: 7.100000E+00 | " + tail.format("65536.0", "3.100", 0, 0),
+             head.format(20) + tail.format("32768.0", "inf", 10, 0),  # all 10 iterations skipped: nothing applied
+             head.format(30) + "lm loss: 0.000000E+00 | " + tail.format("16384.0", "inf", 10, 0),  # newer Megatron
+             head.format(40) + tail.format("16384.0", "nan", 10, 3),  # NaN iterations counted: a NaN loss
+             head.format(50) + tail.format("16384.0", "nan", 4, 0)]  # 6 applied iterations, no loss printed
+    path = tmp_path / "megatron.log"
+    path.write_text("\n".join(lines) + "\n")
+    got = [(p.step, None if p.loss is None else str(p.loss), p.skipped, p.loss_missing) for p in read(path)]
+    assert got == [(10, "7.1", 0, False), (20, None, 10, False), (30, None, 10, False), (40, "nan", 10, False),
+                   (50, None, 4, True)]
 
 
 def test_gpt_neox_and_nemo() -> None:

@@ -79,6 +79,17 @@ AGG_STALE_S = 30.0
 #: loss at least 1.2x its expected value. 1.2x: a smaller one-point rise is the ordinary batch-to-batch spread of
 #: real runs (modded-nanogpt: a +15 % blip every ~100 steps late in training; Megatron Mixtral: +6-14 % blips)
 #: and not what the practitioner accounts call a spike (BLOOM-176B 2.2 -> 5.1, PaLM §5.1, the OPT logbook).
+#: A log too short for the noise-tail fit (fewer than LOSS_SPIKE_TAIL_MIN_POINTS accepted points: an excerpt, a
+#: sparse log) has only z_open, a Hampel margin, to stand for its unknown tail. A point at least this many times
+#: *every* point of its window is a spike at the Student-t bound for the window's size (robust.STUDENT_Z) instead:
+#: the issue's "a 2-3x jump over every earlier point" (issue 13), its lower end; 2x is also llm-foundry's
+#: KillLossSpike outlier multiplier. Chosen on tf_deeplab_steps_checkpoint.log (13000: 2.8x its window's highest
+#: point, 4.6 robust SDs against a bound of 4.37 for 28 points) and the BLOOM / 104B excerpts; checked on the other
+#: real logs (their first 500 points: no loss is 2x its window's highest with that z). Simulated excerpts of 40
+#: points (1,500 each): no added false alarm on log-normal noise (SD 0.05-0.45), +8 to +26 per 10,000 points on
+#: Student-t(3) noise of scale 0.2-0.45 (where the detector without it already gives 31). Off for the grad norm,
+#: whose tail is heavier (TrOCR: 2x its window's highest at 142 and 414, no loss reaction).
+LOSS_SPIKE_RECORD_RATIO = 2.0
 LOSS_SPIKE_WINDOW_STEPS = 50
 LOSS_SPIKE_WARMUP_STEPS = 3
 LOSS_SPIKE_Z_OPEN = 6.5
@@ -90,6 +101,11 @@ GRAD_NORM_SPIKE_MIN_REL_RISE = 1.0
 #: Steps a spike may stay elevated before it is ``not_recovered`` (-> divergence), and a rise must last to be
 #: divergence. PaLM (§5.1) restarted ~100 steps before a spike that did not recover.
 DIVERGENCE_STEPS = 100
+#: Incidents: loss-family anomalies whose onsets are within this many steps (or one logging interval, if longer) of
+#: a member's are one incident. BLOOM-176B (tr11-176B-ml chronicles): the grad norm left its level at 31215, the
+#: loss spiked at 31219, 4 steps later; PaLM §5.1 and OLMo 2 describe grad-norm spikes "shortly" before loss spikes.
+#: Twice BLOOM's lead plus a step, rounded.
+INCIDENT_STEPS = 10
 #: Straggler: steps per window, relative score threshold and consecutive windows below it before flagging.
 #: The score is NVRx's (fastest rank's median / the rank's). Threshold 0.8 (a rank ~1.25x slower than the fastest),
 #: not NVRx/NeMo's default 0.7 (``gpu_relative_perf_threshold``, ~1.43x): in synchronous training every rank waits
@@ -160,9 +176,46 @@ SKIPPED_STEPS_MIN = 3
 #: ...except while the loss scaler calibrates at the start (no step applied yet in this generation): halving
 #: once per overflow from Megatron-LM's default initial scale 2^32 takes up to 32 skips.
 SKIPPED_STEPS_INITIAL = 32
+#: NaN/Inf grad norm: on this many logged points in a row, none marked skipped, it is critical (the updates are NaN,
+#: or the scaler skips every step without saying so). The reasoning of SKIPPED_STEPS_MIN: two overflows in a row
+#: are the fp16 scalers' hysteresis (DeepSpeed, Megatron-LM: 2), a third is not; within SKIPPED_STEPS_INITIAL
+#: steps of a generation's start, before any finite grad norm, it is the scale calibrating (a warning) unless the
+#: loss on those points is frozen at one value.
+NAN_GRAD_NORM_POINTS = 3
 #: Applied steps in a row that end a skipped-steps episode (a judgement: ten times the fp16 scalers'
 #: hysteresis of 2), so a burst with a few applied steps between overflows is one anomaly.
 SKIPPED_STEPS_QUIET = 20
+
+#: Loss collapse: the loss bit-identical on at least LOSS_COLLAPSE_MIN_POINTS logged points in a row, and a run that
+#: long improbable (< LOSS_COLLAPSE_RISK) at the rate this log repeats a value by chance, estimated on the
+#: transitions of the LOSS_COLLAPSE_HISTORY_POINTS logged points before it. Measured on the real logs: equal pairs
+#: occur (hf_overfit_30epochs 2 in 29 transitions, 4-decimal losses near 0.055; LLaMA-Factory Mistral, T5,
+#: modded-nanogpt, llm.c), three equal points in a row never. The risk is per logged point and 100x below the spike
+#: detectors' 1e-4 budget: a collapse is critical, and on a loss printed to 2 decimals (a repeat rate near 0.26,
+#: measured on a simulated plateau) 1e-4 would let the rounding's own longest runs (7-8 points in 3,000) through,
+#: while a loss that really froze stays frozen for far more than the 12 points 1e-6 then asks. 500 points: a repeat
+#: rate of a few percent known to about +-1 % (our choice).
+LOSS_COLLAPSE_MIN_POINTS = 3
+LOSS_COLLAPSE_RISK = 1e-6
+LOSS_COLLAPSE_HISTORY_POINTS = 500
+
+#: Plateau: the stretch judged is the last PLATEAU_RUN_FRACTION of the steps since the first logged one, at least
+#: PLATEAU_MIN_STEPS steps and PLATEAU_MIN_POINTS points (a third of them, >= 33, backs each median: its SE is then
+#: ~0.22 per-point SDs; our choice, and it keeps excerpts and sparse logs out); no progress is a relative gain
+#: under PLATEAU_MIN_GAIN at the DIVERGENCE_Z upper bound. 1 %: half of what a run on the compute frontier gains
+#: over its last third (1.5x compute) by Kaplan et al. 2020's L ~ C^-0.050 (1.5^-0.05 = 0.980). The learning rate
+#: must stay >= PLATEAU_LR_FRACTION of the run's peak over the whole stretch: below it the flattening is a decaying
+#: schedule's (llm.c GPT-2 and LLaMA-Factory luojiu-7b flatten as their LR decays to ~0; a cosine passes half its
+#: peak at mid-run). Checked every PLATEAU_CHECK_POINTS points (and 1 % of those seen), on at most PLATEAU_MAX_POINTS
+#: kept (thinned uniformly beyond). None of these was fitted on a file: no real log has a labelled plateau; all stay
+#: silent.
+PLATEAU_MIN_POINTS = 100
+PLATEAU_MIN_STEPS = 500
+PLATEAU_RUN_FRACTION = 1 / 3
+PLATEAU_MIN_GAIN = 0.01
+PLATEAU_LR_FRACTION = 0.5
+PLATEAU_CHECK_POINTS = 25
+PLATEAU_MAX_POINTS = 6000
 
 # --- Detectors: timing family (throughput drop, slow steps) --------------------------------------
 #: Both judge a step's own duration: the live ``mon.step()`` time, else the job's own measurement

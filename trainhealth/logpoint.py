@@ -40,6 +40,14 @@ class LogPoint:
         ranks' records of one step (world size = highest rank + 1).
     host : str | None
         The node the rank ran on, when the log names it (for the slow-node detector).
+    loss_missing : bool
+        The log line of this logged iteration prints its other metrics (learning rate, grad norm, loss
+        scale, counters) but not the loss, and nothing on the line accounts for it (no skipped iteration
+        covering the interval, no NaN iteration counted). Megatron-LM prints a loss only when its average
+        over the interval's applied iterations is a number >= 0 (``training_log``: ``if avg >= 0.0``, older
+        versions and Megatron-DeepSpeed ``> 0.0``), so a NaN or infinite loss is left out of the line while
+        its own ``number of nan iterations`` counter (which counts skipped iterations only) stays 0. ``loss``
+        is then None (or NaN when the line counts NaN iterations).
     sections : tuple[tuple[str, float], ...]
         ``(name, seconds)`` the rank spent in named parts of the step, as the log times them; they
         become the record's ``sec.<name>`` times, whose sum is the rank's busy time that the
@@ -62,6 +70,7 @@ class LogPoint:
     rank: int | None = None
     host: str | None = None
     sections: tuple[tuple[str, float], ...] = ()
+    loss_missing: bool = False
 
     @property
     def is_eval(self) -> bool:

@@ -34,7 +34,7 @@ SECTION_PREFIX = "sec."
 GPU_PREFIX = "gpu."
 
 _STEP_FLOATS = ("t", "dur", "loss", "grad_norm", "lr", "step_s")
-_STEP_INTS = ("tokens", "samples", "consumed_samples", "batch_index", "skipped")
+_STEP_INTS = ("tokens", "samples", "consumed_samples", "batch_index", "skipped", "loss_missing")
 
 
 def _s(v: Any) -> str:
@@ -64,6 +64,10 @@ class StepRecord:
         Data position after the step (global samples consumed; data-loader batch index).
     skipped : int | None
         1 when the optimizer skipped this step (fp16 loss-scale overflow).
+    loss_missing : int | None
+        1 when the job's log printed this step's line without its loss, the other metrics there, and
+        nothing on the line accounts for it (a replayed log: Megatron-LM prints a loss only when it is
+        finite, see :attr:`trainhealth.logpoint.LogPoint.loss_missing`); None otherwise.
     sections : dict[str, float]
         Seconds per named section (``data``, ``forward_backward``, ...) before the collective.
     gpu : dict[str, float]
@@ -89,6 +93,7 @@ class StepRecord:
     sections: dict[str, float] = field(default_factory=dict)
     gpu: dict[str, float] = field(default_factory=dict)
     step_s: float | None = None
+    loss_missing: int | None = None
 
     @property
     def busy_s(self) -> float | None:
@@ -258,7 +263,7 @@ def decode_steps(fields: Mapping[Any, Any]) -> list[StepRecord]:
 # -- the detector service's decode: aggregator rows -----------------------------------------------
 #: The fields of a step record in the order a row (see :func:`record_row`) holds them.
 ROW_FIELDS = ("loss", "grad_norm", "t", "dur", "tokens", "samples", "inc", "lr", "consumed_samples",
-              "batch_index", "skipped", "step_s", "rank", "step")
+              "batch_index", "skipped", "step_s", "rank", "step", "loss_missing")
 #: Indices of a row's columns that are not in :data:`ROW_FIELDS`: ``busy_s``, data-loading seconds,
 #: and the record the row was made from (a :class:`StepRecord`, or the decoded plain dict).
 ROW_BUSY, ROW_DATA, ROW_SOURCE = len(ROW_FIELDS), len(ROW_FIELDS) + 1, len(ROW_FIELDS) + 2
@@ -279,8 +284,8 @@ def record_row(rec: StepRecord, data_sections: tuple[str, ...]) -> tuple:
     section order) and ``rec`` itself.
 
     >>> record_row(StepRecord(rank=1, step=5, inc=0.0, t=9.0, loss=2.0, sections={"data": 0.5, "fwd": 1.0}),
-    ...            ("data",))[:2] + record_row(StepRecord(rank=1, step=5, inc=0.0, t=9.0), ())[12:16]
-    (2.0, None, 1, 5, None, 0)
+    ...            ("data",))[:2] + record_row(StepRecord(rank=1, step=5, inc=0.0, t=9.0), ())[12:17]
+    (2.0, None, 1, 5, None, None, 0)
     """
     sec = rec.sections
     # busy_s is sum(gpu) + sum(CPU-only sections): with no GPU times that is the sum of the sections.

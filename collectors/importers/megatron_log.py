@@ -17,8 +17,18 @@ Megatron-LM prefixes a ``[date time]``; launchers may prefix ``[default7]:``). N
 Read: the step, loss (``lm loss``/``lm_loss``/``reduced_train_loss``), ``grad norm``, learning
 rate, elapsed time per iteration (ms or s; NeMo's ``train_step_timing in s``) as seconds per
 step, consumed samples, consumed tokens (cumulative → tokens since the previous line), and the
-skipped and NaN iteration counts. Megatron omits the loss when every iteration of the interval
-was skipped; with NaN iterations reported and no loss, the loss is read as NaN.
+skipped and NaN iteration counts.
+
+A Megatron line without its loss: Megatron-LM's ``training_log`` (``megatron/training/training.py``)
+adds an iteration's loss to the interval's sum only when the iteration was not skipped, and prints
+a loss key only ``if avg >= 0.0`` (Megatron-DeepSpeed and older Megatron-LM: ``> 0.0``), so a NaN or
+infinite loss is left out of the line while ``number of nan iterations`` — which counts *skipped*
+iterations with a non-finite loss — stays 0. Read as: with NaN iterations counted, the loss is NaN;
+with skipped iterations covering the whole interval since the previous line (or any skipped on the
+first line, whose interval is unknown), the loss is absent because nothing was applied (also when
+newer Megatron-LM prints that interval's empty sum as ``lm loss: 0.000000E+00``); otherwise
+``LogPoint.loss_missing`` is set: the loss was not finite on an applied iteration. NeMo lines are
+read as they are.
 
 DeepSpeed's ``OVERFLOW! Rank 0 Skipping step. Attempted loss scale: …`` lines (fp16 dynamic loss
 scaling, also ``fp16 dynamic loss scale overflow! Skipping step``) precede the iteration line of
@@ -147,6 +157,7 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     held: list[tuple[int, str]] = []
     good = 0
     last: int | None = None  # the last line of the last record read
+    prev_step: int | None = None  # the iteration of the previous record read
 
     def next_line() -> tuple[int, str] | None:
         return held.pop() if held else next(lines, None)
@@ -182,13 +193,24 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         overflows.clear()
         if seen:
             skipped = max(skipped or 0.0, float(seen))
-        loss = fields.get("loss")
-        if loss is None and fields.get("nan", 0.0) > 0:
-            loss = math.nan
+        loss, missing = fields.get("loss"), False
+        if not nemo:
+            # Skipped iterations covering the interval since the previous line (any, on the first line: its
+            # interval is unknown) applied nothing: no loss to print (newer Megatron-LM prints the empty sum, 0).
+            all_skipped = bool(skipped) and (prev_step is None or skipped >= step - prev_step)
+            if loss == 0.0 and all_skipped:
+                loss = None
+            if loss is None:
+                if fields.get("nan", 0.0) > 0:
+                    loss = math.nan  # the line counts the NaN iterations itself
+                elif not all_skipped:
+                    missing = True  # an applied iteration's loss was not finite: Megatron left it out
+        prev_step = step
         good += 1
         yield LogPoint(
             step=step, loss=loss, grad_norm=fields.get("grad_norm"),
             lr=fields.get("lr"), tokens=tokens.delta(fields.get("tokens_total")), source_line=lineno,
             step_seconds=fields.get("step_seconds"), skipped=None if skipped is None else int(skipped),
-            consumed_samples=int(fields["consumed_samples"]) if "consumed_samples" in fields else None)
+            consumed_samples=int(fields["consumed_samples"]) if "consumed_samples" in fields else None,
+            loss_missing=missing)
     bad.finish(good, last)
