@@ -52,6 +52,13 @@ class StepAggregate:
         Max over ranks of seconds in data-loading sections.
     bad_ranks : tuple[int, ...]
         Ranks whose loss or grad norm was NaN/Inf.
+    pause : str | None
+        A declared pause fell in this step, set by the pipeline
+        (:meth:`~trainhealth.detectors.pipeline.RunPipeline.feed_event`): ``checkpoint_save``,
+        ``checkpoint_load``, or the name of a ``badput`` event (``evaluation``, ``profiling``...) reported
+        since the step before it. The timing detectors do not judge such a step (its time holds the pause
+        when the log measured it whole: TF's ``sec/step`` after "The checkpoint has been created."), and the
+        goodput ledger books its time above the usual step time as that pause. None otherwise.
     """
 
     step: int
@@ -72,6 +79,7 @@ class StepAggregate:
     batch_index: int | None = None
     skipped: bool = False
     step_s: float | None = None
+    pause: str | None = None
 
     @property
     def dur(self) -> float | None:

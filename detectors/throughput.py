@@ -94,7 +94,9 @@ class ThroughputDropDetector(StepDetector):
 
     Works on ``y = log(step time)`` (see :func:`step_seconds`), so a shift is relative. The
     first ``warmup`` timed steps of each generation are skipped (compilation, cache and
-    data-loader warm-up); the next ``min_reference`` form the reference, which then trails
+    data-loader warm-up), and so is a step a declared pause fell in (``agg.pause``: a checkpoint
+    save or load, an evaluation; the goodput ledger books its time); the next ``min_reference``
+    form the reference, which then trails
     the last ``window`` steps judged normal: its median ``mu`` and robust SD
     ``s = max(1.4826 x MAD, min_scale)``. Each later step feeds Page's one-sided CUSUM
 
@@ -238,8 +240,8 @@ class ThroughputDropDetector(StepDetector):
             tps = agg.tokens / (agg.step - self._prev_step)
         self._prev_step = agg.step
         t = step_seconds(agg)
-        if t is None:
-            return out
+        if t is None or agg.pause is not None:
+            return out  # untimed, or a declared pause (checkpoint, evaluation) fell in it: not a step time
         self._seen += 1
         if self._seen <= self.warmup:
             return out

@@ -7,6 +7,7 @@ import math
 import random
 import statistics
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import redis
 
 from trainhealth import Monitor, defaults
 from trainhealth.anomaly import Anomaly
+from trainhealth.collectors.importers import read_items
 from trainhealth.commands.replay import read_points, replay
 from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
 from trainhealth.detectors.hang import HangDetector
@@ -143,6 +145,10 @@ def test_bloom_excerpt_throughput_drop_at_42783_from_its_sparse_points(real_logs
 
 @pytest.mark.parametrize("name", [
     "modded_nanogpt_soap.log",                              # every 10th step ~5x: the run's rhythm
+    "llamafactory_luojiu7b_cpt.trainer_log.jsonl",          # 41.0-43.4 s per step from elapsed_time, 1,742 rows
+    "megatron_bert_release_a100.golden_values.json",        # iteration-time every 100th step, 0.327-0.370 s
+    "deepspeed_overflow_tqdm_hf.log",                       # 132.6-132.8 s/it, one overflow skip (not a timing fault)
+    "tf_deeplab_steps_checkpoint.log",                      # 13000: 5.5 s right after a checkpoint save
     "llamafactory_mistral7b_translator.trainer_log.jsonl",  # step time wanders 2.0-2.7 s with the data
     "tensorboard_t5_summarization",                         # wall-clock step times, steady
     "megatron_deepspeed_104b_overflow_excerpt.log",         # pasted blocks during batch-size ramp-up
@@ -242,6 +248,67 @@ def test_untimed_live_records_with_pauses_are_not_judged() -> None:
         t = 1000.0 + s + (300.0 if s > 250 else 0.0)  # a 300 s gap: an evaluation between steps 250 and 251
         found += pipe.feed_step(StepRecord(0, s, 0.0, t, loss=2.0)).anomalies
     assert kinds_steps(found) == []
+
+
+# -- pauses: checkpoint saves and evaluations in a step -------------------------------------------------
+def test_tf_checkpoint_step_is_booked_as_checkpoint_save_not_judged(real_logs: Path) -> None:
+    # "The checkpoint has been created." after step 12999 (LogEvent checkpoint_save, step 12999, no seconds): step
+    # 13000 takes 5.495 s against ~1.0 s; it is the checkpoint's step, and its time above the usual is the save.
+    path = real_logs / "tf_deeplab_steps_checkpoint.log"
+    run = OfflineRun().feed_all(read_items(path))
+    assert run.events == {"checkpoint_save": 1}
+    assert kinds_steps(run.anomalies.values()) == []
+    times = {p.step: p.step_seconds for p in read_points(path) if not p.is_eval}
+    usual = statistics.median(times[s] for s in range(12973, 13000))  # the first step counts from its end
+    sec = run.pipeline.ledger.snapshot(run.pipeline.ledger.last_activity)["seconds"]
+    assert (usual, sec["checkpoint_save"]) == (1.008, round(5.495 - 1.008, 6)) == (1.008, 4.487)
+    assert sec["productive"] == round(sum(times[s] for s in range(12973, 13002)) - 4.487, 6)
+
+
+def _pause_stream(event: Event | None, slow_s: float = 5.0) -> tuple[list[Anomaly], RunPipeline]:
+    """600 timed 1 s steps (2 % noise) through a pipeline; step 401 takes ``slow_s`` more, ``event`` comes after
+    step 400's record."""
+    rng = random.Random(52)
+    pipe = RunPipeline(1)
+    t, found = 1000.0, []
+    for s in range(600):
+        dur = noisy(rng, 0.02) + (slow_s if s == 401 else 0.0)
+        t += dur
+        found += pipe.feed_step(StepRecord(0, s, 0.0, t, dur=dur, loss=2.0)).anomalies
+        if s == 400 and event is not None:
+            pipe.feed_event(replace(event, t=t))
+    return [a for a in found if a.kind in TIMING], pipe
+
+
+def test_a_save_or_evaluation_measured_inside_the_next_step_makes_it_a_pause_step() -> None:
+    # No event: step 401 (6 s against 1 s) is a slow step.
+    found, pipe = _pause_stream(None)
+    assert kinds_steps(found) == [("slow_step", 401, 401, "resolved")]
+    # A save of step 400 without seconds (a log's "checkpoint saved" line): 401 is the checkpoint's step.
+    found, pipe = _pause_stream(Event("checkpoint_save", 0, 0.0, 0.0, step=400))
+    assert found == []
+    snap = pipe.ledger.snapshot(pipe.ledger.last_activity)
+    assert round(snap["seconds"]["checkpoint_save"], 3) == 5.006  # 6.006 s against a 1.000 s median
+    # An evaluation (a badput event, no step: after the last completed step): booked under its name.
+    found, pipe = _pause_stream(Event("badput", 0, 0.0, 0.0, seconds=None, extra={"name": "evaluation"}))
+    assert found == []
+    snap = pipe.ledger.snapshot(pipe.ledger.last_activity)
+    assert (round(snap["seconds"]["custom"], 3), round(snap["custom_by_name"]["evaluation"], 3)) == (5.006, 5.006)
+    # A late event (it names step 300, long done) marks nothing.
+    found, _ = _pause_stream(Event("checkpoint_save", 0, 0.0, 0.0, step=300))
+    assert kinds_steps(found) == [("slow_step", 401, 401, "resolved")]
+
+
+def test_pause_step_of_a_multi_rank_job_is_the_step_after_the_saved_one() -> None:
+    # Rank 0 reports the save of step 10 before rank 1's record of step 10: the pause still falls in step 11.
+    pipe = RunPipeline(2)
+    aggs = []
+    for s in range(13):
+        aggs += pipe.feed_step(StepRecord(0, s, 0.0, float(s), dur=1.0)).aggs
+        if s == 10:
+            pipe.feed_event(Event("checkpoint_save", 0, 10.5, 0.0, step=10, seconds=3.0))
+        aggs += pipe.feed_step(StepRecord(1, s, 0.0, float(s), dur=1.0)).aggs
+    assert [(a.step, a.pause) for a in aggs if a.pause] == [(11, "checkpoint_save")]
 
 
 def test_a_bigger_batch_is_not_a_drop_but_fewer_tokens_per_second_is() -> None:
