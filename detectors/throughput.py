@@ -202,7 +202,9 @@ class ThroughputDropDetector(StepDetector):
     Biometrika 57 (1970);
     D. Siegmund, *Sequential Analysis* (1985) (the run-length approximation used for ``h``);
     Google ml-goodput-measurement, ``goodput_utils.compute_ideal_step_time`` and
-    ``compute_step_deviation_from_baseline`` (step-time deviation).
+    ``compute_step_deviation_from_baseline`` (step-time deviation);
+    A. Grattafiori et al., "The Llama 3 Herd of Models", arXiv:2407.21783 (2024), sec. 3.3.4 (a diurnal 1-2 %
+    throughput variation of a 16k-GPU run: the scale ``warning_loss`` is set against).
     """
 
     KIND = "throughput_drop"

@@ -381,7 +381,8 @@ def test_severity_follows_the_time_lost_and_an_info_drop_grows_into_a_warning() 
     rng = random.Random(94)
     det, states = ThroughputDropDetector(), []
     for s in range(1200):
-        states += det.update(agg(s, noisy(rng, 0.005) * (1.035 if s < 700 else 1.08) if s >= 500 else noisy(rng, 0.005)))
+        factor = 1.0 if s < 500 else 1.035 if s < 700 else 1.08
+        states += det.update(agg(s, noisy(rng, 0.005) * factor))
     assert [(a.step, a.status, a.severity) for a in states] == [(500, "active", "info"), (500, "active", "warning")]
     assert states[1].evidence["lost_fraction"] == 0.0401
 
