@@ -55,6 +55,13 @@ class StepAggregate:
     loss_missing : bool
         Whether any rank's record says its log printed the step without its loss (``StepRecord.loss_missing``:
         a replayed Megatron-LM line whose loss was left out because it was not finite).
+    pause : str | None
+        A declared pause fell in this step, set by the pipeline
+        (:meth:`~trainhealth.detectors.pipeline.RunPipeline.feed_event`): ``checkpoint_save``,
+        ``checkpoint_load``, or the name of a ``badput`` event (``evaluation``, ``profiling``...) reported
+        since the step before it. The timing detectors do not judge such a step (its time holds the pause
+        when the log measured it whole: TF's ``sec/step`` after "The checkpoint has been created."), and the
+        goodput ledger books its time above the usual step time as that pause. None otherwise.
     """
 
     step: int
@@ -76,6 +83,7 @@ class StepAggregate:
     skipped: bool = False
     step_s: float | None = None
     loss_missing: bool = False
+    pause: str | None = None
 
     @property
     def dur(self) -> float | None:

@@ -218,6 +218,8 @@ class GoodputLedger:
         parts = self._split_step(agg, dur)
         for cat, v in parts.items():
             sec[cat] += v
+        if agg.pause is not None:
+            self._book_pause(agg.pause, parts, dur)
         tokens = agg.tokens or 0
         good = 0 if parts.get("skipped_steps") else tokens
         self._lineage.append((agg.step, good, parts))
@@ -226,7 +228,7 @@ class GoodputLedger:
         self._steps_done += 1
         self._last_end = end
         self._last_t = max(self._last_t, end)
-        if agg.t_start is not None or dur > 0:
+        if (agg.t_start is not None or dur > 0) and agg.pause is None:  # a pause step is not a usual step time
             self._durs.append(dur)
         self._recent.append([end, tokens, good, dur, agg.step, True])
         while self._recent and self._recent[0][0] < end - WINDOWS_S[-1]:
@@ -252,6 +254,26 @@ class GoodputLedger:
             first_parts["productive"] -= excess
             self._sec["productive"] -= excess
             self._sec["program_startup"] += excess
+
+    def _book_pause(self, pause: str, parts: dict[str, float], dur: float) -> None:
+        """A step a declared pause fell in (:attr:`StepAggregate.pause`): its time above the median of the
+        recent steps is the pause's (``checkpoint_save``, ``checkpoint_restore``, or ``custom`` under the
+        badput's name), not progress. A log that times the step whole (TF's ``sec/step`` of the step after
+        "The checkpoint has been created.") measured the save only there; a pause whose seconds were declared
+        was booked in the gap before the step already, and the step itself is then about as long as usual."""
+        if not self._durs:
+            return
+        extra = min(dur - sorted(self._durs)[len(self._durs) // 2], parts.get("productive", 0.0))
+        if extra <= 0:
+            return
+        parts["productive"] -= extra
+        sec = self._sec
+        sec["productive"] -= extra
+        if pause in ("checkpoint_save", "checkpoint_load"):
+            sec["checkpoint_save" if pause == "checkpoint_save" else "checkpoint_restore"] += extra
+        else:
+            sec["custom"] += extra
+            self._custom_by_name[pause] = self._custom_by_name.get(pause, 0.0) + extra
 
     def _split_step(self, agg: StepAggregate, dur: float) -> dict[str, float]:
         """A step's seconds by category: data wait, straggler wait, then productive or skipped."""

@@ -52,6 +52,11 @@ INCIDENT_KINDS = frozenset({"loss_spike", "grad_norm_spike", "divergence", "grad
                             "skipped_steps", "loss_collapse"})
 #: Of those, the ones showing the loss itself moved (a grad-norm spike in their incident is a warning, not info).
 LOSS_MOVED_KINDS = frozenset({"loss_spike", "divergence", "loss_collapse"})
+#: Events that declare a pause in training (a checkpoint save or load, an evaluation or other badput): the
+#: first step after the step they name is a pause step (:attr:`StepAggregate.pause`).
+PAUSE_EVENTS = ("checkpoint_save", "checkpoint_load", "badput")
+#: Pause events kept waiting for their step (a bound: events naming steps that never come are dropped).
+MAX_PENDING_PAUSES = 64
 
 
 @dataclass
@@ -125,6 +130,8 @@ class RunPipeline:
         self._incident_of: dict[str, str] = {}
         self._incidents: list[list] = []
         self._gap = 1  # steps between the last two logged steps (the log's interval: the incident window's floor)
+        # Declared pauses waiting for the step they fall in: step named by the event -> the pause's name.
+        self._pauses: dict[int, str] = {}
         #: Exceptions raised by a detector (or the advisor), by its class name. A bug in one detector must
         #: not stop the others, the ledger, or the service (which would crash again on the same entry
         #: when it replays the stream after a restart): the step is skipped for that detector only.
@@ -210,8 +217,30 @@ class RunPipeline:
         elif ev.kind == "checkpoint_save" and ev.step is not None and ev.step not in self.checkpoints:
             pos = self.positions.get(ev.step, (None, None))
             self.checkpoints[ev.step] = Checkpoint(ev.step, *pos)
+        if ev.kind in PAUSE_EVENTS:
+            self._note_pause(ev)
         self.ledger.add_event(ev)
         return Output()
+
+    def _note_pause(self, ev: Event) -> None:
+        """A checkpoint save or load, an evaluation or other badput: it falls in the first step after the step
+        it names (the save of step 12999 in step 13000), else after the last completed step."""
+        after = ev.step if ev.step is not None else self.current_step
+        name = (ev.extra.get("name") or "badput") if ev.kind == "badput" else ev.kind
+        self._pauses.setdefault(after, name)  # every rank reports the same checkpoint
+        if len(self._pauses) > MAX_PENDING_PAUSES:
+            del self._pauses[min(self._pauses)]
+
+    def _paused(self, agg: StepAggregate) -> StepAggregate:
+        """``agg`` as a pause step when a declared pause fell between the previous step of its generation and
+        it; the pauses it passes are used up (one naming a step already followed by another was late)."""
+        prev = self._prev_end[2] if self._prev_end is not None and self._prev_end[0] == agg.gen else None
+        hit = None
+        for after in [s for s in self._pauses if s < agg.step]:
+            name = self._pauses.pop(after)
+            if hit is None and (prev is None or after >= prev):
+                hit = name
+        return replace(agg, pause=hit) if hit is not None else agg
 
     def _run_ended(self) -> Output:
         # Conditions of a live job (slowness) cannot be observed once every rank has ended: left active they
@@ -304,8 +333,11 @@ class RunPipeline:
                           step, n)
 
     def _steps(self, aggs: list[StepAggregate]) -> Output:
-        out = Output(aggs=aggs)
+        out = Output()
         for agg in aggs:
+            if self._pauses:
+                agg = self._paused(agg)
+            out.aggs.append(agg)
             self.ledger.add_step(agg)
             # The step's own time (timed by the ranks, else the job's own step_s), the one the timing
             # detectors judge; an untimed step without one lasted since the previous step ended, per step

@@ -27,6 +27,8 @@ class SlowStepDetector(StepDetector):
     :class:`~trainhealth.detectors.throughput.ThroughputDropDetector`. Not reported either:
 
     - the first ``warmup`` timed steps of each generation (compilation, warm-up);
+    - a step a declared pause fell in (``agg.pause``: a checkpoint save or load, an evaluation or other
+      badput event since the step before it; the goodput ledger books its extra time as that pause);
     - slow steps that are the run's rhythm: a slow step at ``s`` when slow steps were also seen
       at ``s - d`` and ``s - 2d`` (e.g. an optimizer refresh every 10 steps, as in
       modded-nanogpt's SOAP run). The rhythm is learnt during warm-up too, so a period of up to
@@ -100,8 +102,8 @@ class SlowStepDetector(StepDetector):
             self._run.clear()
             self._shifted = False
         t = step_seconds(agg)
-        if t is None:
-            return []
+        if t is None or agg.pause is not None:
+            return []  # untimed, or a declared pause (checkpoint, evaluation) fell in it: not judged, not learnt
         self._seen += 1
         y = math.log(t)
         if len(self._ref) < self.min_reference:

@@ -164,6 +164,16 @@ def test_104b_excerpt_divergence_with_overflow_skips(real_logs: Path) -> None:
         "active", None, 6, 17068)
 
 
+def test_deepspeed_single_overflow_is_one_info_skipped_step(real_logs: Path) -> None:
+    # MANIFEST: one fp16 overflow (loss scale 2048 -> 1024), one skipped step, info; the bar's step 249 took 132 s.
+    run = OfflineRun().feed_all(read_points(real_logs / "deepspeed_overflow_tqdm_hf.log"))
+    [a] = run.anomalies.values()  # and nothing else: no throughput drop, no hang
+    assert (a.kind, a.severity, a.status, a.step, a.end_step) == ("skipped_steps", "info", "resolved", 249, 249)
+    assert a.evidence == {"steps": 1, "first_step": 249, "last_step": 249, "runs": 1, "calibrating": False,
+                          "lost_s": 132.0, "incident": "skipped_steps:*:249:0"}
+    assert run.pipeline.ledger.snapshot(run.pipeline.ledger.last_activity)["seconds"]["skipped_steps"] == 132.0
+
+
 def test_whisper_sparse_rise_is_divergence_from_step_1000(real_logs: Path) -> None:
     # train loss 1.24 (500) -> 2.03 (1000) -> 2.16 -> 1.98 (2000) -> 1.79: confirmed at the third elevated point
     found = offline(real_logs / "hf_whisper_small_lr_too_high.trainer_state.json")
@@ -373,16 +383,41 @@ def test_skipped_steps_runs_calibration_and_restart() -> None:
     skipped = set(range(0, 20)) | {100, 101} | set(range(200, 207)) | set(range(300, 303))
     aggs = [agg(s, 2.0, 1.0, skipped=s in skipped) for s in range(400)]
     got = feed([SkippedStepsDetector()], aggs)
-    # 20 skips while calibrating are normal, 2 in a row are the scaler's hysteresis; 7 and 3 in a row are not
-    assert [(a.status, a.step, a.end_step, a.evidence["steps"]) for a in got] == [
-        ("active", 200, None, 3), ("active", 200, None, 6), ("resolved", 200, 206, 7),
-        ("active", 300, None, 3), ("resolved", 300, 302, 3)]
+    # 20 skips while calibrating are normal and not reported; 2 in a row are the scaler's hysteresis: an info point
+    # event (2 steps' time); 7 and 3 in a row are not normal: warnings
+    assert [(a.severity, a.status, a.step, a.end_step, a.evidence["steps"]) for a in got] == [
+        ("info", "resolved", 100, 101, 2),
+        ("warning", "active", 200, None, 3), ("warning", "active", 200, None, 6), ("warning", "resolved", 200, 206, 7),
+        ("warning", "active", 300, None, 3), ("warning", "resolved", 300, 302, 3)]
     det = SkippedStepsDetector()
     got = feed([det], [agg(s, 2.0, skipped=s >= 10) for s in range(14)] + [agg(5, 2.0, skipped=True, gen=1)])
     assert [(a.status, a.step, a.end_step) for a in got] == [("active", 10, None), ("resolved", 10, 13)]
     # never a step applied: more than 32 skips from the start is flagged as calibration failing
     got = feed([SkippedStepsDetector()], [agg(s, 2.0, skipped=True) for s in range(40)])
     assert [(a.step, a.evidence["steps"], a.evidence["calibrating"]) for a in got] == [(0, 33, True)]
+
+
+def test_single_overflow_skips_are_one_info_per_cluster_with_the_time_they_cost() -> None:
+    # One skip every ~10 steps over steps 1000-1040 (the scaler probing a higher scale and falling back), then
+    # one more 500 steps later: two info anomalies, never a warning. Steps of 2 s: the badput is 2 s a skip.
+    skipped = {1000, 1010, 1011, 1025, 1040, 1540}
+    aggs = [StepAggregate(s, 0, 0.0, None, 2.0 * s, 2.0, 1.0, None, None, None, 1, (None,), 0.0, skipped=s in skipped,
+                          step_s=2.0) for s in range(2000)]
+    got = feed([SkippedStepsDetector()], aggs)
+    assert [(a.severity, a.status, a.step, a.end_step, a.evidence["steps"], a.evidence["runs"], a.evidence["lost_s"])
+            for a in got] == [
+        ("info", "resolved", 1000, 1000, 1, 1, 2.0), ("info", "resolved", 1000, 1011, 3, 2, 6.0),
+        ("info", "resolved", 1000, 1025, 4, 3, 8.0), ("info", "resolved", 1000, 1040, 5, 4, 10.0),
+        ("info", "resolved", 1540, 1540, 1, 1, 2.0)]
+    assert len({a.id for a in got}) == 2  # one anomaly per cluster, updated
+    assert got[1].message == ("the optimizer skipped 3 steps in 2 short runs, steps 1000-1011 (fp16 loss-scale "
+                              "overflow; 6 s lost): the loss scaler lowered its scale, as it does after an overflow; "
+                              "worth a look only if it keeps happening")
+    # A short run right before a run of 3 is its own info; the run of 3 the warning, which then takes the skips
+    # that follow until 20 applied steps in a row end it.
+    got = feed([SkippedStepsDetector()], [agg(s, 2.0, skipped=s in {100, 105, 106, 107, 110}) for s in range(200)])
+    assert [(a.severity, a.status, a.step, a.end_step, a.evidence["steps"]) for a in got] == [
+        ("info", "resolved", 100, 100, 1), ("warning", "active", 105, None, 3), ("warning", "resolved", 105, 110, 4)]
 
 
 def test_nan_inf_ignores_an_overflow_the_optimizer_skipped() -> None:
