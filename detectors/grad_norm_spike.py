@@ -75,7 +75,8 @@ class GradNormSpikeDetector(LossSpikeDetector):
         min_rel_rise: float = defaults.GRAD_NORM_SPIKE_MIN_REL_RISE,
         partner_spike_z: float = defaults.LOSS_SPIKE_Z_OPEN,
         divergence_steps: int = defaults.DIVERGENCE_STEPS,
+        order_jump: float | None = defaults.GRAD_NORM_SPIKE_ORDER_JUMP,
     ) -> None:
         super().__init__(window=window, warmup=warmup, z_open=z_open, z_close=z_close, min_rel_rise=min_rel_rise,
                          partner_spike_z=partner_spike_z, divergence_steps=divergence_steps, skipped_steps=0,
-                         record_ratio=None)
+                         record_ratio=None, order_jump=order_jump)

@@ -128,6 +128,9 @@ class LossSpikeDetector(StepDetector):
     skipped_steps : int
         Consecutive skipped optimizer steps during an open spike that make it ``not_recovered``
         (0 disables).
+    order_jump : float | None
+        On a log too short for the noise tail, a point at least this many times the window's level opens whatever
+        the window's spread (None: off; the grad-norm detector's ``GRAD_NORM_SPIKE_ORDER_JUMP``).
     record_ratio : float | None
         Before the tail fit, a point this many times every point of the window is judged at the Student-t bound
         (None disables).
@@ -199,6 +202,7 @@ class LossSpikeDetector(StepDetector):
         divergence_steps: int = defaults.DIVERGENCE_STEPS,
         skipped_steps: int = defaults.SKIPPED_STEPS_MIN,
         record_ratio: float | None = defaults.LOSS_SPIKE_RECORD_RATIO,
+        order_jump: float | None = None,
     ) -> None:
         self.window = window
         self.warmup = warmup
@@ -216,6 +220,7 @@ class LossSpikeDetector(StepDetector):
         self.divergence_steps = divergence_steps
         self.skipped_steps = skipped_steps
         self.record_ratio = record_ratio
+        self.order_jump = order_jump
         self._hist = History(window)
         self._log = True
         self._spike: Anomaly | None = None
@@ -373,7 +378,7 @@ class LossSpikeDetector(StepDetector):
             if not e <= floor:
                 small = SMALL_SAMPLE_Z.get(base.n, 0.0)
                 need = max(max(self.z_open, small) * base.scale, floor)
-                record = None
+                record, jump = None, False
                 if self.record_ratio is not None and self._log and not self._tail.ready:
                     # A log too short to know its own noise tail (an excerpt): a point at least record_ratio times
                     # every point of the window needs only the Student-t bound for this many points, not the
@@ -382,6 +387,12 @@ class LossSpikeDetector(StepDetector):
                     if over >= math.log(self.record_ratio):
                         record = math.exp(over)
                         need = min(need, max(STUDENT_Z.get(base.n, STUDENT_Z_LIMIT) * base.scale, floor))
+                if (self.order_jump is not None and self._log and not self._tail.ready
+                        and e >= math.log(self.order_jump)):
+                    # An order of magnitude over the window's level on a log too short for a noise model (a few
+                    # points of an excerpt): overwhelming whatever the few points' spread says.
+                    jump = need > math.log(self.order_jump)  # it decides only where the spread would not
+                    need = min(need, math.log(self.order_jump))
                 tail, partner_z = None, -math.inf
                 if e > max(max(self.corroborate_z, small) * base.scale, floor):
                     partner_z = self._partner_z(agg)
@@ -395,7 +406,7 @@ class LossSpikeDetector(StepDetector):
                         if tail is not None and partner_z < self.corroborate_z:
                             need = max(need, tail * base.scale)
                 if e > need:
-                    self._open(agg, value, x, base, pred, need, tail, partner_z, record)
+                    self._open(agg, value, x, base, pred, need, tail, partner_z, record, jump)
                     out.append(self._spike)
                     return out
             self._accept(agg, x, base)
@@ -403,7 +414,7 @@ class LossSpikeDetector(StepDetector):
         return out + self._follow(agg, value, x)
 
     def _open(self, agg: StepAggregate, value: float, x: float, base: Baseline, pred: float, need: float,
-              tail: float | None, partner_z: float, record: float | None = None) -> None:
+              tail: float | None, partner_z: float, record: float | None = None, jump: bool = False) -> None:
         expected = self._inv(pred)
         z = (x - pred) / base.scale
         ratio = value / expected if self._log and expected > 0 else float("nan")
@@ -416,11 +427,14 @@ class LossSpikeDetector(StepDetector):
             kind=self.KIND, severity=self.SEVERITY, step=agg.step, gen=agg.gen,
             message=(f"{self.LABEL} {value:.4g} at step {agg.step} is {how} ({min(z, 999.0):.1f} robust SDs"
                      + (f", {record:.2f}x the highest of the {base.n} logged points before it" if record else "")
+                     + (f", over {self.order_jump:g}x the level of the {base.n} logged points before it: too few "
+                        "to know its noise" if jump else "")
                      + "); watching whether it recovers"),
             evidence={self.FIELD: value, "baseline": expected, "z": z, "rise": ratio,
                       "threshold": math.exp(need) if self._log else need, "tail_z": tail,
                       "partner_z": partner_z if math.isfinite(partner_z) else None,
-                      "peak": value, "peak_step": agg.step, "history_points": base.n, "record": record},
+                      "peak": value, "peak_step": agg.step, "history_points": base.n, "record": record,
+                      **({"order_jump": self.order_jump} if jump else {})},
         )
 
     def _follow(self, agg: StepAggregate, value: float, x: float) -> list[Anomaly]:

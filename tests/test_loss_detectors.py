@@ -128,7 +128,16 @@ def test_bloom_176b_excerpt_spike_found_with_six_points_of_history(real_logs: Pa
     # 31216 (+17 %) and 31218 (+6 %) are the run-up; the spike opens at 31219 (2.2x), is still up at 31222 and
     # back at the next logged point, 31250: 31 steps, fast.
     found = offline(real_logs / "megatron_deepspeed_bloom176b_excerpt.log")
-    assert sorted(found) == [("loss_spike", 31219)]
+    assert sorted(found) == [("grad_norm_spike", 31217), ("loss_spike", 31219)]
+    # The grad norm's climb (0.24, 0.95, 2.4, then 15.9 at 31217) is over 10x the level of the 4 points before it:
+    # too few for a noise model, overwhelming anyway; one incident with the loss spike it leads.
+    g = found["grad_norm_spike", 31217]
+    assert (g.severity, g.end_step, g.evidence["history_points"], g.evidence["order_jump"], g.evidence["incident"],
+            g.evidence["loss_moved"], round(g.evidence["rise"], 2)) == (
+        "warning", 31222, 4, 10.0, "grad_norm_spike:*:31217:0", True, 33.18)
+    assert g.message == ("grad norm 15.89 at step 31217 is 33.18x the expected 0.4787 (2.8 robust SDs, over 10x the "
+                         "level of the 4 logged points before it: too few to know its noise); recovered after 33 "
+                         "steps (fast)")
     a = found["loss_spike", 31219]
     assert (a.end_step, a.evidence["peak"], a.evidence["recovery_class"], a.evidence["recovery_steps"]) == (
         31222, 5.098124, "fast", 31)

@@ -31,9 +31,6 @@ KNOWN_MISSES = {
     ("modded_nanogpt_soap.log", "loss_spike", 5335):
         "4.62 vs 3.31 expected (1.40x, 9.3 robust SDs): below the run's own noise tail (11.4 SDs, fitted on its "
         "heavy-tailed per-batch losses), which keeps the 29 smaller bumps of this run quiet",
-    ("megatron_deepspeed_bloom176b_excerpt.log", "grad_norm_spike", 31215):
-        "the grad norm climbs 0.24 -> 960 over 5 iterations with only 2 logged points before the climb: too few "
-        "for a grad-norm baseline (the loss spike at 31219 is found)",
 }
 
 

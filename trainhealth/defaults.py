@@ -98,6 +98,11 @@ LOSS_SPIKE_MIN_REL_RISE = 0.2
 #: Grad-norm spikes: same method on log(grad norm), stricter (a grad norm is noisier than a loss).
 GRAD_NORM_SPIKE_Z_OPEN = 8.0
 GRAD_NORM_SPIKE_MIN_REL_RISE = 1.0
+#: ...and on a log too short for its noise tail (an excerpt of a few points), a grad norm an order of magnitude over
+#: the window's level is a spike whatever the few points' spread: exploding gradients grow by orders of magnitude
+#: (Pascanu, Mikolov and Bengio, ICML 2013), while healthy grad norms of the real logs stay within 3.5x their local
+#: median outside the spikes their labels name (bench/labels.toml).
+GRAD_NORM_SPIKE_ORDER_JUMP = 10.0
 #: Steps a spike may stay elevated before it is ``not_recovered`` (-> divergence), and a rise must last to be
 #: divergence. PaLM (§5.1) restarted ~100 steps before a spike that did not recover.
 DIVERGENCE_STEPS = 100
