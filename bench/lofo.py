@@ -53,11 +53,15 @@ class Tunable:
 TUNABLES: tuple[Tunable, ...] = (
     Tunable("loss_spike", "LossSpikeDetector", "z_open", (5.0, 5.5, 6.0, 6.5, 7.0, 8.0)),
     Tunable("loss_spike", "LossSpikeDetector", "min_rel_rise", (0.1, 0.15, 0.2, 0.3, 0.5)),
+    Tunable("loss_spike", "LossSpikeDetector", "record_ratio", (1.5, 2.0, 3.0, 5.0)),
     Tunable("grad_norm_spike", "GradNormSpikeDetector", "z_open", (6.0, 7.0, 8.0, 9.0, 10.0)),
     Tunable("grad_norm_spike", "GradNormSpikeDetector", "min_rel_rise", (0.5, 1.0, 1.5, 2.0)),
+    Tunable("grad_norm_spike", "GradNormSpikeDetector", "order_jump", (5.0, 10.0, 20.0, 50.0)),
+    Tunable("loss_collapse", "LossCollapseDetector", "min_points", (2, 3, 5, 8)),
     Tunable("divergence", "DivergenceDetector", "min_rise", (0.1, 0.15, 0.2, 0.3)),
     Tunable("grad_norm_explosion", "GradNormExplosionDetector", "factor", (5.0, 10.0, 20.0)),
     Tunable("throughput_drop", "ThroughputDropDetector", "min_rel_change", (0.02, 0.03, 0.05, 0.08)),
+    Tunable("throughput_drop", "ThroughputDropDetector", "hold_steps", (10, 25, 50, 100)),
     Tunable("slow_step", "SlowStepDetector", "ratio", (1.5, 2.0, 2.5, 3.0)),
 )
 
