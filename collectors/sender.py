@@ -31,30 +31,12 @@ from trainhealth.keys import RUNS, RunKeys
 from trainhealth.loop import Backoff
 from trainhealth.text import show
 from trainhealth.warn_once import WarnOnce
+from trainhealth.wire import encode_value
 
 log = logging.getLogger(__name__)
 
 #: A queued record: (stream, fields). ``stream`` is "steps" or "events".
 Record = tuple[str, dict[str, Any]]
-
-
-def encode_value(v: Any) -> str | int | None:
-    """Encode one event field for XADD: ints as is, floats with ``repr`` (keeps nan/inf), strings as is.
-
-    Other values (tensors, numpy scalars) go through ``float()``; None when that fails, whatever it raises.
-    """
-    if isinstance(v, bool):
-        return int(v)
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float):
-        return repr(v)
-    if isinstance(v, str):
-        return v
-    try:
-        return repr(float(v))
-    except Exception:  # OverflowError, or whatever a foreign __float__ raises
-        return None
 
 
 _PLAIN = frozenset({int, float, bool, type(None)})

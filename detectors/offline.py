@@ -18,23 +18,14 @@ from trainhealth.anomaly import Anomaly
 from trainhealth.detectors.pipeline import Output, RunPipeline
 from trainhealth.logpoint import LogEvent, LogPoint
 from trainhealth.timeline import Arranged, TimedPoint, arrange, check_step_seconds
-from trainhealth.wire import Event, StepRecord
-
-
-def wire_value(v: object) -> str:
-    """A field value as the events stream carries it (``trainhealth.collectors.sender.encode_value``, then Redis's
-    text): an int as is, a float by ``repr``, a bool as 0/1, a string as is."""
-    if isinstance(v, bool):
-        return str(int(v))
-    if isinstance(v, float):
-        return repr(v)
-    return str(v)
+from trainhealth.wire import Event, StepRecord, encode_value
 
 
 def wire_event(ev: LogEvent, t: float, inc: float) -> Event:
     """The :class:`~trainhealth.wire.Event` a collector would send for ``ev`` at unix time ``t``: ``rank``
     the event's (0 when it names none, as the single stream of a log), ``step`` and ``seconds`` as
-    they are, every field in ``extra`` as text (:func:`wire_value`), as the detector service decodes them.
+    they are, every field in ``extra`` as text (:func:`trainhealth.wire.encode_value`, then Redis's text), as
+    the detector service decodes them.
 
     >>> wire_event(LogEvent("collective_timeout", rank=4, seconds=600.067, fields=(("op", "ALLREDUCE"),
     ...            ("seq", 1580), ("timeout_s", 600.0))), 10.0, 0.0)
@@ -42,7 +33,7 @@ def wire_event(ev: LogEvent, t: float, inc: float) -> Event:
 extra={'op': 'ALLREDUCE', 'seq': '1580', 'timeout_s': '600.0'})
     """
     return Event(ev.kind, ev.rank or 0, t, inc, step=ev.step, seconds=ev.seconds,
-                 extra={k: wire_value(v) for k, v in ev.fields})
+                 extra={k: str(encode_value(v)) for k, v in ev.fields})
 
 
 class OfflineRun:

@@ -30,6 +30,26 @@ EVENT_KINDS = (
     "worker_restart",   # the launcher (torchelastic) restarted the worker group: restart_count (read from logs)
 )
 
+def encode_value(v: Any) -> str | int | None:
+    """Encode one event field for XADD: ints as is, floats with ``repr`` (keeps nan/inf), strings as is. The
+    collectors send this; the offline pipeline builds the same events from a log.
+
+    Other values (tensors, numpy scalars) go through ``float()``; None when that fails, whatever it raises.
+    """
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, str):
+        return v
+    try:
+        return repr(float(v))
+    except Exception:  # OverflowError, or whatever a foreign __float__ raises
+        return None
+
+
 SECTION_PREFIX = "sec."
 GPU_PREFIX = "gpu."
 
