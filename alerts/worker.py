@@ -108,20 +108,26 @@ class AlertWorker:
         for t in threads:
             t.start()
         backoff = Backoff()
-        while not self._stop.is_set():
-            try:
-                self.tick()
-                backoff.reset()
-                self._stop.wait(1.0)
-            except _REDIS_ERRORS as exc:
-                wait = backoff.failed()
-                log.warning("Redis unreachable (%s); retrying in %.1f s", exc, wait)
-                self._stop.wait(wait)
-        for t in threads:
-            t.join(timeout=max(5.0, self.block_ms / 1000 + 5.0) + self._http_timeout())
-        with contextlib.suppress(redis.RedisError, OSError):
-            self.client.delete(alerts_worker_heartbeat(self.consumer))
-            self._release(keys=[ALERTS_LEADER], args=[self.consumer])
+        cold = True  # until the loop ends by itself: a second signal's SystemExit skips the threads' wind-down
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.tick()
+                    backoff.reset()
+                    self._stop.wait(1.0)
+                except _REDIS_ERRORS as exc:
+                    wait = backoff.failed()
+                    log.warning("Redis unreachable (%s); retrying in %.1f s", exc, wait)
+                    self._stop.wait(wait)
+            cold = False
+        finally:
+            self._stop.set()
+            if not cold:
+                for t in threads:
+                    t.join(timeout=max(5.0, self.block_ms / 1000 + 5.0) + self._http_timeout())
+            with contextlib.suppress(redis.RedisError, OSError):  # cold or warm: no live-looking heartbeat left
+                self.client.delete(alerts_worker_heartbeat(self.consumer))
+                self._release(keys=[ALERTS_LEADER], args=[self.consumer])
         self.delivery.close()
         log.info("alert worker %s stopped (%d notifications enqueued, %d delivered)", self.consumer,
                  self.intake.enqueued, self.delivery.sent)

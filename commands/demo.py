@@ -336,6 +336,12 @@ def run(args: argparse.Namespace) -> int:
         ignore_signals()  # a second Ctrl-C must not interrupt the cleanup and leave servers behind
         if receiver is not None:
             receiver.shutdown()
+        # A Ctrl-C in the terminal reached the whole process group: the children are already stopping on it, and
+        # a SIGTERM now would be their second signal (stop at once, mid-batch). Only the ones still up after a
+        # moment (the demo alone was signalled) get one.
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and any(c.poll() is None for c in children.values()):
+            time.sleep(0.1)
         for c in children.values():
             if c.poll() is None:
                 c.send_signal(signal.SIGTERM)

@@ -208,6 +208,8 @@ class DetectorService:
     def run_forever(self) -> None:
         """Process until :meth:`stop`; back off exponentially (capped) while Redis is away."""
         backoff = Backoff()
+        with contextlib.suppress(redis.RedisError, OSError):  # before the first batch: a starting service is alive
+            self.beat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="trainhealth-service-heartbeat",
                                                   daemon=True)
         self._heartbeat_thread.start()
@@ -217,29 +219,32 @@ class DetectorService:
         for module in _LAZY_IMPORTS:
             with contextlib.suppress(ImportError):
                 importlib.import_module(module)
-        while not self._stop.is_set():
-            try:
-                self.run_once()
-                backoff.reset()
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                wait = backoff.failed()
-                log.warning("Redis unreachable (%s); retrying in %.1f s", exc, wait)
-                self.runs.clear()  # rebuild from the streams after reconnecting
-                self._stop.wait(wait)
-            except redis.ResponseError as exc:
-                # E.g. a run's streams deleted under a blocking read ("UNBLOCKED ... no longer exists"):
-                # start over from what is stored rather than die.
-                wait = backoff.failed()
-                log.error("Redis refused a command (%s); rebuilding the runs' state in %.1f s", exc, wait)
-                self.runs.clear()
-                self._stop.wait(wait)
-        if self._heartbeat_thread is not None:  # its last beat must not land after the key is deleted
-            self._heartbeat_thread.join(timeout=defaults.SERVICE_HEARTBEAT_INTERVAL_S + 5.0)
-        with contextlib.suppress(redis.RedisError):
-            self.client.delete(service_heartbeat(self.consumer))
-            for run in self.runs.values():  # hand the runs over now instead of after the lease
-                if _s(self.client.get(run.keys.owner) or b"") == self.consumer:
-                    self.client.delete(run.keys.owner)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.run_once()
+                    backoff.reset()
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    wait = backoff.failed()
+                    log.warning("Redis unreachable (%s); retrying in %.1f s", exc, wait)
+                    self.runs.clear()  # rebuild from the streams after reconnecting
+                    self._stop.wait(wait)
+                except redis.ResponseError as exc:
+                    # E.g. a run's streams deleted under a blocking read ("UNBLOCKED ... no longer exists"):
+                    # start over from what is stored rather than die.
+                    wait = backoff.failed()
+                    log.error("Redis refused a command (%s); rebuilding the runs' state in %.1f s", exc, wait)
+                    self.runs.clear()
+                    self._stop.wait(wait)
+        finally:  # a cold stop (a second signal: SystemExit mid-batch) too must not leave a live-looking heartbeat
+            self._stop.set()
+            if self._heartbeat_thread is not None:  # its last beat must not land after the key is deleted
+                self._heartbeat_thread.join(timeout=defaults.SERVICE_HEARTBEAT_INTERVAL_S + 5.0)
+            with contextlib.suppress(redis.RedisError):
+                self.client.delete(service_heartbeat(self.consumer))
+                for run in list(self.runs.values()):  # hand the runs over now instead of after the lease
+                    if _s(self.client.get(run.keys.owner) or b"") == self.consumer:
+                        self.client.delete(run.keys.owner)
         log.info("detector service %s stopped after %d entries", self.consumer, self.processed)
 
     def run_once(self, block_ms: int | None = None) -> int:
@@ -578,15 +583,14 @@ class DetectorService:
 
     def _heartbeat_loop(self) -> None:
         # Its own thread: the heartbeat says the process is alive however long a batch takes (progress_t says
-        # how far it got); written before the first batch, so a starting service is never reported down.
-        while not self._stop.is_set():
+        # how far it got). run_forever wrote the first one before starting it.
+        while not self._stop.wait(defaults.SERVICE_HEARTBEAT_INTERVAL_S):
             try:
                 self.beat()
             except (redis.RedisError, OSError):
                 pass  # the main loop backs off and says so
             except Exception:  # e.g. a run dict changing size under the snapshot: the next beat is in 2 s
                 log.debug("heartbeat not written", exc_info=True)
-            self._stop.wait(defaults.SERVICE_HEARTBEAT_INTERVAL_S)
 
     def _tick(self, now: float) -> None:
         self._progress_t = now

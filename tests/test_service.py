@@ -6,6 +6,7 @@ import contextlib
 import json
 import time
 
+import pytest
 import redis
 
 from trainhealth import Monitor
@@ -495,3 +496,23 @@ def test_the_heartbeat_is_written_before_the_first_batch_and_during_a_long_one(r
         svc.stop()
         loop.join(15)
     assert not loop.is_alive() and r.exists("th:service:slow") == 0
+
+
+def test_a_cold_stop_mid_batch_leaves_no_live_looking_heartbeat(r: redis.Redis, monkeypatch) -> None:
+    """A second SIGTERM raises SystemExit wherever the loop is: the heartbeat key must still go, or doctor and the
+    demo read a dead service as alive (and the embedded redis-server is kept for it)."""
+    import threading
+
+    svc = DetectorService(r, consumer="cold")
+    beating = threading.Event()
+
+    def batch(block_ms: int = 0) -> int:
+        beating.wait(5)
+        raise SystemExit(1)  # what stop_on_signals raises on the second signal
+
+    real_beat = svc.beat
+    monkeypatch.setattr(svc, "beat", lambda now=None: (real_beat(now), beating.set()))
+    monkeypatch.setattr(svc, "run_once", batch)
+    with pytest.raises(SystemExit):
+        svc.run_forever()
+    assert beating.is_set() and r.exists("th:service:cold") == 0
