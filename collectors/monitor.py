@@ -325,6 +325,7 @@ class Monitor:
         self._phase = "train"
         self._off = False
         self._closed = False
+        self._exit_said = False  # rank_exit sent (at most once)
         self._errors = 0
         self._lock = threading.Lock()
 
@@ -725,10 +726,54 @@ class Monitor:
         self.close("finished" if exc_type is None else "failed")
 
     def _atexit(self) -> None:
-        # At interpreter exit: deliver what is buffered within the timeout; no run_end (the
-        # exit may be a crash), so an unclosed run shows up as stopped, not finished.
-        if not self._closed and not self._off:
-            self.flush(self.close_timeout)
+        """At interpreter exit without :meth:`close`: send a ``rank_exit`` event, then flush.
+
+        The event is the rank's last word: it tells the detector service that this process saw its
+        own end (an unhandled exception, such as the ``DistBackendError`` the survivors raise when a
+        peer was killed, ``sys.exit()``, or the script's end) rather than going silent (SIGKILL, OOM
+        kill, segfault, node loss). Fields besides the common ones:
+
+        - ``reason``: ``"exception"`` when an unhandled exception ends the interpreter
+          (``sys.last_exc`` / ``sys.last_value``, set by CPython when it prints the traceback),
+          ``"exit"`` otherwise.
+        - ``error``: for an exception, ``"TypeName: message"`` on one line (the type with its
+          module unless builtins or ``__main__``, as a traceback shows it), at most 500
+          characters, each URL's ``user:password@`` replaced by ``***@``.
+        - ``exit_code``: only when a ``SystemExit`` with an int code is found there, which CPython
+          itself never stores: ``sys.exit(n)`` reads as ``reason="exit"`` without ``exit_code``, as
+          the code cannot be known without replacing ``sys.exit``/``sys.excepthook``, which a
+          collector must not do.
+        - ``step``: the last step the rank recorded, when there was one (a ``step()`` block that
+          raised counts: its time was spent); ``phase``: the phase the rank was in (``train``,
+          ``checkpoint_save``...; an exception raised inside a ``checkpoint_save()`` block has
+          left it by then, so it reads ``train``).
+
+        Nothing when :meth:`close` already ran or the monitor is off (a forked child); at most one
+        per Monitor; bounded by ``close_timeout`` (the flush). No run_end: the exit may be a crash,
+        so an unclosed run shows up as stopped, not finished. ``sys.last_value`` is also left set by
+        an exception an interactive session printed and survived: a REPL that exits normally after
+        one reads as ``"exception"``. Never raises.
+        """
+        if self._closed or self._off:
+            return
+        try:
+            # Bounded: the lock only guards flags; a thread stuck holding it must not hold the exit.
+            if self._lock.acquire(timeout=1.0):
+                try:
+                    say = not self._closed and not self._exit_said
+                    self._exit_said = True
+                finally:
+                    self._lock.release()
+                if say:
+                    if self._held is not None:
+                        self._emit_held()  # the last step's record goes before the event, as at close()
+                    self._drain_gpu()
+                    # Set when CPython prints an unhandled exception's traceback: 3.12+ sys.last_exc, 3.11 last_value.
+                    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+                    self._event("rank_exit", step=self._last_step, phase=self._phase, **_exit_fields(exc))
+        except Exception:  # never into the interpreter's exit
+            self._internal_error()
+        self.flush(self.close_timeout)  # never raises
 
     # -- errors ----------------------------------------------------------------------------------------
     @property
@@ -743,6 +788,76 @@ class Monitor:
         self._errors += 1
         if self._errors == 1:
             log.exception("trainhealth collector: internal error (training continues; further ones counted)")
+
+
+def _exit_fields(exc: object) -> dict[str, Any]:
+    r"""``reason`` and ``error`` or ``exit_code`` of a ``rank_exit`` event, from the exception the
+    interpreter is exiting on (``None`` for none; see :meth:`Monitor._atexit`).
+
+    >>> _exit_fields(ValueError("bad\n  value")), _exit_fields(None)
+    ({'reason': 'exception', 'error': 'ValueError: bad value'}, {'reason': 'exit'})
+    >>> _exit_fields(SystemExit(3)), _exit_fields(SystemExit("usage"))
+    ({'reason': 'exit', 'exit_code': 3}, {'reason': 'exit'})
+    """
+    if isinstance(exc, SystemExit):  # not stored by CPython, but a clean exit whoever stored it
+        code = exc.code
+        return {"reason": "exit", "exit_code": code} if type(code) is int else {"reason": "exit"}
+    if isinstance(exc, BaseException):
+        return {"reason": "exception", "error": _error_text(exc)}
+    return {"reason": "exit"}
+
+
+#: Longest ``error`` of a ``rank_exit`` event (characters).
+_ERROR_CHARS = 500
+#: Characters of an exception's message read at most: a huge message must not make the exit slow.
+_ERROR_SCAN_CHARS = 100_000
+
+
+def _error_text(exc: BaseException) -> str:
+    r"""``exc`` as ``"module.TypeName: message"`` on one line, credentials of URLs hidden, at most
+    :data:`_ERROR_CHARS` characters. The module is left out for builtins and ``__main__``, as in a traceback.
+
+    >>> _error_text(RuntimeError("boom with redis://user:secret@host:6379/0\nsecond line"))
+    'RuntimeError: boom with redis://***@host:6379/0 second line'
+    >>> _error_text(KeyboardInterrupt())
+    'KeyboardInterrupt'
+    """
+    cls = type(exc)
+    name = getattr(cls, "__qualname__", None) or getattr(cls, "__name__", "?")
+    module = getattr(cls, "__module__", None)
+    if isinstance(module, str) and module not in ("builtins", "__main__"):
+        name = f"{module}.{name}"
+    try:
+        msg = str(exc)
+    except Exception:  # a broken __str__
+        msg = "<exception str() failed>"
+    cut = len(msg) > _ERROR_SCAN_CHARS
+    words = msg[:_ERROR_SCAN_CHARS].split()
+    if cut and words:
+        words.pop()  # maybe a URL cut before its "@": never shown half-redacted
+    # Redacted word by word, before the truncation: a cut must not leave a password un-hidden.
+    text = " ".join(map(_hide_userinfo, words))
+    return (f"{name}: {text}" if text else name)[:_ERROR_CHARS]
+
+
+def _hide_userinfo(word: str) -> str:
+    """``word`` with the ``user:password@`` of each URL in it replaced by ``***@``.
+
+    Everything from ``://`` to the last ``@`` before the next URL goes, the user name too (it can be
+    a token) and a path holding an ``@``: hiding too much beats showing a password with an unescaped
+    ``/`` or ``@`` in it. Linear in the word's length.
+
+    >>> _hide_userinfo("(redis://u:p@ss@h:1/0,rediss://:pw@h2)"), _hide_userinfo("http://h/a")
+    ('(redis://***@h:1/0,rediss://***@h2)', 'http://h/a')
+    """
+    if "@" not in word or "://" not in word:
+        return word
+    parts = word.split("://")
+    for i in range(1, len(parts)):
+        at = parts[i].rfind("@")
+        if at >= 0:
+            parts[i] = "***" + parts[i][at:]
+    return "://".join(parts)
 
 
 def _negative_or_nan(x: Any) -> bool:

@@ -324,8 +324,9 @@ def test_interpreter_exit_flushes_without_close(r: redis.Redis, redis_url: str) 
     out = subprocess.run([sys.executable, "-c", _script(body)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert [x.step for x in steps_of(r, "run-exit")] == list(range(500))
-    # no run_end: an exit without close() may be a crash, so the run is not marked finished
-    assert [e.kind for e in events_of(r, "run-exit")] == ["run_start"]
+    # no run_end: an exit without close() may be a crash, so the run is not marked finished; its last word says how
+    # it ended (tests/test_last_word.py)
+    assert [e.kind for e in events_of(r, "run-exit")] == ["run_start", "rank_exit"]
 
 
 def test_exit_with_redis_unreachable_never_hangs_the_job(tmp_path) -> None:

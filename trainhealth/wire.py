@@ -28,6 +28,7 @@ EVENT_KINDS = (
     "resume",           # the same process went back to an earlier step (in-process rollback): from_step
     "collective_timeout",  # a rank's watchdog timed out a collective: op, seq, seconds waited (read from logs)
     "worker_restart",   # the launcher (torchelastic) restarted the worker group: restart_count (read from logs)
+    "rank_exit",        # a rank's interpreter exited without close(): reason, error, exit_code, step, phase
 )
 
 def encode_value(v: Any) -> str | int | None:
@@ -452,7 +453,8 @@ class Event:
     """One entry of ``th:{run}:events``.
 
     ``kind`` is one of :data:`EVENT_KINDS`; ``t`` unix seconds; ``step`` and ``seconds``
-    where the kind has them; everything else in ``extra`` (strings).
+    where the kind has them; everything else in ``extra``, as strings (numbers too: a ``rank_exit``'s
+    ``exit_code`` 3 is ``extra["exit_code"] == "3"``).
     """
 
     kind: str
