@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -362,6 +363,7 @@ class Monitor:
         self._sender.start()
         _LIVE.add(self)
         atexit.register(self._atexit)
+        _install_sigterm_word()
 
     # -- hot path ------------------------------------------------------------------------------
     def _put_step(self, rec: dict[str, Any]) -> None:
@@ -756,6 +758,15 @@ class Monitor:
         """
         if self._closed or self._off:
             return
+        # Set when CPython prints an unhandled exception's traceback: 3.12+ sys.last_exc, 3.11 last_value.
+        exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        self._last_word(**_exit_fields(exc))
+        self.flush(self.close_timeout)  # never raises
+
+    def _last_word(self, **fields: Any) -> None:
+        """Send this rank's ``rank_exit`` event with ``fields`` (at most one per Monitor; never after close())."""
+        if self._closed or self._off:
+            return
         try:
             # Bounded: the lock only guards flags; a thread stuck holding it must not hold the exit.
             if self._lock.acquire(timeout=1.0):
@@ -768,12 +779,9 @@ class Monitor:
                     if self._held is not None:
                         self._emit_held()  # the last step's record goes before the event, as at close()
                     self._drain_gpu()
-                    # Set when CPython prints an unhandled exception's traceback: 3.12+ sys.last_exc, 3.11 last_value.
-                    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-                    self._event("rank_exit", step=self._last_step, phase=self._phase, **_exit_fields(exc))
-        except Exception:  # never into the interpreter's exit
+                    self._event("rank_exit", step=self._last_step, phase=self._phase, **fields)
+        except Exception:  # never into the interpreter's exit or the signal's
             self._internal_error()
-        self.flush(self.close_timeout)  # never raises
 
     # -- errors ----------------------------------------------------------------------------------------
     @property
@@ -788,6 +796,47 @@ class Monitor:
         self._errors += 1
         if self._errors == 1:
             log.exception("trainhealth collector: internal error (training continues; further ones counted)")
+
+
+#: Seconds a SIGTERM waits for the last word to reach Redis before the process dies of the signal.
+_SIGTERM_FLUSH_S = 1.0
+_sigterm_installed = False
+
+
+def _install_sigterm_word() -> None:
+    """Let a SIGTERM leave a last word: a ``rank_exit`` event (``reason="signal"``, ``signal="SIGTERM"``), flushed
+    within ``_SIGTERM_FLUSH_S``, after which the process dies of the signal as before (default action restored and
+    the signal raised again).
+
+    A launcher tearing a group down (torchrun after another rank failed, Slurm or Kubernetes preempting) sends
+    SIGTERM: with it the detector service tells the ranks it stopped from the one that died first. Installed only
+    from the main thread and only while SIGTERM has its default action, so a framework's own handler (Lightning's,
+    a job's checkpoint-on-preemption) is never replaced; a handler installed after ours replaces it. Python runs the
+    handler between bytecodes of the main thread: a rank blocked inside a C call (a NCCL wait) dies silently as
+    before, when the launcher's SIGKILL follows.
+    """
+    global _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _sigterm_installed = True
+    except (ValueError, OSError, AttributeError):  # no signals here (an embedded interpreter)
+        pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    for mon in list(_LIVE):  # a forked child's monitors are off: it just dies of the signal
+        try:
+            mon._last_word(reason="signal", signal="SIGTERM")
+            if not mon._off:
+                mon.flush(_SIGTERM_FLUSH_S)
+        except Exception:
+            pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _exit_fields(exc: object) -> dict[str, Any]:

@@ -117,7 +117,9 @@ class StepAggregator:
         Ranks expected per step.
     stale_s : float
         A step still missing ranks this many seconds after its first record is closed with
-        the ranks it has (:meth:`flush_stale`).
+        the ranks it has once a later step of its generation has records (:meth:`flush_stale`): the job went on
+        without them. While no rank got further (a rank frozen mid-step, the others blocked on it) the step waits,
+        so a resumed rank's late record joins it.
     data_sections : tuple[str, ...]
         Section names counted as data-loading wait.
 
@@ -143,12 +145,14 @@ class StepAggregator:
         self._rank_inc: dict[int, float] = {}
         self._rank_gen: dict[int, int] = {}
         self._rank_last: dict[int, int] = {}
+        self._rank_t: dict[int, float] = {}  # rank -> time (unix s) of its last record
         self._gen = 0
         # (gen, step) -> rank -> row: the values _build needs from each pending record, taken while the
         # record is fresh in the CPU cache (a step's 1,024 records arrive over many batches).
         self._pending: dict[tuple[int, int], dict[int, tuple]] = {}
         self._first_seen: dict[tuple[int, int], float] = {}
         self._done: dict[int, int] = {}  # gen -> highest step emitted
+        self._seen: dict[int, int] = {}  # gen -> highest step with a record
         #: Records that arrived for a step already closed (late ranks), counted.
         self.late = 0
 
@@ -183,7 +187,10 @@ class StepAggregator:
                 self._gen = gen
                 out += self._close(lambda key: key[0] < gen)
         self._rank_last[rank] = step
+        self._rank_t[rank] = row[2]
         gen = self._rank_gen[rank]
+        if step > self._seen.get(gen, -1):
+            self._seen[gen] = step
         key = (gen, step)
         recs = self._pending.get(key)
         if recs is None:
@@ -201,8 +208,18 @@ class StepAggregator:
         return out
 
     def flush_stale(self, now: float) -> list[StepAggregate]:
-        """Close steps whose first record is older than ``stale_s`` (ranks died mid-step)."""
-        return self._close(lambda key: now - self._first_seen[key] > self.stale_s)
+        """Close steps whose first record is older than ``stale_s`` and that a later step of their generation
+        passed (their missing ranks' records were lost: the job went on without them)."""
+        return self._close(lambda key: now - self._first_seen[key] > self.stale_s
+                           and self._seen.get(key[0], -1) > key[1])
+
+    def last_steps(self) -> dict[int, int]:
+        """Each rank's last step in the current generation (from its records; ranks of an older one left out)."""
+        return {r: s for r, s in self._rank_last.items() if self._rank_gen.get(r) == self._gen}
+
+    def last_records(self) -> dict[int, tuple[int, float]]:
+        """Each rank's ``(last step, its record's time in unix s)`` in the current generation."""
+        return {r: (s, self._rank_t[r]) for r, s in self._rank_last.items() if self._rank_gen.get(r) == self._gen}
 
     def flush(self) -> list[StepAggregate]:
         """Close every pending step (end of input)."""

@@ -8,7 +8,9 @@ from typing import Any
 
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
-from trainhealth.detectors.hang import Beat, progress_limit, read_beats, silence_limit
+from trainhealth.detectors.culprit import Verdict, judge
+from trainhealth.detectors.hang import Beat, progress_limit, read_beats
+from trainhealth.job import Culprit
 
 
 class DeadRankDetector:
@@ -17,28 +19,29 @@ class DeadRankDetector:
     Two signs, from the heartbeats the collector's background thread sends every
     ``heartbeat_interval`` seconds (see :class:`~trainhealth.detectors.hang.HangDetector`):
 
-    * **gone**: no heartbeat for ``missed_intervals`` intervals (20 s by default): the process or
-      its node is down (OOM kill, segfault, node failure). While the rank's last heartbeat said it
-      was saving or loading a checkpoint the allowance is the progress timeout instead, since a
-      large save can starve the heartbeat thread.
+    * **gone**: no heartbeat for ``missed_intervals`` intervals (15 s by default): the process stopped (SIGSTOP, a
+      debugger), was killed (OOM killer, segfault) or lost its node; the words say so, since from outside these look
+      the same. While the rank's last heartbeat said it was saving or loading a checkpoint the allowance is the
+      progress timeout instead, since a large save can starve the heartbeat thread. Of the gone ranks only the ones
+      that stopped first are named dead (:func:`~trainhealth.detectors.culprit.judge`): when every rank of a job
+      stops, the ranks that died of the culprit's end (their last word a communication error) are its ``victims``.
     * **stuck alone**: its heartbeat is fresh but its last step is older than the progress
-      timeout while another rank completed a step within it, **and** its own heartbeat, written at
-      least ``evidence_intervals`` heartbeat intervals (10 s by default) after another live rank was
-      first seen past its step, still shows the old step. Each rank's heartbeat thread writes every
+      timeout while another rank completed a step within it and is at least two steps past it, **and** its own
+      heartbeat, written at least ``evidence_intervals`` heartbeat intervals (10 s by default) after another live
+      rank was first seen two steps past it, still shows the old step. Each rank's heartbeat thread writes every
       ``heartbeat_interval`` seconds at its own offset, so when the first step after a long pause (a
       hang that resumes, an evaluation, a checkpoint) completes, the ranks whose latest heartbeat
-      predates it still show the pre-pause step: they are lagging, not stuck. One interval covers
-      that lag, a second one a rank finishing the same step a little after the others (pipeline
-      stages, an uneven last micro-batch). The time another rank was first seen past it is remembered
-      across checks (the heartbeat carries only a rank's latest step).
+      predates it still show the pre-pause step: they are lagging, not stuck; and a rank frozen between its
+      all-reduce and its ``log_step`` leaves the others one step ahead, blocked on it. The time another rank was
+      first seen past it is remembered across checks (the heartbeat carries only a rank's latest step).
 
-    The progress timeout is the hang detector's, learned from the step times
-    (``max(floor, 20 x median step)``, ``checkpoint_s`` while any rank saves); a rank that has not
-    completed a step since it (re)started is never stuck. All dead ranks of one incident form one
-    anomaly (critical; onset = the earliest last step among them; its rank set grows); it
-    resolves when every one of them is heard from and stepping again, e.g. after a restart.
+    The progress timeout is the hang detector's (:class:`~trainhealth.detectors.progress.ProgressTimeout`,
+    ``checkpoint_s`` while any rank saves); a rank that has not completed a step since it (re)started is never
+    stuck. All dead ranks of one incident form one anomaly (critical; onset = the culprit's last completed step;
+    its rank set grows; its silence and idle time are rewritten while it lasts, at most every ``update_s``); it
+    resolves, keeping the culprit, when every one of them is heard from again, e.g. after SIGCONT or a relaunch.
     ``hang`` is the other case, no progress on any rank: when a rank dies in a synchronous job
-    the others block on it, so ``dead_rank`` opens first (after 20 s) naming it, and ``hang``
+    the others block on it, so ``dead_rank`` opens first (within 20 s) naming it, and ``hang``
     follows after the progress timeout.
 
     Parameters
@@ -51,11 +54,15 @@ class DeadRankDetector:
         Heartbeats missed before a rank counts as gone.
     evidence_intervals : float
         Heartbeat intervals a stuck rank's own heartbeat must postdate the others' progress by.
+    update_s : float
+        Seconds between rewrites of an open anomaly's growing silence.
 
     Evidence: ``silent_ranks`` (gone) and ``stuck_ranks`` (alive, not stepping),
     ``last_steps`` (aligned with the anomaly's ranks), ``silent_s`` (longest time without a
     heartbeat), ``idle_s`` (longest time without a step), ``behind_s`` (longest time a stuck rank's
-    heartbeat postdates the others' progress past its step), ``timeout_s``, ``silence_s``.
+    heartbeat postdates the others' progress past its step), ``timeout_s``, ``silence_s``, ``culprit``
+    (:class:`~trainhealth.job.Culprit` as a dict), ``victims`` (ranks that wait for it or stopped after it),
+    ``alive_ranks``, ``job_state``; ``resumed`` once resolved.
 
     Examples
     --------
@@ -67,6 +74,10 @@ class DeadRankDetector:
     ...       2: {"t": 1030.0, "step": 51, "step_t": 1029.0}}
     >>> [(a.kind, a.ranks, a.step, a.evidence["silent_ranks"]) for a in det.check(1031.0, hb, timeout_s=120.0)]
     [('dead_rank', (3,), 50, [3])]
+    >>> print(det.open.message)  # doctest: +NORMALIZE_WHITESPACE
+    no heartbeat from rank 3 (host node-a) since step 50 (31 s): the process stopped, froze or lost its node;
+    ranks 0, 1, 2 alive and waiting for it
+
     >>> hb = {r: {"t": 1200.0, "step": None, "step_t": None} for r in range(4)}  # relaunched, starting up
     >>> [(a.status, a.end_step) for a in det.check(1201.0, hb, timeout_s=120.0)]
     [('resolved', 50)]
@@ -97,27 +108,42 @@ class DeadRankDetector:
         heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL_S,
         missed_intervals: int = defaults.HEARTBEAT_MISSED_INTERVALS,
         evidence_intervals: float = defaults.DEAD_RANK_EVIDENCE_INTERVALS,
+        update_s: float = defaults.STALL_UPDATE_S,
     ) -> None:
         self.checkpoint_s = checkpoint_s
         self.heartbeat_interval = heartbeat_interval
         self.missed_intervals = missed_intervals
         self.evidence_intervals = evidence_intervals
+        self.update_s = update_s
         self._open: Anomaly | None = None
-        # rank -> (its last step, unix time another live rank was first seen past it)
+        self._emitted = 0.0  # the longest silence or idle time of the open anomaly's last emitted state
+        # rank -> (its last step, unix time another live rank was first seen two steps past it)
         self._passed: dict[int, tuple[int, float]] = {}
 
+    @property
+    def open(self) -> Anomaly | None:
+        """The open anomaly, if any."""
+        return self._open
+
     def check(self, now: float, heartbeats: Mapping[int, Mapping[str, Any]], timeout_s: float,
-              gen: int = 0) -> list[Anomaly]:
+              gen: int = 0, verdict: Verdict | None = None, *, job_state: str = "running",
+              current_step: int | None = None) -> list[Anomaly]:
         """Judge the heartbeats at ``now`` (unix s) with progress timeout ``timeout_s`` (s).
 
         ``heartbeats`` maps rank to the decoded JSON of ``th:{run}:hb``; ``gen`` is the current
-        restart generation. Returns the anomaly states that changed.
+        restart generation; ``verdict`` who is gone and who stopped first (:func:`~trainhealth.detectors.culprit.judge`;
+        judged from the heartbeats alone when None); ``job_state`` the job's state (``crashed`` words the message so);
+        ``current_step`` the run's last completed step (the onset when no dead rank's step is known). Returns the
+        anomaly states that changed.
         """
         beats = read_beats(now, heartbeats)
         silence = self.missed_intervals * self.heartbeat_interval
         limit = progress_limit(beats, timeout_s, self.checkpoint_s, silence)
-        gone = {b.rank: b for b in beats if b.silent_s > silence_limit(b, timeout_s, silence)}
-        alive = [b for b in beats if b.rank not in gone]
+        if verdict is None:
+            verdict = judge(beats, timeout_s, silence)
+        by_rank = {b.rank: b for b in beats}
+        gone = {r: by_rank[r] for r in verdict.dead if r in by_rank}
+        alive = [b for b in beats if b.rank in set(verdict.alive)]
         behind = self._behind(now, alive)
         stepping = any(b.step is not None and b.idle_s <= limit for b in alive)
         margin = self.evidence_intervals * self.heartbeat_interval
@@ -130,32 +156,54 @@ class DeadRankDetector:
                 return []
             self._open = None
             steps = [b.step for b in beats if b.rank in cur.ranks and b.step is not None]
-            return [replace(cur, status=RESOLVED, end_step=min(steps) if steps else cur.step)]
+            end = min(steps) if steps else cur.step
+            return [replace(cur, status=RESOLVED, end_step=end, evidence={**cur.evidence, "resumed": True},
+                            message=cur.message + f"; heard from again (step {end})")]
+        culprit = verdict.culprit if verdict.culprit is not None and verdict.culprit.rank in dead else None
+        if culprit is None and stuck:
+            b = min(stuck.values(), key=lambda x: (x.step if x.step is not None else -1, x.rank))
+            culprit = Culprit(b.rank, b.host, b.pid, b.step, "alive but no step completed while the other ranks "
+                                                             "progress")
+        if culprit is None and cur is not None:
+            culprit = Culprit.from_dict(cur.evidence.get("culprit"))
         ranks = tuple(sorted(set(cur.ranks if cur else ()) | set(dead)))
-        by_rank = {b.rank: b for b in beats}
         last = [by_rank[r].step if r in by_rank else None for r in ranks]
+        victims = [r for r in verdict.victims if r not in dead]
         ev = {"silent_ranks": sorted(gone), "stuck_ranks": sorted(stuck), "last_steps": last,
               "silent_s": round(max((b.silent_s for b in gone.values()), default=0.0), 3),
               "idle_s": round(max(b.idle_s for b in dead.values()), 3),
               "behind_s": round(max((behind[r] for r in stuck), default=0.0), 3),
-              "timeout_s": round(limit, 3), "silence_s": silence}
+              "timeout_s": round(limit, 3), "silence_s": silence,
+              "culprit": culprit.to_dict() if culprit else None, "victims": victims,
+              "alive_ranks": list(verdict.alive), "job_state": job_state}
         steps = [b.step for b in dead.values() if b.step is not None]
-        onset = min(steps) if steps else -1
-        msg = self._message(gone, stuck, limit, len(beats))
+        onset = (culprit.step if culprit is not None and culprit.step is not None else
+                 min(steps) if steps else current_step if current_step is not None else 0)
+        if cur is not None:
+            onset = cur.step  # the onset of an open anomaly does not move
+        msg = self._message(gone, stuck, limit, culprit, victims, verdict.alive, job_state)
         if cur is None:
             self._open = Anomaly(kind="dead_rank", severity="critical", step=onset, ranks=ranks, gen=gen,
                                  message=msg, evidence=ev, scope="*")
+            self._emitted = max(ev["silent_s"], ev["idle_s"])
             return [self._open]
         new = replace(cur, ranks=ranks, evidence=ev, message=msg)
         self._open = new
         old = cur.evidence
+        grown = max(ev["silent_s"], ev["idle_s"]) - self._emitted >= self.update_s
         changed = (new.ranks != cur.ranks or ev["silent_ranks"] != old["silent_ranks"]
-                   or ev["stuck_ranks"] != old["stuck_ranks"])
+                   or ev["stuck_ranks"] != old["stuck_ranks"] or ev["culprit"] != old.get("culprit")
+                   or ev["job_state"] != old.get("job_state") or ev["victims"] != old.get("victims") or grown)
+        if changed:
+            self._emitted = max(ev["silent_s"], ev["idle_s"])
         return [new] if changed else []
 
     def _behind(self, now: float, alive: list[Beat]) -> dict[int, float]:
-        """Seconds each live rank's latest heartbeat postdates the time another live rank was first
-        seen past its step (negative: written before that), for the ranks some other rank is past."""
+        """Seconds each live rank's latest heartbeat postdates the time another live rank was first seen two steps
+        past its step (negative: written before that), for the ranks some other rank is two steps past.
+
+        Two steps: in a synchronous job a rank frozen between its all-reduce and its ``log_step`` leaves the others
+        one step ahead, blocked in the next collective; only a rank that others got well past is stuck alone."""
         done = [(b.step, now - b.idle_s) for b in alive if b.step is not None]
         if not done:
             self._passed.clear()
@@ -164,9 +212,9 @@ class DeadRankDetector:
         passed: dict[int, tuple[int, float]] = {}
         out: dict[int, float] = {}
         for b in alive:
-            if b.step is None or b.step >= top:
+            if b.step is None or b.step + 2 > top:
                 continue
-            first = min(t for s, t in done if s > b.step)
+            first = min(t for s, t in done if s >= b.step + 2)
             prev = self._passed.get(b.rank)
             if prev is not None and prev[0] == b.step:
                 first = min(first, prev[1])
@@ -176,23 +224,38 @@ class DeadRankDetector:
         return out
 
     @staticmethod
-    def _message(gone: dict, stuck: dict, limit: float, n: int) -> str:
+    def _message(gone: dict, stuck: dict, limit: float, culprit: Culprit | None, victims: list[int],
+                 alive: tuple[int, ...], job_state: str) -> str:
         def names(bs: dict) -> str:
             rs = sorted(bs)
             hosts = sorted({b.host for b in bs.values() if b.host})
-            s = f"rank{'s' if len(rs) > 1 else ''} " + ", ".join(map(str, rs[:16])) + (" …" if len(rs) > 16 else "")
-            return s + (f" ({', '.join(hosts[:8])})" if hosts else "")
+            s = f"rank{'s' if len(rs) > 1 else ''} " + _ranks(rs)
+            return s + (f" (host{'s' if len(hosts) > 1 else ''} {', '.join(hosts[:8])})" if hosts else "")
 
         parts = []
         if gone:
             worst = max(b.silent_s for b in gone.values())
-            last = min((b.step for b in gone.values() if b.step is not None), default=None)
-            every = " (every rank)" if len(gone) == n > 1 else ""
-            parts.append(f"{names(gone)}{every}: no heartbeat for {worst:.0f} s"
-                         + (f", last step {last}" if last is not None else "")
-                         + ": process or node down; the other ranks block at the next collective")
+            step = culprit.step if culprit is not None and culprit.rank in gone else None
+            if step is None:
+                step = min((b.step for b in gone.values() if b.step is not None), default=None)
+            since = f" since step {step}" if step is not None else " since before its first step"
+            text = (f"no heartbeat from {names(gone)}{since} ({worst:.0f} s): the process stopped, froze or lost its "
+                    "node")
+            others = [r for r in victims if r not in gone]
+            if others and set(others) <= set(alive):
+                text += f"; rank{'s' if len(others) > 1 else ''} {_ranks(others)} alive and waiting for it"
+            elif others:
+                text += f"; rank{'s' if len(others) > 1 else ''} {_ranks(others)} stopped after it"
+            parts.append(text)
         if stuck:
             worst = max(b.idle_s for b in stuck.values())
             parts.append(f"{names(stuck)}: alive but no step completed for {worst:.0f} s (timeout {limit:.0f} s) "
                          "while the other ranks progress: stuck in I/O or the data loader (py-spy dump it)")
-        return "; ".join(parts)
+        text = "; ".join(parts)
+        if job_state == "crashed" and culprit is not None:
+            text = f"job crashed at step {culprit.step}, rank {culprit.rank} first: " + text
+        return text
+
+
+def _ranks(rs: list[int]) -> str:
+    return ", ".join(map(str, rs[:16])) + (" …" if len(rs) > 16 else "")

@@ -10,6 +10,8 @@ from typing import Any
 
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.detectors.progress import ProgressTimeout
+from trainhealth.job import Culprit
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class Beat:
         which the Lightning integration uses for validation).
     host : str | None
         Host name, as the collector reported it.
+    pid : int | None
+        Process id, as the collector reported it (``py-spy dump --pid`` on ``host``).
+    inc : float | None
+        The rank's incarnation (its Monitor's start, unix s).
     """
 
     rank: int
@@ -41,6 +47,8 @@ class Beat:
     silent_s: float
     phase: str
     host: str | None
+    pid: int | None = None
+    inc: float | None = None
 
     @property
     def checkpointing(self) -> bool:
@@ -70,7 +78,10 @@ def read_beats(now: float, heartbeats: Mapping[int, Mapping[str, Any]]) -> list[
         t = float(hb.get("t") or 0.0)
         step_t = hb.get("step_t")
         since = float(step_t) if step_t is not None else t
-        out.append(Beat(rank, hb.get("step"), now - since, now - t, str(hb.get("phase") or "train"), hb.get("host")))
+        pid, inc = hb.get("pid"), hb.get("inc")
+        out.append(Beat(rank, hb.get("step"), now - since, now - t, str(hb.get("phase") or "train"), hb.get("host"),
+                        pid if isinstance(pid, int) else None,
+                        float(inc) if isinstance(inc, (int, float)) and not isinstance(inc, bool) else None))
     return out
 
 
@@ -98,35 +109,32 @@ class HangDetector:
     seconds and carry the rank's last completed step and when it completed, so a training
     thread stuck in a collective, the data loader or I/O shows as a fresh heartbeat with a stale
     step time. The job hangs when **every** rank's last step is older than the progress timeout
-    ``max(floor_s, step_multiple x median step time)`` (median over the last 200 completed
-    steps, so a job with 60 s steps is not flagged after 2 minutes); ranks still starting up (no
-    step yet in their incarnation) neither count as progress nor prevent a hang, and before any
-    rank completed a step nothing is judged.
+    (:class:`~trainhealth.detectors.progress.ProgressTimeout`: ``max(floor_s, step_multiple x`` the longest healthy
+    interval between step completions seen so far``)``, ``initial_s`` before the first few) while **at least one**
+    rank is still heard from. When every rank's heartbeat is gone the job is down, not hung: an open hang then
+    resolves (``evidence["ended"] = "heartbeats lost"``) and the job state turns to crashed
+    (:mod:`trainhealth.detectors.job_state`). Ranks still starting up (no step yet in their incarnation) neither count
+    as progress nor prevent a hang, and before any rank completed a step nothing is judged.
 
     Declared phases: while any rank's heartbeat says it is in a declared non-training phase —
     ``phase=checkpoint_save`` / ``checkpoint_load``, or ``badput`` (``Monitor.timed_badput``:
     evaluation, profiling; the Lightning integration's validation) — the timeout is ``checkpoint_s``
-    for every rank: the others wait for it in the next collective. Evaluations get the same long
-    allowance as checkpoints: a validation pass over a large set takes as long as a save (minutes),
-    and it is time the job declared, which the goodput ledger counts as badput, not a stall. The
-    progress clock also restarts at the last heartbeat seen in a declared phase: the stall is
-    measured from the later of the last completed step and the end of the phase, so a first step
-    that is slow after an evaluation (data-loader workers re-spawned) gets the normal timeout from
-    the evaluation's end rather than from the step before it.
+    for every rank: the others wait for it in the next collective. The progress clock also restarts at the last
+    heartbeat seen in a declared phase: the stall is measured from the later of the last completed step and the
+    end of the phase.
 
-    One anomaly (critical) per stall, onset at the earliest last-completed step; it resolves when a
-    rank completes a step again (or enters a declared phase).
-
-    A rank gone (stale heartbeat) or stuck while the others progress is
-    :class:`~trainhealth.detectors.dead_rank.DeadRankDetector`'s ``dead_rank``; when the others then block
-    on it, the job hangs as well and both are open.
+    One anomaly (critical) per stall, onset at the earliest last-completed step, naming the culprit given by the
+    caller (:func:`~trainhealth.detectors.culprit.judge`: the rank whose heartbeat stopped first, or the one behind);
+    its duration and evidence are rewritten while it lasts (at most every ``update_s``); it resolves when a rank
+    completes a step again (or enters a declared phase), keeping the culprit, with ``stalled_s`` the time from the
+    last completion before the stall to the first one after it.
 
     Parameters
     ----------
     floor_s : float
         Minimum progress timeout (s).
     step_multiple : float
-        Timeout as a multiple of the median step time.
+        Timeout as a multiple of the longest healthy interval between step completions.
     checkpoint_s : float
         Timeout while a rank is in a declared phase: saving or loading a checkpoint, or badput such as
         an evaluation (s).
@@ -134,14 +142,20 @@ class HangDetector:
         The collectors' heartbeat interval (s).
     missed_intervals : int
         Heartbeats missed before a rank counts as gone (reported in ``silent_ranks``).
+    initial_s : float
+        Timeout until a few healthy intervals were seen (s).
+    update_s : float
+        Seconds between rewrites of an open hang's growing duration.
 
-    Evidence: ``timeout_s`` (the timeout applied), ``stalled_s`` (seconds judged: since any rank last
-    completed a step or was last heard in a declared phase), ``idle_s`` (since any rank last completed
-    a step), ``silent_ranks`` (ranks with a stale heartbeat), ``median_step_s``.
+    Evidence: ``timeout_s`` (the timeout applied), ``stalled_s`` (seconds judged: since any rank last completed
+    a step or was last heard in a declared phase), ``idle_s`` (since any rank last completed a step),
+    ``since_t`` (unix s of that completion), ``silent_ranks`` (ranks with a stale heartbeat), ``waiting_ranks``
+    (ranks alive and waiting), ``culprit`` (:class:`~trainhealth.job.Culprit` as a dict, or None),
+    ``median_step_s``; when resolved, ``resumed_t`` or ``ended``.
 
     Examples
     --------
-    >>> det = HangDetector(floor_s=60)
+    >>> det = HangDetector(floor_s=60, initial_s=60)
     >>> hb = {0: {"t": 1025.0, "step": 41, "step_t": 1000.0, "phase": "train"},
     ...       1: {"t": 1025.0, "step": 41, "step_t": 1000.0, "phase": "train"}}
     >>> det.check(1030.0, hb)
@@ -153,8 +167,8 @@ class HangDetector:
     >>> [(a.kind, a.ranks, a.step, a.evidence["stalled_s"]) for a in det.check(1106.0, hb)]
     [('hang', (0, 1), 41, 61.0)]
     >>> hb[1] = {"t": 1110.0, "step": 42, "step_t": 1110.0, "phase": "train"}
-    >>> [(a.status, a.end_step) for a in det.check(1111.0, hb)]
-    [('resolved', 42)]
+    >>> [(a.status, a.end_step, a.evidence["stalled_s"]) for a in det.check(1111.0, hb)]
+    [('resolved', 42, 65.0)]
 
     A 10-minute evaluation (``timed_badput``) is no hang, and the clock restarts when it ends:
 
@@ -170,7 +184,7 @@ class HangDetector:
     References
     ----------
     NVIDIA Resiliency Extension fault tolerance (heartbeat and section timeouts, longer ones
-    for checkpointing, timeouts computed from observed step times); PyTorch ``init_process_group``
+    for checkpointing, timeouts computed from observed intervals x a safety factor); PyTorch ``init_process_group``
     ``timeout`` (a stuck collective is only noticed by the job after 10-30 min).
     """
 
@@ -181,78 +195,131 @@ class HangDetector:
         checkpoint_s: float = defaults.HANG_CHECKPOINT_S,
         heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL_S,
         missed_intervals: int = defaults.HEARTBEAT_MISSED_INTERVALS,
+        initial_s: float = defaults.HANG_INITIAL_S,
+        update_s: float = defaults.STALL_UPDATE_S,
     ) -> None:
         self.floor_s = floor_s
         self.step_multiple = step_multiple
         self.checkpoint_s = checkpoint_s
         self.heartbeat_interval = heartbeat_interval
         self.missed_intervals = missed_intervals
+        self.initial_s = initial_s
+        self.update_s = update_s
+        #: The progress timeout, shared with the dead-rank detector and the goodput ledger (fed by the pipeline).
+        self.progress = ProgressTimeout(floor_s, step_multiple, initial_s)
         self._step_s: deque[float] = deque(maxlen=200)
         self._open: Anomaly | None = None
+        self._emitted = 0.0  # stalled_s of the open hang's last emitted state
         self._gen = 0
         self._phase_t: float | None = None  # newest heartbeat time (unix s) seen in a declared phase
 
     def observe_step(self, seconds: float | None, gen: int = 0) -> None:
-        """Record a completed step's wall time (s), for the learned timeout."""
+        """Record a completed step's own time (s), for :attr:`median_step_s` (the advisors' step cost)."""
         self._gen = gen
         if seconds is not None and seconds >= 0:
             self._step_s.append(seconds)
 
     @property
     def timeout_s(self) -> float:
-        """Current progress timeout (s), outside checkpoints."""
-        med = statistics.median(self._step_s) if self._step_s else 0.0
-        return max(self.floor_s, self.step_multiple * med)
+        """Current progress timeout (s), outside declared phases."""
+        return self.progress.timeout_s
 
     @property
     def median_step_s(self) -> float | None:
         """Median of the last 200 step times (s), None before any."""
         return statistics.median(self._step_s) if self._step_s else None
 
-    def check(self, now: float, heartbeats: Mapping[int, Mapping[str, Any]]) -> list[Anomaly]:
+    @property
+    def open(self) -> Anomaly | None:
+        """The open hang, if any."""
+        return self._open
+
+    def check(self, now: float, heartbeats: Mapping[int, Mapping[str, Any]],
+              culprit: Culprit | None = None) -> list[Anomaly]:
         """Judge the heartbeats at time ``now`` (unix s); return anomaly states that changed.
 
-        ``heartbeats`` maps rank to the decoded JSON of ``th:{run}:hb``.
+        ``heartbeats`` maps rank to the decoded JSON of ``th:{run}:hb``; ``culprit`` is the rank that stopped first,
+        when the caller knows (:func:`~trainhealth.detectors.culprit.judge`).
         """
         beats = read_beats(now, heartbeats)
         silence = self.missed_intervals * self.heartbeat_interval
-        limit = progress_limit(beats, self.timeout_s, self.checkpoint_s, silence)
+        timeout = self.timeout_s
+        limit = progress_limit(beats, timeout, self.checkpoint_s, silence)
         for b in beats:
             if b.declared and (self._phase_t is None or now - b.silent_s > self._phase_t):
                 self._phase_t = now - b.silent_s
         since_phase = now - self._phase_t if self._phase_t is not None else float("inf")
         cur = self._open
         stepped = [b for b in beats if b.step is not None]  # ranks still starting up cannot tell
-        if not stepped or any(min(b.idle_s, since_phase) <= limit for b in stepped):
+        alive = [b for b in beats if b.silent_s <= silence_limit(b, timeout, silence)]
+        progressing = not stepped or any(min(b.idle_s, since_phase) <= limit for b in stepped)
+        if progressing or not alive:
             if cur is None:
                 return []
             self._open = None
-            # The first step completed after the stall (a rank whose heartbeat predates it still shows the old one).
-            steps = [b.step for b in beats if b.step is not None]
-            later = [s for s in steps if s > cur.step]
-            end = min(later) if later else max(steps, default=cur.step)
-            return [replace(cur, status=RESOLVED, end_step=end)]
+            return [self._resolved(cur, now, beats, progressing)]
         idle = min(b.idle_s for b in stepped)
         stalled = min(idle, since_phase)
         onset = min(b.step for b in stepped)
         ranks = tuple(sorted(b.rank for b in beats))
-        silent = sorted(b.rank for b in beats if b.silent_s > silence_limit(b, self.timeout_s, silence))
+        silent = sorted(b.rank for b in beats if b.rank not in {a.rank for a in alive})
+        if cur is not None and cur.evidence.get("culprit"):
+            # The first rank to stop stays the culprit while the hang lasts: later ranks going silent, or a rank
+            # whose heartbeat lags the first steps after the resume, are not its cause.
+            culprit = Culprit.from_dict(cur.evidence["culprit"])
+        waiting = sorted(b.rank for b in alive if culprit is None or b.rank != culprit.rank)
         who = "all ranks" if len(ranks) > 1 else f"rank {ranks[0]}"
         after = f" ({stalled:.0f} s since the last checkpoint/badput phase)" if stalled < idle else ""
-        msg = (f"{who}: no step completed for {idle:.0f} s{after} (timeout {limit:.0f} s) after step {onset}"
-               + (f"; heartbeat lost from rank(s) {', '.join(map(str, silent[:16]))}: process or node down, the "
-                  "others wait for it (see dead_rank)"
-                  if silent else "; processes alive: stuck in a collective, the data loader or I/O "
-                  "(py-spy dump the ranks)"))
+        if culprit is not None:
+            cause = (f"; {culprit.name()} stopped first at step {culprit.step} ({culprit.why}); "
+                     + (f"rank{'s' if len(waiting) > 1 else ''} {_ranks(waiting)} alive and waiting for it"
+                        if waiting else "no other rank is heard from"))
+        else:
+            cause = ("; every rank is alive and waits in the same step: stuck in a collective, the data loader or I/O "
+                     "(py-spy dump the ranks)")
+        msg = f"{who}: no step completed for {idle:.0f} s{after} (timeout {limit:.0f} s) after step {onset}{cause}"
         med = self.median_step_s
         ev = {"timeout_s": round(limit, 3), "stalled_s": round(stalled, 3), "idle_s": round(idle, 3),
-              "silent_ranks": silent,
+              "since_t": round(now - idle, 3), "silent_ranks": silent, "waiting_ranks": waiting,
+              "culprit": culprit.to_dict() if culprit else None,
               "median_step_s": round(med, 6) if med is not None else None}
         if cur is None:
             self._open = Anomaly(kind="hang", severity="critical", step=onset, ranks=ranks, gen=self._gen,
                                  message=msg, evidence=ev, scope="*")
+            self._emitted = stalled
             return [self._open]
         new = replace(cur, ranks=tuple(sorted(set(cur.ranks) | set(ranks))), evidence=ev, message=msg)
-        changed = new.ranks != cur.ranks or ev["silent_ranks"] != cur.evidence["silent_ranks"]
+        old = cur.evidence
+        changed = (new.ranks != cur.ranks or ev["silent_ranks"] != old["silent_ranks"]
+                   or ev["culprit"] != old.get("culprit") or stalled - self._emitted >= self.update_s)
         self._open = new
+        if changed:
+            self._emitted = stalled
         return [new] if changed else []
+
+    def _resolved(self, cur: Anomaly, now: float, beats: list[Beat], progressing: bool) -> Anomaly:
+        """The open hang, over: ``stalled_s`` from the last completion before it to the first one after it (or to the
+        last heartbeat heard, when every rank went silent)."""
+        since = cur.evidence["since_t"]
+        steps = [b.step for b in beats if b.step is not None]
+        # Completions after the last one before the stall (a rank whose heartbeat predates it still shows the old one).
+        later = [b for b in beats if b.step is not None and now - b.idle_s > since + 1e-6]
+        end = min(b.step for b in later) if later else max(steps, default=cur.step)
+        ev = dict(cur.evidence)
+        if progressing and later:
+            resumed = min(now - b.idle_s for b in later)
+            ev.update(stalled_s=round(max(resumed - since, 0.0), 3), resumed_t=round(resumed, 3))
+            tail = f"; resumed at step {end} after {resumed - since:.0f} s"
+        elif progressing:  # a declared phase began (a checkpoint save, an evaluation)
+            ev.update(stalled_s=round(max(now - since, 0.0), 3), ended="declared phase")
+            tail = f"; a checkpoint or badput phase began after {now - since:.0f} s"
+        else:
+            heard = max((now - b.silent_s for b in beats), default=now)
+            ev.update(stalled_s=round(max(heard - since, 0.0), 3), ended="heartbeats lost")
+            tail = f"; every rank's heartbeat then stopped ({heard - since:.0f} s after the last step): the job is down"
+        base = cur.message.split("; resumed at step")[0]
+        return replace(cur, status=RESOLVED, end_step=end, evidence=ev, message=base + tail)
+
+
+def _ranks(rs: list[int]) -> str:
+    return ", ".join(map(str, rs[:16])) + (" …" if len(rs) > 16 else "")

@@ -14,6 +14,7 @@ from typing import Any
 
 from trainhealth import defaults
 from trainhealth.detectors.aggregate import StepAggregate
+from trainhealth.detectors.progress import ProgressTimeout
 from trainhealth.wire import Event
 
 #: Ledger categories; their seconds sum to the wall time exactly.
@@ -55,8 +56,14 @@ class GoodputLedger:
     gpu_hour_usd : float | None
         Price of one GPU-hour, for costs.
     hang_floor_s, hang_step_multiple : float
-        A gap between steps with nothing declared is ``hang`` when longer than
-        ``max(hang_floor_s, hang_step_multiple x median step time)`` (as the hang detector), else ``idle``.
+        The progress timeout's floor and multiple (:class:`~trainhealth.detectors.progress.ProgressTimeout`), when
+        the ledger keeps its own.
+    progress : ProgressTimeout | None
+        The progress timeout to share with the hang detector (the pipeline passes the hang detector's); the ledger
+        feeds it every step. An interval between two step completions longer than it, with nothing declared, is
+        ``hang`` — also when the step that contained the stall completes, so time frozen in a hang stays hang:
+        the interval minus the usual step (the median healthy interval, at most the step's own time). A shorter
+        undeclared gap is ``idle``.
 
     Examples
     --------
@@ -91,11 +98,13 @@ class GoodputLedger:
 
     def __init__(self, world_size: int = 1, gpu_hour_usd: float | None = None,
                  hang_floor_s: float = defaults.HANG_FLOOR_S,
-                 hang_step_multiple: float = defaults.HANG_STEP_MULTIPLE) -> None:
+                 hang_step_multiple: float = defaults.HANG_STEP_MULTIPLE,
+                 progress: ProgressTimeout | None = None) -> None:
         self.world_size = world_size
         self.gpu_hour_usd = gpu_hour_usd
         self.hang_floor_s = hang_floor_s
         self.hang_step_multiple = hang_step_multiple
+        self.progress = progress if progress is not None else ProgressTimeout(hang_floor_s, hang_step_multiple)
         self._durs: deque[float] = deque(maxlen=200)
         self._first: tuple[dict[str, float], float, list[float]] | None = None
         self._ckpts: list[int] = []
@@ -116,6 +125,9 @@ class GoodputLedger:
         self._pending: dict[tuple[str, Any, str], tuple[float, float]] = {}
         self._custom_by_name: dict[str, float] = {}
         self._applied: deque[tuple[str, Any, str]] = deque(maxlen=4096)
+        #: Seconds the newest restart took from the last step before it to the first step's start (s; None before
+        #: any): the measured cost of a relaunch, for the recovery advice.
+        self.restart_s: float | None = None
 
     # -- input -------------------------------------------------------------------------------
     def note_start(self, t: float) -> None:
@@ -194,6 +206,7 @@ class GoodputLedger:
             sec["program_startup"] += gap - restore
         elif agg.gen != self._gen:
             self._restarts += 1
+            self.restart_s = start - last  # recovery, start-up and restore: what the next relaunch will cost
             self._discard(agg.step, same_process=agg.inc <= last)
             launched = min(max(agg.inc, last), start)  # new processes started here (inc = process start)
             sec["infrastructure_recovery_from_disruption"] += launched - last
@@ -211,7 +224,16 @@ class GoodputLedger:
             sec["checkpoint_save"] += save
             sec["custom"] += custom
             sec["checkpoint_restore"] += restore
-            sec[self._gap_kind(gap - save - custom - restore)] += gap - save - custom - restore
+            rest = gap - save - custom - restore
+            if agg.pause is None and rest + (end - start) > self.progress.timeout_s:
+                # A stall longer than the progress timeout: hang, in the gap and in the step that held it (a rank
+                # frozen mid-step, the others blocked in its collective); the step keeps its usual length.
+                usual = min(self.progress.median_s or 0.0, end - start)
+                hang = rest + (end - start) - usual
+                sec["hang"] += hang
+                start = min(start + max(hang - rest, 0.0), end)
+            else:
+                sec["idle"] += rest
         new_launch = self._last_end is None or agg.gen != self._gen
         self._gen = agg.gen
         dur = end - start
@@ -230,6 +252,7 @@ class GoodputLedger:
         self._last_t = max(self._last_t, end)
         if (agg.t_start is not None or dur > 0) and agg.pause is None:  # a pause step is not a usual step time
             self._durs.append(dur)
+        self.progress.step(agg.gen, end, agg.pause is not None)
         self._recent.append([end, tokens, good, dur, agg.step, True])
         while self._recent and self._recent[0][0] < end - WINDOWS_S[-1]:
             self._recent.popleft()
@@ -288,8 +311,7 @@ class GoodputLedger:
         return {"data_loading": data, "straggler_wait": wait, ("skipped_steps" if skipped else "productive"): rest}
 
     def _gap_kind(self, seconds: float) -> str:
-        med = sorted(self._durs)[len(self._durs) // 2] if self._durs else 0.0
-        return "hang" if seconds > max(self.hang_floor_s, self.hang_step_multiple * med) else "idle"
+        return "hang" if seconds > self.progress.timeout_s else "idle"
 
     def _discard(self, resume: int, same_process: bool) -> None:
         """Training resumed at step ``resume``: the later attempts leave the lineage.

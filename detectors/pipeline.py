@@ -20,17 +20,20 @@ from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
 from trainhealth.detectors.base import StepDetector
 from trainhealth.detectors.collective_timeout import CollectiveTimeoutDetector
+from trainhealth.detectors.culprit import LastWord, judge
 from trainhealth.detectors.dead_rank import DeadRankDetector
 from trainhealth.detectors.divergence import DivergenceDetector
 from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector
 from trainhealth.detectors.grad_norm_spike import GradNormSpikeDetector
-from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.hang import HangDetector, read_beats
+from trainhealth.detectors.job_state import JobStateTracker
 from trainhealth.detectors.ledger import GoodputLedger
 from trainhealth.detectors.loss_collapse import LossCollapseDetector
 from trainhealth.detectors.loss_spike import LossSpikeDetector
 from trainhealth.detectors.nan_inf import NanInfDetector
 from trainhealth.detectors.plateau import PlateauDetector
 from trainhealth.detectors.rank_outlier import RankOutlierDetector
+from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
 from trainhealth.detectors.restart import RestartDetector
 from trainhealth.detectors.restart_storm import RestartStormDetector
 from trainhealth.detectors.skipped_steps import SkippedStepsDetector
@@ -39,6 +42,7 @@ from trainhealth.detectors.slow_step import SlowStepDetector
 from trainhealth.detectors.straggler import StragglerDetector
 from trainhealth.detectors.throughput import ThroughputDropDetector, step_seconds
 from trainhealth.detectors.worker_restart import WorkerRestartDetector
+from trainhealth.job import Culprit, JobState
 from trainhealth.recommendations import Recommendation
 from trainhealth.wire import ROW_DATA, ROW_SOURCE, Event, StepRecord, step_record
 
@@ -52,6 +56,8 @@ INCIDENT_KINDS = frozenset({"loss_spike", "grad_norm_spike", "divergence", "grad
                             "skipped_steps", "loss_collapse"})
 #: Of those, the ones showing the loss itself moved (a grad-norm spike in their incident is a warning, not info).
 LOSS_MOVED_KINDS = frozenset({"loss_spike", "divergence", "loss_collapse"})
+#: Kinds of a stop of the job, one incident per stop (:meth:`RunPipeline._in_job_incident`).
+JOB_KINDS = frozenset({"hang", "dead_rank", "restart", "collective_timeout"})
 #: Events that declare a pause in training (a checkpoint save or load, an evaluation or other badput): the
 #: first step after the step they name is a pause step (:attr:`StepAggregate.pause`).
 PAUSE_EVENTS = ("checkpoint_save", "checkpoint_load", "badput")
@@ -67,6 +73,8 @@ class Output:
     anomalies: list[Anomaly] = field(default_factory=list)
     #: Recommendations (re)computed, by anomaly id.
     recommendations: dict[str, Recommendation] = field(default_factory=dict)
+    #: The job's new state, when a heartbeat check changed it.
+    job: JobState | None = None
 
     def extend(self, other: Output) -> None:
         self.aggs += other.aggs
@@ -90,8 +98,15 @@ class RunPipeline:
     def __init__(self, world_size: int = 1, gpu_hour_usd: float | None = None,
                  hang: HangDetector | None = None, run: str = "") -> None:
         self.aggregator = StepAggregator(world_size)
-        self.ledger = GoodputLedger(world_size, gpu_hour_usd)
         self.hang = hang or HangDetector()
+        # One progress timeout for the hang and dead-rank detectors and the ledger: they agree on what a hang is.
+        self.ledger = GoodputLedger(world_size, gpu_hour_usd, progress=self.hang.progress)
+        self.job = JobStateTracker()
+        #: rank -> its last word (a ``rank_exit`` event) of its latest incarnation.
+        self.last_words: dict[int, LastWord] = {}
+        self._restart: tuple[float, int] | None = None  # (unix s, resume step) of the newest restart
+        # The newest hang/dead-rank incident: (its id, its generation, whether a member is still open).
+        self._job_incident: tuple[str, int, bool] | None = None
         #: rank -> host, from run_start events.
         self.hosts: dict[int, str] = {}
         # Rank family: a slow node is one slow_node anomaly, not a straggler per rank (the straggler
@@ -114,6 +129,7 @@ class RunPipeline:
         self.ended_ranks: set[int] = set()
         self.run = run
         self.advisor = RollbackAdvisor()
+        self.recovery = RecoveryAdvisor()
         #: Latest state of every anomaly, by id (the advisor's history).
         self.anomalies: dict[str, Anomaly] = {}
         self.checkpoints: dict[int, Checkpoint] = {}
@@ -202,6 +218,11 @@ class RunPipeline:
             for a in out.anomalies:
                 self.anomalies[a.id] = a
             return out
+        if ev.kind == "rank_exit":
+            self.last_words[ev.rank] = LastWord(ev.t, ev.extra.get("reason", ""),
+                                                ev.extra.get("error") or ev.extra.get("signal", ""), ev.inc)
+            self.ledger.add_event(ev)
+            return Output()
         if ev.kind == "run_start":
             host = ev.extra.get("host")
             if host:
@@ -311,19 +332,124 @@ class RunPipeline:
         """Close every pending step (end of a replayed file)."""
         return self._steps(self.aggregator.flush())
 
-    def check_heartbeats(self, now: float, heartbeats: Mapping[int, Mapping[str, Any]]) -> list[Anomaly]:
-        """Hang and dead-rank checks at unix time ``now``; ranks that ended cleanly are left out."""
+    def check_heartbeats(self, now: float, heartbeats: Mapping[int, Mapping[str, Any]]) -> Output:
+        """Hang, dead-rank and job-state checks at unix time ``now``; ranks that ended cleanly are left out.
+
+        Returns the anomaly states that changed (with their advice) and the job's state when it changed; a job that
+        crashed has its pending steps closed with the ranks they have (no record of it is coming any more).
+        """
         live = {r: hb for r, hb in heartbeats.items() if r not in self.ended_ranks}
+        # A rank's records (flushed every second) are newer than its heartbeat (every 5 s): a step they show
+        # completed counts as its last, so a hang resolves, and a crash is dated, by the newest evidence.
+        for r, (step, t) in self.aggregator.last_records().items():
+            hb = live.get(r)
+            if hb is not None and (hb.get("step") is None or step > hb["step"]) and t <= now:
+                live[r] = {**hb, "step": step, "step_t": t}
+        out = Output()
         found: list[Anomaly] = []
+        hang = self.hang
+        silence = hang.missed_intervals * hang.heartbeat_interval
         try:
-            found += self.hang.check(now, live)
-        except Exception:
-            self._failed(self.hang, self.current_step)
-        try:
-            found += self.dead_rank.check(now, live, self.hang.timeout_s, self.aggregator.generation)
+            beats = read_beats(now, live)
+            verdict = judge(beats, hang.timeout_s, silence, self.aggregator.last_steps(), self.last_words)
         except Exception:
             self._failed(self.dead_rank, self.current_step)
-        return [self._with_hosts(a) for a in found]
+            return out
+        try:
+            found += hang.check(now, live, verdict.culprit)
+        except Exception:
+            self._failed(hang, self.current_step)
+        state = self.job.state.state if self.job.state is not None else "running"
+        try:
+            found += self.dead_rank.check(now, live, hang.timeout_s, self.aggregator.generation, verdict,
+                                          job_state=state, current_step=self.current_step)
+        except Exception:
+            self._failed(self.dead_rank, self.current_step)
+        try:
+            newest = max((float(hb["t"]) for hb in live.values()), default=now)
+            out.job = self.job.update(now, verdict, newest_hb_t=newest, silence_s=silence, hang=hang.open,
+                                      finished=bool(heartbeats) and not live, gen=self.aggregator.generation,
+                                      current_step=self.current_step, restart=self._restart)
+        except Exception:
+            self._failed(self.job, self.current_step)
+        if out.job is not None and out.job.state == "crashed":
+            # Nothing more comes from this launch: its pending steps close with the ranks they have, and the
+            # dead-rank anomaly says the job crashed.
+            out.extend(self._steps(self.aggregator.flush()))
+            try:
+                found += self.dead_rank.check(now, live, hang.timeout_s, self.aggregator.generation, verdict,
+                                              job_state="crashed", current_step=self.current_step)
+            except Exception:
+                self._failed(self.dead_rank, self.current_step)
+        for a in found:
+            a = self._in_job_incident(self._with_hosts(a))
+            self.anomalies[a.id] = a
+            out.anomalies.append(a)
+            if RecoveryAdvisor.concerns(a) and self._incident_root(a):
+                rec = self._advise_recovery(a, now)
+                if rec is not None:
+                    out.recommendations[a.id] = rec
+        return out
+
+    def _in_job_incident(self, a: Anomaly) -> Anomaly:
+        """A hang, dead-rank or restart anomaly with the id of its job incident in ``evidence["incident"]``.
+
+        One stop of the job is one incident: a rank dies, the others hang on it, the launcher restarts them. Its id
+        is its first anomaly's; a hang or dead rank opening while one of the same generation is open joins it, and
+        the restart that ends the generation joins the incident of that generation's stop.
+        """
+        if a.kind not in JOB_KINDS:
+            return a
+        inc = self._incident_of.get(a.id)
+        if inc is None:
+            open_inc = self._job_incident
+            if a.kind == "restart":
+                inc = open_inc[0] if open_inc is not None and open_inc[1] == a.gen - 1 else a.id
+            else:
+                inc = open_inc[0] if open_inc is not None and open_inc[1] == a.gen and open_inc[2] else a.id
+                self._job_incident = (inc, a.gen, True)
+            self._incident_of[a.id] = inc
+        if a.kind != "restart" and self._job_incident is not None and self._job_incident[0] == inc:
+            active = any(b is not None and b.active for b in (self.hang.open, self.dead_rank.open))
+            self._job_incident = (inc, self._job_incident[1], active)
+        return replace(a, evidence={**a.evidence, "incident": inc})
+
+    def _restarted(self, a: Anomaly, agg: StepAggregate) -> Anomaly:
+        """A restart, naming the rank that stopped first before it: the culprit of the hang or crash seen, else the
+        ranks of the old launch that left no last word while the others died of a communication error (a launcher
+        that relaunches in seconds replaces the heartbeats before a silence shows)."""
+        self._restart = (agg.t_end, agg.step)
+        culprit = self.job.last_culprit
+        if culprit is None:
+            old = {r: w for r, w in self.last_words.items() if w.inc < agg.inc}
+            quiet = sorted(r for r in range(self.world_size) if not (r in old and old[r].victim))
+            if old and 0 < len(quiet) < self.world_size:
+                r = quiet[0]
+                culprit = Culprit(r, self.hosts.get(r), None, a.evidence.get("last_step"),
+                                  "no last word (killed, crashed or lost its node) while the others exited with a "
+                                  "communication error")
+        self.job.last_culprit = None
+        if culprit is None:
+            return a
+        where = f" (host {culprit.host})" if culprit.host else ""
+        return replace(a, ranks=(culprit.rank,), evidence={**a.evidence, "culprit": culprit.to_dict()},
+                       message=a.message + f"; rank {culprit.rank}{where} stopped first: {culprit.why}")
+
+    @staticmethod
+    def _incident_root(a: Anomaly) -> bool:
+        """Whether ``a`` is its incident's first anomaly: one recommendation per incident (the hang that follows a
+        dead rank is in the dead rank's)."""
+        return a.evidence.get("incident", a.id) == a.id
+
+    def _advise_recovery(self, a: Anomaly, now: float) -> Recommendation | None:
+        try:
+            return self.recovery.advise(
+                a, run=self.run, checkpoints=self.checkpoints.values(), current_step=self.current_step,
+                step_s=self.hang.median_step_s, world_size=self.world_size, gpu_hour_usd=self.ledger.gpu_hour_usd,
+                history=self.anomalies.values(), restart_s=self.ledger.restart_s, now=now)
+        except Exception:
+            self._failed(self.recovery, self.current_step)
+            return None
 
     def _failed(self, who: object, step: int) -> None:
         name = type(who).__name__
@@ -365,6 +491,8 @@ class RunPipeline:
                     self._failed(det, agg.step)
                     continue
                 for a in found:
+                    if a.kind == "restart":
+                        a = self._in_job_incident(self._restarted(a, agg))
                     changed += self._incident(self._with_hosts(a))
             out.anomalies += changed
             for a in changed:
@@ -375,10 +503,13 @@ class RunPipeline:
             if due:
                 candidates.update((i, a) for i, a in self.anomalies.items() if a.active)
             for a in candidates.values():
+                rec = None
                 if RollbackAdvisor.concerns(a):
                     rec = self._advise(a)
-                    if rec is not None:
-                        out.recommendations[a.id] = rec
+                elif RecoveryAdvisor.concerns(a) and self._incident_root(a):
+                    rec = self._advise_recovery(a, agg.t_end)
+                if rec is not None:
+                    out.recommendations[a.id] = rec
             if due:
                 self._last_advice = agg.step
         return out

@@ -33,6 +33,8 @@ from trainhealth.anomaly import Anomaly
 from trainhealth.detectors.advisor import RollbackAdvisor
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
+from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
+from trainhealth.job import JobState
 from trainhealth.keys import RUNS, RunKeys, run_keys, run_of, service_heartbeat
 from trainhealth.loop import LEASE_LUA, Backoff, stop_on_signals
 from trainhealth.recommendations import Recommendation
@@ -129,6 +131,8 @@ class _Run:
     dirty: bool = True
     #: A replayed log (meta ``source`` = ``replay:…``): the wait between its paced pushes is not the job's.
     replay: bool = False
+    #: The service marked the run crashed (meta ``status``); undone when the job comes back.
+    crashed: bool = False
 
 
 class DetectorService:
@@ -490,7 +494,7 @@ class DetectorService:
         for rec in out.recommendations.values():
             self._write_recommendation(run, rec, pipe)
         for a in out.anomalies:
-            if a.id not in out.recommendations and not RollbackAdvisor.concerns(a):
+            if a.id not in out.recommendations and not RollbackAdvisor.concerns(a) and not RecoveryAdvisor.concerns(a):
                 self._close_recommendation(run, a, pipe)
             self._write_anomaly(run, a, pipe)
 
@@ -623,7 +627,7 @@ class DetectorService:
         pipe = self.client.pipeline(transaction=True)
         out = run.pipeline.flush_stale(now)
         self._write(run, out, pipe)
-        if run.status == "running":
+        if run.status in ("running", "crashed"):  # a crashed job is watched for its relaunch
             hbs = {}
             for rank, raw in self.client.hgetall(run.keys.heartbeats).items():
                 try:
@@ -639,11 +643,26 @@ class DetectorService:
                 hbs[r] = {**hb, "t": t}
             newest = max((h["t"] for h in hbs.values()), default=0.0)
             if hbs and now - newest < RUN_INACTIVE_S:
-                for a in run.pipeline.check_heartbeats(now, hbs):
-                    self._write_anomaly(run, a, pipe)
+                out = run.pipeline.check_heartbeats(now, hbs)
+                self._write(run, out, pipe)
+                if out.job is not None:
+                    self._write_job(run, out.job, pipe)
         if (run.dirty or run.status == "running") and now - run.last_snapshot >= self.snapshot_interval:
             self._snapshot(run, now, pipe)
         pipe.execute()
+
+    def _write_job(self, run: _Run, job: JobState, pipe: Any) -> None:
+        """Store the job's new state (``th:{run}:state``); a crash also shows in the run's ``status``, which
+        goes back to ``running`` when the job comes back (the collectors of a relaunch write it too)."""
+        pipe.set(run.keys.state, job.to_json())
+        if job.state == "crashed":
+            pipe.hset(run.keys.meta, mapping={"status": "crashed", "status_detail": job.message})
+        elif run.crashed:
+            pipe.hset(run.keys.meta, mapping={"status": "running", "status_detail": job.message})
+        run.crashed = job.state == "crashed"
+        run.dirty = True
+        log.log(logging.WARNING if job.state in ("hung", "crashed") else logging.INFO, "run %s: job %s%s",
+                run.keys.run, job.state, f": {job.message}" if job.message else "")
 
     def _snapshot(self, run: _Run, now: float, pipe: Any) -> None:
         ledger = run.pipeline.ledger
@@ -652,6 +671,9 @@ class DetectorService:
         # A live job's ledger runs to now (an open gap is idle, then hang); a finished run's, and a replay's
         # (the wait between its paced pushes is the replay's pace, not the job's time), end at its last activity.
         at = now if run.status == "running" and not run.replay else ledger.last_activity
+        job = run.pipeline.job.state
+        if job is not None and job.state == "crashed":
+            at = max(job.since, ledger.last_activity)  # the job is gone: its ledger stops where it was last heard
         snap = ledger.snapshot(at)
         body = json.dumps(snap)
         pipe.set(run.keys.ledger_latest, body)

@@ -63,7 +63,7 @@ ANOMALY_KEYS = sorted(["kind", "severity", "step", "message", "evidence", "ranks
                        "gen", "id"])
 RECOMMENDATION_KEYS = ["id", "run", "anomaly_id", "kind", "action", "onset_step", "current_step", "checkpoint_step",
                        "skip_steps", "skip_samples", "skip_batches", "recheck_step", "recompute_steps", "cost",
-                       "continue_cost", "options", "reasoning", "summary"]
+                       "continue_cost", "options", "reasoning", "summary", "commands", "exclude_hosts", "deadline_s"]
 GOODPUT_KEYS = ["timeline", "timed_steps", "assumed_step_seconds", "note", "ledger"]
 
 

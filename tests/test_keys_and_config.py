@@ -17,6 +17,7 @@ def test_run_keys_literal_strings() -> None:
     assert k.anomaly_log == "th:{llama-70b.v2_run}:anomaly_log"
     assert k.ledger == "th:{llama-70b.v2_run}:ledger"
     assert k.ledger_latest == "th:{llama-70b.v2_run}:ledger:latest"
+    assert k.state == "th:{llama-70b.v2_run}:state"
     assert keys.RUNS == "th:runs"
     assert keys.service_heartbeat("host-a") == "th:service:host-a"
 

@@ -8,6 +8,7 @@ went silent (``os._exit`` here stands in for SIGKILL, an OOM kill or a segfault:
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -160,3 +161,30 @@ def test_at_most_one_last_word_and_close_still_ends_the_run(r: redis.Redis, redi
     assert [e.kind for e in events(r)] == ["run_start", "rank_exit", "checkpoint_save", "run_end"]
     (ev,) = rank_exits(r)
     assert (ev.step, ev.extra) == (None, {"reason": "exit", "phase": "checkpoint_save"})
+
+
+
+def test_sigterm_leaves_a_last_word_and_still_kills(r: redis.Redis, redis_url: str) -> None:
+    # A launcher tearing the group down (torchrun after another rank died, a preemption) sends SIGTERM: the rank says
+    # so before it dies of the signal, as it would have without the monitor.
+    out = run_script(redis_url, """\
+        import signal
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("not reached")
+        """)
+    assert out.returncode == -signal.SIGTERM and "not reached" not in out.stdout
+    [ev] = rank_exits(r)
+    assert (ev.rank, ev.step, ev.extra) == (1, 3, {"reason": "signal", "signal": "SIGTERM", "phase": "train"})
+
+
+def test_a_jobs_own_sigterm_handler_is_kept(r: redis.Redis, redis_url: str) -> None:
+    script = ("import os, signal, sys\n"
+              "signal.signal(signal.SIGTERM, lambda *a: (print('own handler'), sys.exit(0)))\n"
+              "from trainhealth.collectors.monitor import Monitor\n"
+              "mon = Monitor('run-x', rank=0, world_size=1, spill_dir=False)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n")
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRAINHEALTH_REDIS_URL": redis_url},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "own handler" in out.stdout
+    [ev] = rank_exits(r)
+    assert ev.extra["reason"] == "exit"  # its handler exited cleanly: the ordinary last word, no signal one

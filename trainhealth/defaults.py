@@ -122,14 +122,29 @@ STRAGGLER_THRESHOLD = 0.8
 STRAGGLER_MIN_WINDOWS = 2
 #: Ignore section-time differences below this many seconds (timer jitter on tiny steps).
 STRAGGLER_MIN_EXCESS_S = 0.002
-#: Hang: a rank with no completed step for max(HANG_FLOOR_S, HANG_STEP_MULTIPLE x median
-#: step time) is hung; declared phases (checkpoint save/load, badput such as evaluations: heartbeat
-#: phase other than ``train``) get HANG_CHECKPOINT_S before they count.
-HANG_FLOOR_S = 120.0
-HANG_STEP_MULTIPLE = 20.0
+#: Hang: no rank completed a step for max(HANG_FLOOR_S, HANG_STEP_MULTIPLE x the longest healthy interval between
+#: step completions seen so far) (detectors/progress.py), as NVIDIA's resiliency extension derives its timeouts
+#: (observed maximum x safety factor 5.0); HANG_INITIAL_S until HANG_MIN_INTERVALS healthy intervals were seen
+#: (a second step that recompiles must not page). Declared phases (checkpoint save/load, badput such as
+#: evaluations: heartbeat phase other than ``train``) get HANG_CHECKPOINT_S before they count.
+HANG_FLOOR_S = 30.0
+HANG_STEP_MULTIPLE = 5.0
+HANG_INITIAL_S = 600.0
+HANG_MIN_INTERVALS = 5
 HANG_CHECKPOINT_S = 1800.0
-#: Heartbeats older than this many intervals mean the rank's process is gone.
-HEARTBEAT_MISSED_INTERVALS = 4
+#: Heartbeats older than this many intervals mean the rank's process is gone: 3 x 5 s, so a rank that stops is
+#: named within 20 s (its last heartbeat was at most one interval before it stopped, and the service checks every
+#: second).
+HEARTBEAT_MISSED_INTERVALS = 3
+#: A hang or dead-rank anomaly still open is rewritten with its growing duration at most this often (s): the
+#: dashboard and the alert see the current figure without an update per second.
+STALL_UPDATE_S = 10.0
+#: A job whose every rank's heartbeat is gone is ``crashed`` once no relaunch came this long after the newest
+#: heartbeat went stale (s): torchrun's and elastic agents' relaunches take seconds; a scheduler's requeue that
+#: comes later turns the state into ``restarted``.
+CRASH_GRACE_S = 30.0
+#: The job state stays ``restarted`` this long after the first step of a new generation (s), then ``running``.
+RESTARTED_HOLD_S = 300.0
 
 # --- Detectors: loss family (skipped steps, spike classes, divergence, grad-norm explosion) ---------
 #: Noise-aware spike threshold (extreme value theory, SPOT, Siffer et al. KDD 2017): a spike must also exceed the
@@ -399,3 +414,16 @@ ALERT_SLACK_MAX_ALERTS = 6
 ALERT_SERVICE_STALE_S = 60.0
 #: Dashboard base URL used in notification links when the config does not give one.
 ALERT_DASHBOARD_URL = "http://127.0.0.1:8501"
+
+# --- Recovery advice (detectors/recovery_advisor.py) ---
+#: Seconds after a hang's onset (no progress) after which the advice turns from "dump the stacks and wait"
+#: to "restart": PyTorch's default NCCL watchdog timeout (``torch.distributed.constants.default_pg_nccl_timeout``,
+#: 10 min), after which the job aborts its collectives by itself, so waiting longer only burns the allocation.
+HANG_RESTART_AFTER_S = 600.0
+#: Seconds a relaunch costs (scheduler, container and interpreter startup, NCCL init, checkpoint restore) when the
+#: run has not measured one: 5 min, an assumption for a multi-node job (the "program startup" and "training
+#: preparation" badput of Google's ml-goodput-measurement); a measured relaunch of the run replaces it.
+RESTART_OVERHEAD_S = 300.0
+#: Replace a straggler or slow node when a restart without it pays for itself within this many hours of the time
+#: it costs the job: past that, advising a restart is noise (the run may end, or the node recover, first).
+REPLACE_NODE_BREAK_EVEN_H = 1.0

@@ -106,6 +106,12 @@ class RunKeys:
         return f"{self._p}:ledger:latest"
 
     @property
+    def state(self) -> str:
+        """String: JSON of the job's state as the detector service judges it (:mod:`trainhealth.job`): ``state``
+        (running, hung, crashed, restarted, finished), ``since``, ``step``, ``culprit``, ``message``."""
+        return f"{self._p}:state"
+
+    @property
     def owner(self) -> str:
         """String with TTL: the consumer name of the detector service processing this run."""
         return f"{self._p}:owner"

@@ -31,8 +31,13 @@ class Recommendation:
     id : str
         ``rec:<anomaly id>``: one recommendation per anomaly, updated as the anomaly evolves.
     action : str
-        ``rollback`` (restart from ``checkpoint_step`` skipping the data range), ``wait``
-        (a spike that may recover: re-check at ``recheck_step``) or ``none_possible``.
+        From the rollback advisor (loss anomalies): ``rollback`` (restart from ``checkpoint_step``
+        skipping the data range), ``wait`` (a spike that may recover: re-check at ``recheck_step``)
+        or ``none_possible``. From the recovery advisor (hangs, dead ranks, slow ranks and nodes):
+        ``dump_stacks`` (run ``commands`` to see where the job is stuck; restart if nothing moved
+        by ``deadline_s``), ``restart`` (relaunch from ``checkpoint_step``, without
+        ``exclude_hosts``), ``replace_node`` (a restart without the slow node pays for itself soon)
+        or ``keep`` (it does not: carry on with the slow node).
     checkpoint_step : int | None
         Checkpoint to restart from.
     skip_steps : tuple[int, int] | None
@@ -40,18 +45,30 @@ class Recommendation:
     skip_samples, skip_batches : tuple[int, int] | None
         The same range as half-open ``[first, end)`` consumed-sample and batch-index ranges,
         when the collectors recorded data positions.
-    recompute_steps : int
-        Steps that a rollback discards and trains again.
+    recompute_steps : int | None
+        Steps that a rollback or restart discards and trains again (None: unknown, no checkpoint
+        was reported).
     cost : dict
         ``gpu_hours`` and ``usd`` (None without a price) of the rollback's recomputation, and
-        ``wall_hours`` of the run's time it takes.
+        ``wall_hours`` of the run's time it takes; for a restart also ``restart_s`` (s of relaunch
+        overhead) and ``recompute_s``, and ``gpu_hours`` None when the recomputation is unknown.
     continue_cost : dict
         What not acting costs: ``wasted_steps_so_far`` and ``gpu_hours_per_hour`` (``usd_per_hour``)
-        burnt while the run trains on a diverged model.
+        burnt while the run trains on a diverged model (for a hang or a slow node: the GPU-hours
+        lost so far and per hour of waiting or of keeping the node).
     options : list[str]
         Other levers (lower learning rate, tighter clipping), labelled as options.
     reasoning : list[str]
         The steps of the decision, in words, with the numbers used.
+    summary : str
+        The advice in one paragraph, with its figures.
+    commands : list[str]
+        Shell commands to run, in order (``py-spy dump --pid 4242``; a trailing ``# ...`` says
+        where or for which scheduler); empty when there is nothing to run.
+    exclude_hosts : list[str]
+        Hosts to leave out of the relaunch (a node that failed twice, a slow node).
+    deadline_s : float | None
+        Seconds after the onset at which the advice changes: restart if nothing moved by then.
     """
 
     id: str
@@ -66,12 +83,15 @@ class Recommendation:
     skip_samples: tuple[int, int] | None = None
     skip_batches: tuple[int, int] | None = None
     recheck_step: int | None = None
-    recompute_steps: int = 0
+    recompute_steps: int | None = 0
     cost: dict[str, Any] = field(default_factory=dict)
     continue_cost: dict[str, Any] = field(default_factory=dict)
     options: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     summary: str = ""
+    commands: list[str] = field(default_factory=list)
+    exclude_hosts: list[str] = field(default_factory=list)
+    deadline_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (tuples as lists)."""
@@ -85,11 +105,15 @@ class Recommendation:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Recommendation:
-        """Rebuild from a stored dict (extra keys such as ``status`` and ``history`` are ignored)."""
+        """Rebuild from a stored dict (extra keys such as ``status`` and ``history`` are ignored; a record
+        stored before ``commands``, ``exclude_hosts`` and ``deadline_s`` existed gets their defaults)."""
         kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         for k in ("skip_steps", "skip_samples", "skip_batches"):
             if kw.get(k) is not None:
                 kw[k] = tuple(kw[k])
+        for k in ("commands", "exclude_hosts"):
+            if k in kw:
+                kw[k] = list(kw[k] or [])
         return cls(**kw)
 
     def megatron_args(self) -> str | None:
