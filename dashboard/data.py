@@ -25,6 +25,7 @@ import redis
 from trainhealth import defaults
 from trainhealth.anomaly import KINDS
 from trainhealth.exceptions import ConfigError
+from trainhealth.job import Culprit, JobState
 from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys, validate_run_id
 from trainhealth.wire import decode_event
 
@@ -277,6 +278,46 @@ def list_runs(client: redis.Redis, limit: int = RUNS_LIMIT, problems: list[str] 
 def run_exists(client: redis.Redis, run: str) -> bool:
     """True when ``run`` is in the ``th:runs`` registry (so a ``?run=`` link can open it)."""
     return client.zscore(RUNS, run) is not None
+
+
+# --- the job's state ------------------------------------------------------------------------
+
+def job_state(client: redis.Redis, run: str, problems: list[str] | None = None) -> JobState | None:
+    """The job's state as the detector service judges it (``state``), or None when it wrote none yet.
+
+    A :class:`trainhealth.job.JobState`: ``state`` (one of ``running``, ``hung``, ``crashed``,
+    ``restarted``, ``finished``), ``since`` (unix s the job entered it; NaN when unreadable),
+    ``step`` (int or None), ``culprit`` (:class:`trainhealth.job.Culprit`: ``rank`` int, ``host``
+    str or None, ``pid`` int or None, ``step`` int or None, ``why`` str; None when not known),
+    ``message`` (one line) and ``gen`` (restart generation). One ``GET``. A value that is not such
+    a record (not JSON, no ``state``/``since``, an unknown state) gives None; a ``since``, ``step``,
+    ``culprit.host``/``pid``/``step`` of the wrong type is blanked. With ``problems``, either is
+    reported there.
+    """
+    key = run_keys(run).state
+    raw = client.get(key)
+    if raw is None:
+        return None
+    try:
+        state = JobState.from_json(_s(raw))  # text: its messages quote the value without a b'' around it
+    except ValueError as exc:
+        _report(problems, f"{key} is unreadable: {exc}")
+        return None
+    bad: list[str] = []
+    since = _get_num(vars(state), "since", bad, finite=True, bound=MAX_TIME)
+    step = _get_num(vars(state), "step", bad, integral=True, bound=MAX_INT)
+    culprit = state.culprit
+    if culprit is not None:
+        n = len(bad)
+        host = _get_str(vars(culprit), "host", bad)
+        pid = _get_num(vars(culprit), "pid", bad, integral=True, bound=MAX_INT)
+        c_step = _get_num(vars(culprit), "step", bad, integral=True, bound=MAX_INT)
+        bad[n:] = [f"culprit.{b}" for b in bad[n:]]  # name the object the field is in
+        culprit = Culprit(culprit.rank, host, None if math.isnan(pid) else int(pid),
+                          None if math.isnan(c_step) else int(c_step), culprit.why)
+    if bad:
+        _report(problems, f"{key} has unreadable values, shown as missing: {'; '.join(bad)}")
+    return JobState(state.state, since, None if math.isnan(step) else int(step), culprit, state.message, state.gen)
 
 
 # --- per-step aggregates -----------------------------------------------------------------

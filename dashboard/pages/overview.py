@@ -1,5 +1,5 @@
-"""Overview page: open rollback recommendations, KPIs, loss/grad-norm curves with anomaly markers,
-goodput over time, badput."""
+"""Overview page: open rollback recommendations, a banner while the job is hung, crashed or just restarted, KPIs,
+loss/grad-norm curves with anomaly markers, goodput over time, badput."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from trainhealth.dashboard.common import (
 )
 from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS
+from trainhealth.job import JobState
 from trainhealth.text import fmt_duration, fmt_int, fmt_pct, fmt_rate, fmt_usd, plural
 
 #: Slow-moving reads (checkpoint markers, hour-long ledger history) are re-read at most this
@@ -46,7 +47,81 @@ def _ledger_history(url: str, run: str) -> tuple[pd.DataFrame, list[str]]:
     return data.ledger_history(get_client(url), run, problems=problems), problems
 
 
-def kpis(snap: dict | None, anomalies: pd.DataFrame, meta: dict) -> None:
+def _at_step(step: int | None) -> str:
+    return f"at step {fmt_int(step)}" if step is not None else "before the first step"
+
+
+def _dash(message: str) -> str:
+    """`` — message`` (its trailing full stop dropped: a sentence follows), or nothing."""
+    message = message.strip().rstrip(".")
+    return f" — {message}" if message else ""
+
+
+def _lead(head: str, state: JobState) -> str:
+    """``head — message``; a message that starts with the state's own word (the service's ``crashed at step 190,
+    rank 1 first (host n1, pid 7): …``) already says what the head would, so it leads alone, capitalised."""
+    message = state.message.strip().rstrip(".")
+    if message.lower().startswith(state.state + " "):
+        return message[0].upper() + message[1:]
+    return head + _dash(message)
+
+
+def job_banner_text(state: JobState | None, now: float) -> str | None:
+    """The banner for a hung, crashed or restarted job (:func:`trainhealth.dashboard.data.job_state`), else None."""
+    if state is None or state.state not in ("hung", "crashed", "restarted"):
+        return None
+    c = state.culprit
+    age = fmt_duration(now - state.since)
+    if state.state == "hung":
+        # Always our own head: the hang detector's message ("rank 2 has not completed a step for 300 s") has no age.
+        text = f"Hung for {age} {_at_step(state.step)}{_dash(state.message)}."
+        if c is not None:
+            why = c.why.strip().rstrip(".")
+            text += f" Culprit: {c.name()} stopped first" + (f": {why}." if why else ".")
+            if c.pid is not None:
+                where = f"host {c.host}" if c.host else "its host"
+                text += f" See where it is stuck: `py-spy dump --pid {c.pid}` on {where}."
+        return text
+    if state.state == "crashed":
+        first = (f", rank {c.rank} first" + (f" (host {c.host})" if c.host else "")) if c is not None else ""
+        return _lead(f"Crashed {_at_step(state.step)}{first}", state) + f". Last heard from {age} ago."
+    gen = f" (restart generation {state.gen})" if state.gen else ""
+    head = f"Restarted at step {fmt_int(state.step)}" if state.step is not None else "Restarted"
+    return _lead(head, state) + f". It came back {age} ago{gen}."
+
+
+def job_banner(state: JobState | None) -> None:
+    """A red banner while the job is hung or crashed, a yellow one for a while after it restarted."""
+    text = job_banner_text(state, time.time())
+    if text is None:
+        return
+    if state is not None and state.state == "restarted":
+        st.warning(text, icon=":material/restart_alt:")
+    else:
+        st.error(text, icon=":material/error:")
+
+
+def stalled_throughput(snap: dict, state: JobState | None) -> tuple[float | None, str, str] | None:
+    """While the job is hung or crashed: the throughput card's value, sub-line and help prefix; None otherwise.
+
+    The whole-run throughput (tokens ÷ seconds inside steps) does not move while no step runs, so
+    during a hang it would still read the healthy rate, as if the job trained. The ledger's 60 s
+    window is what the job does now (0 when no step completed in the last minute): that is shown,
+    in red. A snapshot without that window shows the whole-run value, labelled as the rate before the stop.
+    """
+    if state is None or state.state not in ("hung", "crashed"):
+        return None
+    whole = snap.get("throughput_tok_s")
+    window = ((snap.get("rates") or {}).get("60s") or {}).get("throughput_tok_s")
+    if window is not None:
+        return window, "tokens/s, last min", (
+            f"The job is {state.state}: tokens/s of the steps completed in the last minute (0 when none); over the "
+            f"whole run {fmt_rate(whole)} tokens/s. ")
+    before = "before the hang" if state.state == "hung" else "before the crash"
+    return whole, before, f"The job is {state.state}: the whole run's tokens/s up to the stop, {before}. "
+
+
+def kpis(snap: dict | None, anomalies: pd.DataFrame, meta: dict, state: JobState | None = None) -> None:
     """The KPI strip: throughput, goodput (tokens/s and time), anomalies (active of total), badput cost.
 
     No step card: the status line right above names the newest step and restart generation, and
@@ -61,9 +136,16 @@ def kpis(snap: dict | None, anomalies: pd.DataFrame, meta: dict) -> None:
     unit = {"delta_color": "gray", "delta_arrow": "off", "border": True}
     cols = st.columns(5)
     no_tokens = "The run reported no token counts (e.g. a replayed log without them), so there is no tokens/s."
-    cols[0].metric("Throughput", fmt_rate(snap.get("throughput_tok_s")) if tokens else "n/a",
-                   delta="tokens/s" if tokens else "no token counts", **unit,
-                   help=THROUGHPUT_HELP + ("" if tokens else " " + no_tokens))
+    # Hung or crashed: the last minute's rate (0 while nothing completes), not the frozen healthy whole-run value.
+    stalled = stalled_throughput(snap, state) if tokens else None
+    if stalled is not None:
+        rate, sub, why = stalled
+        cols[0].metric("Throughput", fmt_rate(rate), delta=sub, delta_color="red", delta_arrow="off", border=True,
+                       help=why + THROUGHPUT_HELP)
+    else:
+        cols[0].metric("Throughput", fmt_rate(snap.get("throughput_tok_s")) if tokens else "n/a",
+                       delta="tokens/s" if tokens else "no token counts", **unit,
+                       help=THROUGHPUT_HELP + ("" if tokens else " " + no_tokens))
     cols[1].metric(GOODPUT_TOKENS, fmt_rate(snap.get("goodput_tok_s")) if tokens else "n/a",
                    delta="tokens/s" if tokens else "no token counts", **unit,
                    help=GOODPUT_TOKENS_HELP + ("" if tokens else " " + no_tokens))
@@ -85,9 +167,21 @@ def kpis(snap: dict | None, anomalies: pd.DataFrame, meta: dict) -> None:
                        help="Wall time not spent productively. Set `gpu_hour_usd` on the Monitor for USD cost.")
 
 
-def status_line(steps: pd.DataFrame, meta: dict) -> None:
+def shown_status(meta: dict, state: JobState | None) -> str:
+    """The run's status: the detector service's judgement (hung, crashed, restarted, finished) over the meta's.
+
+    The meta's ``status`` is what the ranks said (``running`` from their start until ``Monitor.close()``), so a
+    hung or crashed job still says ``running`` there. A job state of ``running`` does not override the meta: a
+    ``close(status=...)`` the service has not judged yet is newer.
+    """
+    if state is not None and state.state != "running":
+        return state.state
+    return meta.get("status") or "unknown"
+
+
+def status_line(steps: pd.DataFrame, meta: dict, state: JobState | None = None) -> None:
     """How fresh the data is: an on-call's first question."""
-    bits = [f"status **{meta.get('status') or 'unknown'}**"]
+    bits = [f"status **{shown_status(meta, state)}**"]
     if not steps.empty:
         last = steps.iloc[-1]
         if pd.notna(last["t_end"]):
@@ -125,6 +219,7 @@ def live(run: str) -> None:
         meta = data.run_meta(cl, run, problems)
         steps = data.recent_steps(cl, run, DASHBOARD_STEPS, with_busy=False, problems=problems)
         snap = data.ledger_latest(cl, run, problems)
+        state = data.job_state(cl, run, problems)
         anomalies = data.anomalies(cl, run, problems)
         checkpoints = _checkpoints(url, run)
         history, history_problems = _ledger_history(url, run)
@@ -132,9 +227,10 @@ def live(run: str) -> None:
         redis_trouble(exc)
         return
 
-    status_line(steps, meta)
+    job_banner(state)
+    status_line(steps, meta, state)
     show_problems([*problems, *history_problems])
-    kpis(snap, anomalies, meta)
+    kpis(snap, anomalies, meta, state)
 
     if steps.empty:
         st.info("No aggregated steps yet for this run. The detector service (`trainhealth serve`) writes "

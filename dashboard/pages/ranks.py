@@ -39,7 +39,7 @@ def window_text(recent: pd.DataFrame, onset: int | None) -> str:
 
 
 def _highlight(row: pd.Series) -> list[str]:
-    style = "background-color: rgba(214, 39, 40, 0.18)" if row["straggler"] else ""
+    style = "background-color: rgba(214, 39, 40, 0.18)" if row["straggler"] or row.get("culprit", False) else ""
     return [style] * len(row)
 
 
@@ -51,6 +51,7 @@ def live(run: str, window: int, relative: bool) -> None:
         cl = client()
         matrix = data.rank_matrix(cl, run, window, problems)
         anomalies = data.anomalies(cl, run, problems)
+        state = data.job_state(cl, run, problems)
         hosts = _hosts(st.session_state.get(URL_KEY, ""), run)
     except redis.RedisError as exc:
         redis_trouble(exc)
@@ -65,6 +66,13 @@ def live(run: str, window: int, relative: bool) -> None:
         on = f" on {', '.join(a.hosts)}" if a.hosts else ""
         since = f" since step {a.step}" if pd.notna(a.step) else ""
         st.warning(f"**{RANK_KINDS[a.kind]}**: {where}{on}{since} — {a.message}", icon=":material/slow_motion_video:")
+    # The rank that stopped first while the job is hung or crashed (the Overview's banner says the rest).
+    culprit = None
+    if state is not None and state.state in ("hung", "crashed") and state.culprit is not None:
+        culprit = state.culprit
+        why = culprit.why.strip().rstrip(".")
+        st.error(f"**Job {state.state}**: {culprit.name()} stopped first" + (f" — {why}" if why else ""),
+                 icon=":material/error:")
 
     if matrix.shape[1] == 0:
         st.info("No aggregated steps yet for this run.", icon=":material/hourglass_empty:")
@@ -78,6 +86,8 @@ def live(run: str, window: int, relative: bool) -> None:
     recent, onset = data.rank_table_window(matrix, anomalies)
     summary = data.rank_summary(recent, hosts)
     summary["straggler"] = summary["rank"].isin(straggler_ranks)
+    if culprit is not None:
+        summary["culprit"] = summary["rank"] == culprit.rank
     st.markdown("##### Ranks, slowest first")
     st.caption("Busy = seconds a rank spends in its own timed sections before the collective; a slow rank "
                "makes all others wait. Ratio = the rank's median busy time / the median rank's; score = the "
@@ -95,6 +105,8 @@ def live(run: str, window: int, relative: bool) -> None:
             "steps": st.column_config.NumberColumn("steps reported", format="%d"),
             "straggler": st.column_config.CheckboxColumn("flagged", help="In an active straggler, slow-node, "
                                                          "rank-outlier or dead-rank anomaly."),
+            "culprit": st.column_config.CheckboxColumn("stopped first", help="The culprit of the hang or crash: "
+                                                       "the rank the detector service saw stop first."),
         },
     )
 
