@@ -385,7 +385,7 @@ def run_source(src: Source, peers: bool = True, setup: Any = None) -> RunResult:
                 now, hbs = item[1], item[2]
                 fd.inputs.add("heartbeats")
                 fd.out(pipe.flush_stale(now))
-                fd.keep(pipe.check_heartbeats(now, hbs))
+                fd.keep(pipe.check_heartbeats(now, hbs).anomalies)
         fd.out(pipe.flush())
     return fd.result(src, time.perf_counter() - t0)
 

@@ -35,9 +35,16 @@ ACTIONS = {
     "rollback": ("Roll back", "red", ":material/history:"),
     "wait": ("Wait", "orange", ":material/hourglass_top:"),
     "none_possible": ("No checkpoint", "red", ":material/block:"),
+    "dump_stacks": ("Dump stacks", "red", ":material/bug_report:"),
+    "restart": ("Restart", "red", ":material/restart_alt:"),
+    "replace_node": ("Replace node", "orange", ":material/swap_horiz:"),
+    "keep": ("Keep", "gray", ":material/check:"),
 }
+#: Actions of the recovery advisor (detectors/recovery_advisor.py): a stop or a slow rank, not a loss incident.
+RECOVERY_ACTIONS = frozenset({"dump_stacks", "restart", "replace_node", "keep"})
 STATUS_COLORS = {"proposed": "blue", "acknowledged": "violet", "applied": "green", "dismissed": "gray"}
-KIND_NAMES = {"loss_spike": "Loss spike", "divergence": "Divergence", "nan_inf": "NaN/Inf loss"}
+KIND_NAMES = {"loss_spike": "Loss spike", "divergence": "Divergence", "nan_inf": "NaN/Inf loss", "hang": "Hang",
+              "dead_rank": "Dead rank", "straggler": "Straggler", "slow_node": "Slow node"}
 #: The buttons: label, status they set, icon, help.
 BUTTONS = (
     ("Acknowledge", "acknowledged", ":material/visibility:",
@@ -73,9 +80,35 @@ def _per_hour(gpu_hours: float, usd: float | None) -> str:
     return f"{gh} GPU-h · " + (f"${usd:,.0f}" if abs(usd) >= 100 else fmt_usd(usd))
 
 
+def recovery_facts(rec: Mapping[str, Any]) -> list[str]:
+    """The four fact columns of a recovery card (a hang, a dead rank, a crash, a slow rank), as markdown: the
+    checkpoint to restart from, what to run, the restart's cost, the cost of waiting or keeping it."""
+    ckpt = rec.get("checkpoint_step")
+    first = ("**Restart from**  \ncheckpoint of step " + fmt_int(ckpt)) if ckpt is not None else (
+        "**Restart from**  \nno checkpoint reported")
+    if rec.get("deadline_s") is not None:
+        first += f"  \nrestart if no progress {fmt_duration(rec['deadline_s'])} after the onset"
+    if rec.get("exclude_hosts"):
+        first += "  \nexclude " + ", ".join(rec["exclude_hosts"])
+    commands = rec.get("commands") or []
+    run = ["**Run**", *(f"`{c}`" for c in commands[:4])] if commands else ["**Run**", "nothing to run by hand"]
+    cost = rec.get("cost") or {}
+    steps = cost.get("steps", rec.get("recompute_steps"))
+    restart = ["**Restarting costs**", (f"{fmt_int(steps)} steps recomputed" if steps is not None
+                                        else "recomputed steps unknown"), _cost_line(cost)]
+    cont = rec.get("continue_cost") or {}
+    keep = ["**Waiting costs**" if rec.get("kind") in ("hang", "dead_rank") else "**Keeping it costs**",
+            _cost_line(cont) + " so far"]
+    if cont.get("gpu_hours_per_hour") is not None:
+        keep.append(f"then {_per_hour(cont['gpu_hours_per_hour'], cont.get('usd_per_hour'))} per hour")
+    return [first, "  \n".join(run), "  \n".join(restart), "  \n".join(keep)]
+
+
 def facts(rec: Mapping[str, Any]) -> list[str]:
     """The four fact columns of a card, as markdown: checkpoint, data to skip, rollback cost, cost of continuing."""
     action = rec.get("action")
+    if action in RECOVERY_ACTIONS:
+        return recovery_facts(rec)
     ckpt = rec.get("checkpoint_step")
     if ckpt is None:
         first = "**Checkpoint**  \nnone before the onset"

@@ -117,9 +117,9 @@ class StepAggregator:
         Ranks expected per step.
     stale_s : float
         A step still missing ranks this many seconds after its first record is closed with
-        the ranks it has once a later step of its generation has records (:meth:`flush_stale`): the job went on
-        without them. While no rank got further (a rank frozen mid-step, the others blocked on it) the step waits,
-        so a resumed rank's late record joins it.
+        the ranks it has once the job went on without them (:meth:`flush_stale`): a missing rank has a later
+        record, or a rank is two steps past it. While no rank got further (a rank frozen mid-step, the others
+        blocked on it, at most one step ahead) the step waits, so a resumed rank's late record joins it.
     data_sections : tuple[str, ...]
         Section names counted as data-loading wait.
 
@@ -210,8 +210,17 @@ class StepAggregator:
     def flush_stale(self, now: float) -> list[StepAggregate]:
         """Close steps whose first record is older than ``stale_s`` and that a later step of their generation
         passed (their missing ranks' records were lost: the job went on without them)."""
-        return self._close(lambda key: now - self._first_seen[key] > self.stale_s
-                           and self._seen.get(key[0], -1) > key[1])
+        return self._close(lambda key: now - self._first_seen[key] > self.stale_s and self._went_on(key))
+
+    def _went_on(self, key: tuple[int, int]) -> bool:
+        """Whether the job went on past pending step ``key`` without its missing ranks: one of them has a later record
+        (its record of this step was lost), or some rank is two steps past it (in a synchronous job the others get
+        at most one step ahead of a rank that froze: it took part in that step's collectives, then stopped)."""
+        gen, step = key
+        if self._seen.get(gen, -1) >= step + 2:
+            return True
+        have = self._pending[key]
+        return any(self._rank_gen.get(r) == gen and s > step for r, s in self._rank_last.items() if r not in have)
 
     def last_steps(self) -> dict[int, int]:
         """Each rank's last step in the current generation (from its records; ranks of an older one left out)."""

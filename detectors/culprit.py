@@ -121,9 +121,10 @@ def judge(beats: Iterable[Beat], timeout_s: float, silence_s: float, last_steps:
         # Earliest last heartbeat (largest silence), then the lowest last step, then the lowest rank.
         c = min(pool, key=lambda b: (-b.silent_s, step_of(b) if step_of(b) is not None else -1, b.rank))
         w = said(c)
-        # In a synchronous job another rank completes a step only with the culprit in its collectives: the newest
-        # step any other rank completed is one the culprit took part in too (its own last records died with it).
-        others = [s for s in (step_of(b) for b in beats if b.rank != c.rank) if s is not None]
+        # When every rank is gone: in a synchronous job another rank completes a step only with the culprit in its
+        # collectives, so the newest step any of them completed is one the culprit took part in too (its own last
+        # records died with it, unflushed). While others live, its own records (they come late) stand.
+        others = [s for s in (step_of(b) for b in beats if b.rank != c.rank) if s is not None] if not alive else []
         c_step = max([s for s in (step_of(c), max(others, default=None)) if s is not None], default=None)
         if alive:
             why = "its heartbeat stopped while the other ranks' continued"

@@ -95,11 +95,14 @@ def progress_limit(beats: Iterable[Beat], timeout_s: float, checkpoint_s: float,
 
 
 def silence_limit(b: Beat, timeout_s: float, silence_s: float) -> float:
-    """Seconds without a heartbeat after which rank ``b`` is gone: ``silence_s``, or the progress
-    timeout while it saves a checkpoint (pickling a large state can hold the GIL the collector's
-    heartbeat thread needs). Not extended for badput phases: an evaluation does not starve the
-    heartbeat thread, and a process dying during one should be named within ``silence_s``."""
-    return max(silence_s, timeout_s) if b.checkpointing else silence_s
+    """Seconds without a heartbeat after which rank ``b`` is gone: ``silence_s``, or, while it saves or loads a
+    checkpoint, the longest of that, the progress timeout and ``defaults.CHECKPOINT_HEARTBEAT_ALLOWANCE_S``
+    (pickling a large state can hold the GIL the collector's heartbeat thread needs). Not extended for badput
+    phases: an evaluation does not starve the heartbeat thread, and a process dying during one should be named
+    within ``silence_s``."""
+    if b.checkpointing:
+        return max(silence_s, timeout_s, defaults.CHECKPOINT_HEARTBEAT_ALLOWANCE_S)
+    return silence_s
 
 
 class HangDetector:
@@ -149,7 +152,8 @@ class HangDetector:
 
     Evidence: ``timeout_s`` (the timeout applied), ``stalled_s`` (seconds judged: since any rank last completed
     a step or was last heard in a declared phase), ``idle_s`` (since any rank last completed a step),
-    ``since_t`` (unix s of that completion), ``silent_ranks`` (ranks with a stale heartbeat), ``waiting_ranks``
+    ``since_t`` (unix s of that completion), ``since_step`` (the newest step completed then),
+    ``silent_ranks`` (ranks with a stale heartbeat), ``waiting_ranks``
     (ranks alive and waiting), ``culprit`` (:class:`~trainhealth.job.Culprit` as a dict, or None),
     ``median_step_s``; when resolved, ``resumed_t`` or ``ended``.
 
@@ -210,14 +214,22 @@ class HangDetector:
         self._step_s: deque[float] = deque(maxlen=200)
         self._open: Anomaly | None = None
         self._emitted = 0.0  # stalled_s of the open hang's last emitted state
+        self._first_after: tuple[int, float] | None = None  # (step, unix s) of the first step to end after the stall
         self._gen = 0
         self._phase_t: float | None = None  # newest heartbeat time (unix s) seen in a declared phase
 
-    def observe_step(self, seconds: float | None, gen: int = 0) -> None:
-        """Record a completed step's own time (s), for :attr:`median_step_s` (the advisors' step cost)."""
+    def observe_step(self, seconds: float | None, gen: int = 0, step: int | None = None,
+                     t_end: float | None = None) -> None:
+        """Record a completed step's own time (s), for :attr:`median_step_s` (the advisors' step cost); ``step`` and
+        ``t_end`` (unix s), when given, date the end of an open hang to the step that ended it (the heartbeats that
+        show it come up to one interval later, the records that close it within a second)."""
         self._gen = gen
         if seconds is not None and seconds >= 0:
             self._step_s.append(seconds)
+        cur = self._open
+        if (cur is not None and step is not None and t_end is not None and self._first_after is None
+                and step > cur.evidence["since_step"] and t_end > cur.evidence["since_t"]):
+            self._first_after = (step, t_end)
 
     @property
     def timeout_s(self) -> float:
@@ -251,6 +263,9 @@ class HangDetector:
         since_phase = now - self._phase_t if self._phase_t is not None else float("inf")
         cur = self._open
         stepped = [b for b in beats if b.step is not None]  # ranks still starting up cannot tell
+        if stepped and since_phase < min(b.idle_s for b in stepped) and limit == timeout:
+            # Waiting for the first step after a declared phase: a step of its own kind (workers re-spawned).
+            limit = self.progress.after_pause_timeout_s
         alive = [b for b in beats if b.silent_s <= silence_limit(b, timeout, silence)]
         progressing = not stepped or any(min(b.idle_s, since_phase) <= limit for b in stepped)
         if progressing or not alive:
@@ -280,13 +295,15 @@ class HangDetector:
         msg = f"{who}: no step completed for {idle:.0f} s{after} (timeout {limit:.0f} s) after step {onset}{cause}"
         med = self.median_step_s
         ev = {"timeout_s": round(limit, 3), "stalled_s": round(stalled, 3), "idle_s": round(idle, 3),
-              "since_t": round(now - idle, 3), "silent_ranks": silent, "waiting_ranks": waiting,
+              "since_t": round(now - idle, 3), "since_step": max(b.step for b in stepped),
+              "silent_ranks": silent, "waiting_ranks": waiting,
               "culprit": culprit.to_dict() if culprit else None,
               "median_step_s": round(med, 6) if med is not None else None}
         if cur is None:
             self._open = Anomaly(kind="hang", severity="critical", step=onset, ranks=ranks, gen=self._gen,
                                  message=msg, evidence=ev, scope="*")
             self._emitted = stalled
+            self._first_after = None
             return [self._open]
         new = replace(cur, ranks=tuple(sorted(set(cur.ranks) | set(ranks))), evidence=ev, message=msg)
         old = cur.evidence
@@ -304,10 +321,11 @@ class HangDetector:
         steps = [b.step for b in beats if b.step is not None]
         # Completions after the last one before the stall (a rank whose heartbeat predates it still shows the old one).
         later = [b for b in beats if b.step is not None and now - b.idle_s > since + 1e-6]
-        end = min(b.step for b in later) if later else max(steps, default=cur.step)
+        first, self._first_after = self._first_after, None
+        end = first[0] if first else min(b.step for b in later) if later else max(steps, default=cur.step)
         ev = dict(cur.evidence)
-        if progressing and later:
-            resumed = min(now - b.idle_s for b in later)
+        if progressing and (later or first):
+            resumed = first[1] if first else min(now - b.idle_s for b in later)
             ev.update(stalled_s=round(max(resumed - since, 0.0), 3), resumed_t=round(resumed, 3))
             tail = f"; resumed at step {end} after {resumed - since:.0f} s"
         elif progressing:  # a declared phase began (a checkpoint save, an evaluation)

@@ -52,10 +52,19 @@ class JobStateTracker:
         self._state: JobState | None = None
         #: The culprit of the last hang or crash, kept for the restart that follows it.
         self.last_culprit: Culprit | None = None
+        #: The rank that stopped first before the newest restart (named in the ``restarted`` state).
+        self.restart_culprit: Culprit | None = None
 
     @property
     def state(self) -> JobState | None:
         """The latest state (None before the first check)."""
+        return self._state
+
+    def finish(self, t: float, step: int | None, gen: int = 0) -> JobState | None:
+        """Every rank ended cleanly at unix time ``t`` (s): the state ``finished`` (None when it already was)."""
+        if self._state is not None and self._state.state == "finished":
+            return None
+        self._state = JobState("finished", t, step, None, f"every rank ended cleanly at step {step}", gen)
         return self._state
 
     def update(self, now: float, verdict: Verdict, *, newest_hb_t: float, silence_s: float,
@@ -84,7 +93,7 @@ class JobStateTracker:
             self.last_culprit = c or self.last_culprit
             new = JobState("hung", float(hang.evidence.get("since_t", now)), hang.step, c, hang.message, gen)
         elif restart is not None and now - restart[0] < self.hold_s:
-            c = self.last_culprit
+            c = self.restart_culprit
             who = f" after {c.name()} stopped at step {c.step}" if c is not None else ""
             new = JobState("restarted", restart[0], restart[1], c, f"restarted at step {restart[1]}{who}", gen)
         else:

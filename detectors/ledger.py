@@ -252,7 +252,7 @@ class GoodputLedger:
         self._last_t = max(self._last_t, end)
         if (agg.t_start is not None or dur > 0) and agg.pause is None:  # a pause step is not a usual step time
             self._durs.append(dur)
-        self.progress.step(agg.gen, end, agg.pause is not None)
+        self.progress.step(agg.gen, end, agg.pause is not None, dur)
         self._recent.append([end, tokens, good, dur, agg.step, True])
         while self._recent and self._recent[0][0] < end - WINDOWS_S[-1]:
             self._recent.popleft()

@@ -202,7 +202,7 @@ class RunPipeline:
                     yield self._steps(aggs)
             else:
                 out = self.feed_event(item)
-                if out.aggs or out.anomalies or out.recommendations:
+                if out.aggs or out.anomalies or out.recommendations or out.job is not None:
                     yield out
 
     def feed_event(self, ev: Event) -> Output:
@@ -232,7 +232,7 @@ class RunPipeline:
             self.ended_ranks.add(ev.rank)
             if self.ended_ranks >= set(range(self.world_size)):
                 self.ledger.add_event(ev)
-                return self._run_ended()
+                return self._run_ended(ev.t)
         elif ev.kind == "checkpoint_load" and self.first_step is None:
             self._resumed = True
         elif ev.kind == "checkpoint_save" and ev.step is not None and ev.step not in self.checkpoints:
@@ -263,10 +263,10 @@ class RunPipeline:
                 hit = name
         return replace(agg, pause=hit) if hit is not None else agg
 
-    def _run_ended(self) -> Output:
+    def _run_ended(self, t: float) -> Output:
         # Conditions of a live job (slowness) cannot be observed once every rank has ended: left active they
         # would keep firing for a finished run. Loss findings (divergence, NaN) stay: they describe the model.
-        out = Output()
+        out = Output(job=self.job.finish(t, self.current_step, self.aggregator.generation))
         for det in self.step_detectors:
             try:
                 found = det.finish(self.current_step)
@@ -428,7 +428,7 @@ class RunPipeline:
                 culprit = Culprit(r, self.hosts.get(r), None, a.evidence.get("last_step"),
                                   "no last word (killed, crashed or lost its node) while the others exited with a "
                                   "communication error")
-        self.job.last_culprit = None
+        self.job.last_culprit, self.job.restart_culprit = None, culprit
         if culprit is None:
             return a
         where = f" (host {culprit.host})" if culprit.host else ""
@@ -472,7 +472,7 @@ class RunPipeline:
             prev = self._prev_end
             if dur is None and prev is not None and prev[0] == agg.gen:
                 dur = (agg.t_end - prev[1]) / max(agg.step - prev[2], 1)
-            self.hang.observe_step(dur, agg.gen)
+            self.hang.observe_step(dur, agg.gen, agg.step, agg.t_end)
             if prev is not None and prev[0] == agg.gen and agg.step > prev[2]:
                 self._gap = agg.step - prev[2]
             self._prev_end = (agg.gen, agg.t_end, agg.step)

@@ -64,6 +64,7 @@ class ProgressTimeout:
         self._healthy = 0
         self._recent: deque[float] = deque(maxlen=200)
         self._prev: tuple[int, float] | None = None  # (gen, t_end) of the last step
+        self._after: list[float] = []  # own seconds of the longest first step after a pause (at most one kept)
 
     @property
     def timeout_s(self) -> float:
@@ -71,6 +72,13 @@ class ProgressTimeout:
         if self._healthy < self.min_intervals:
             return max(self.initial_s, self.floor_s)
         return max(self.floor_s, self.multiple * self._longest)
+
+    @property
+    def after_pause_timeout_s(self) -> float:
+        """The timeout while waiting for the first step after a declared pause (s)."""
+        if not self._after:
+            return max(self.initial_s, self.timeout_s)
+        return max(self.timeout_s, self.multiple * self._after[0])
 
     @property
     def longest_s(self) -> float:
@@ -82,9 +90,12 @@ class ProgressTimeout:
         """Median of the last 200 healthy intervals (s), None before any: a step's usual length."""
         return statistics.median(self._recent) if self._recent else None
 
-    def step(self, gen: int, t_end: float, paused: bool) -> float | None:
+    def step(self, gen: int, t_end: float, paused: bool, own_s: float | None = None) -> float | None:
         """A step of generation ``gen`` completed at unix time ``t_end`` (``paused``: a declared pause fell in
-        it); returns its interval (s), None for the first step of a generation."""
+        it; ``own_s`` its own seconds, without the pause); returns its interval (s), None for the first step of a
+        generation."""
+        if paused and own_s is not None and own_s >= 0 and own_s <= self.after_pause_timeout_s:
+            self._after = [max([own_s, *self._after])]
         prev, self._prev = self._prev, (gen, max(t_end, self._prev[1]) if self._prev and self._prev[0] == gen
                                         else t_end)
         if prev is None or prev[0] != gen:

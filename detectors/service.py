@@ -491,6 +491,8 @@ class DetectorService:
             pipe.xadd(keys.agg, agg_fields(agg), id=f"{aid[0]}-{aid[1]}",
                       maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)
             run.last_agg = aid
+        if out.job is not None:
+            self._write_job(run, out.job, pipe)
         for rec in out.recommendations.values():
             self._write_recommendation(run, rec, pipe)
         for a in out.anomalies:
@@ -646,7 +648,7 @@ class DetectorService:
                 out = run.pipeline.check_heartbeats(now, hbs)
                 self._write(run, out, pipe)
                 if out.job is not None:
-                    self._write_job(run, out.job, pipe)
+                    run.last_snapshot = 0.0  # the ledger follows the job's state now (a crash stops it)
         if (run.dirty or run.status == "running") and now - run.last_snapshot >= self.snapshot_interval:
             self._snapshot(run, now, pipe)
         pipe.execute()

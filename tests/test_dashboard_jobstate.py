@@ -285,3 +285,18 @@ def test_ranks_page_without_state_has_no_culprit_column(seeded: redis.Redis) -> 
     at = app("pages/ranks.py")
     assert not at.error
     assert "culprit" not in at.dataframe[0].value.columns
+
+
+def test_a_recovery_card_shows_what_to_run_and_the_cost_of_waiting() -> None:
+    from trainhealth.dashboard.cards import facts
+
+    rec = {"kind": "hang", "action": "dump_stacks", "checkpoint_step": 59, "deadline_s": 600.0,
+           "commands": ["py-spy dump --pid 4242  # on node-b"], "exclude_hosts": [],
+           "cost": {"steps": 7, "gpu_hours": 2.0, "usd": None, "wall_hours": 0.25},
+           "continue_cost": {"gpu_hours": 0.5, "usd": None, "gpu_hours_per_hour": 8.0, "usd_per_hour": None}}
+    assert facts(rec) == [
+        "**Restart from**  \ncheckpoint of step 59  \nrestart if no progress 10.0 min after the onset",
+        "**Run**  \n`py-spy dump --pid 4242  # on node-b`",
+        "**Restarting costs**  \n7 steps recomputed  \n2.00 GPU-h",
+        "**Waiting costs**  \n0.50 GPU-h so far  \nthen 8 GPU-h per hour",
+    ]

@@ -64,7 +64,17 @@ def test_aggregator_stale_step_closes_with_the_ranks_it_has_once_the_job_went_on
     assert ag.flush_stale(129.0) == []
     assert ag.flush_stale(131.0) == []  # no rank got further: a frozen rank's record may still come
     ag.add(StepRecord(0, 8, 0.0, 131.5, loss=1.0))
-    [a] = ag.flush_stale(132.0)
+    assert ag.flush_stale(132.0) == []  # one step ahead: the others wait for a rank frozen after its all-reduce
+    ag.add(StepRecord(0, 9, 0.0, 132.5, loss=1.0))
+    [a] = ag.flush_stale(133.0)  # two steps past it: the job went on without ranks 1-3
+    assert (a.step, a.n_ranks) == (7, 1)
+
+
+def test_aggregator_stale_step_closes_when_a_missing_rank_moved_on() -> None:
+    ag = StepAggregator(world_size=2, stale_s=30.0)
+    ag.add(StepRecord(0, 7, 0.0, 100.0, loss=1.0))
+    ag.add(StepRecord(1, 8, 0.0, 101.0, loss=1.0))  # rank 1's record of step 7 was lost (dropped while Redis was away)
+    [a] = ag.flush_stale(131.0)
     assert (a.step, a.n_ranks) == (7, 1)
 
 
@@ -172,15 +182,21 @@ def test_hang_timeout_learns_from_step_intervals_and_spares_checkpoints() -> Non
     assert det.check(1001.0, hb) == []  # 151 s < 200 s
     # 201.5 s > 200 s, but rank 1 is saving a checkpoint: rank 0 waits for it at the next collective.
     assert det.check(1051.0 + 0.5, {**hb, 0: {**hb[0], "t": 1050.0}, 1: {**hb[1], "t": 1050.0}}) == []
-    # The save is over (back to train): the clock restarts at the save's last heartbeat (t = 1050), so with
-    # still no step completed the job hangs 200 s after it.
-    after = {0: {**hb[0], "t": 1245.0}, 1: {**hb[1], "t": 1245.0, "phase": "train"}}
-    assert det.check(1061.0, after) == [] and det.check(1249.0, after) == []
-    [a] = det.check(1251.0, after)
+    # The save is over (back to train): the clock restarts at the save's last heartbeat (t = 1050). The first step
+    # after a pause is judged on its own (workers re-spawned, caches cold): HANG_INITIAL_S until one was seen.
+    after = {0: {**hb[0], "t": 1645.0}, 1: {**hb[1], "t": 1645.0, "phase": "train"}}
+    assert det.check(1061.0, after) == [] and det.check(1649.0, after) == []
+    [a] = det.check(1651.0, after)
     assert (a.kind, a.ranks, a.step, a.evidence["timeout_s"], a.evidence["stalled_s"], a.evidence["idle_s"]) == (
-        "hang", (0, 1), 9, 200.0, 201.0, 401.0)
-    assert a.message.startswith("all ranks: no step completed for 401 s (201 s since the last checkpoint/badput "
-                                "phase) (timeout 200 s) after step 9")
+        "hang", (0, 1), 9, 600.0, 601.0, 801.0)
+    assert a.message.startswith("all ranks: no step completed for 801 s (601 s since the last checkpoint/badput "
+                                "phase) (timeout 600 s) after step 9")
+    # Once a first step after a pause was seen (12 s of its own), the next one gets 20 x that (this detector's
+    # multiple), at least the timeout.
+    det.progress.step(0, 2000.0, paused=True, own_s=12.0)
+    assert det.progress.after_pause_timeout_s == 240.0 and det.timeout_s == 200.0
+    det.progress.step(0, 2100.0, paused=True, own_s=50.0)
+    assert det.progress.after_pause_timeout_s == 1000.0
 
 
 def test_dead_rank_is_reported_as_silent() -> None:

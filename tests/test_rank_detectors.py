@@ -218,6 +218,11 @@ def _hb(t: float, step: int | None, step_t: float | None, phase: str = "train", 
     return {"t": t, "step": step, "step_t": step_t, "phase": phase, "host": host, "pid": 1, "inc": T0}
 
 
+def check(pipe: RunPipeline, now: float, hb: dict[int, dict]) -> list[Anomaly]:
+    """The anomaly states a heartbeat check changed."""
+    return pipe.check_heartbeats(now, hb).anomalies
+
+
 def _job(world: int = 8) -> RunPipeline:
     pipe = RunPipeline(world)
     launch(pipe, world, host_of(4))
@@ -232,17 +237,23 @@ def test_a_rank_dies_dead_rank_names_it_then_the_blocked_job_hangs() -> None:
     def beats(now: float) -> dict[int, dict]:
         # Rank 6's process died 1 s after step 99; the others' heartbeats go on while they block.
         return {r: _hb(end + 1.0 if r == 6 else now - 1.0, 99, end, host=host_of(4)(r)) for r in range(8)}
-    assert pipe.check_heartbeats(end + 20.0, beats(end + 20.0)) == []          # 19 s silent: not yet 4 x 5 s
-    [dead] = pipe.check_heartbeats(end + 25.0, beats(end + 25.0))
+    assert check(pipe, end + 16.0, beats(end + 16.0)) == []          # 15 s silent: not yet more than 3 x 5 s
+    [dead] = check(pipe, end + 17.0, beats(end + 17.0))
     assert summary([dead]) == [("dead_rank:*:99:0", "active", 99, None, (6,), ("node-b",))]
     assert (dead.severity, dead.evidence["silent_ranks"], dead.evidence["stuck_ranks"]) == ("critical", [6], [])
-    assert dead.message.startswith("rank 6 (node-b): no heartbeat for 24 s, last step 99: process or node down")
-    assert pipe.check_heartbeats(end + 110.0, beats(end + 110.0)) == []        # unchanged: no new transition
-    # max(120 s floor, 20 x 1 s steps): after 120 s without a step on any rank the job hangs as well.
-    [hang] = pipe.check_heartbeats(end + 121.0, beats(end + 121.0))
+    assert dead.message == ("no heartbeat from rank 6 (host node-b) since step 99 (16 s): the process stopped, froze "
+                            "or lost its node; ranks 0, 1, 2, 3, 4, 5, 7 alive and waiting for it")
+    assert (dead.evidence["culprit"]["rank"], dead.evidence["victims"]) == (6, [0, 1, 2, 3, 4, 5, 7])
+    assert check(pipe, end + 26.0, beats(end + 26.0)) == []          # 9 s more: not rewritten yet (every 10 s)
+    # max(30 s floor, 5 x 1 s steps): after 30 s without a step on any rank the job hangs as well, naming rank 6.
+    got = check(pipe, end + 31.0, beats(end + 31.0))
+    assert [(a.kind, a.evidence.get("silent_s")) for a in got] == [("hang", None), ("dead_rank", 30.0)]
+    hang = got[0]
     assert summary([hang]) == [("hang:*:99:0", "active", 99, None, tuple(range(8)), ("node-a", "node-b"))]
     ev = hang.evidence
-    assert (ev["timeout_s"], ev["stalled_s"], ev["silent_ranks"]) == (120.0, 121.0, [6])
+    assert (ev["timeout_s"], ev["stalled_s"], ev["silent_ranks"], ev["culprit"]["rank"]) == (30.0, 31.0, [6], 6)
+    assert ev["incident"] == "dead_rank:*:99:0" == got[1].evidence["incident"]  # one stop, one incident
+    assert pipe.job.state is not None and (pipe.job.state.state, pipe.job.state.culprit.rank) == ("hung", 6)
 
 
 def test_all_ranks_stall_is_a_hang_and_no_dead_rank() -> None:
@@ -251,23 +262,24 @@ def test_all_ranks_stall_is_a_hang_and_no_dead_rank() -> None:
 
     def beats(now: float) -> dict[int, dict]:
         return {r: _hb(now - 2.0, 99, end) for r in range(8)}
-    assert pipe.check_heartbeats(end + 120.0, beats(end + 120.0)) == []
-    [hang] = pipe.check_heartbeats(end + 130.0, beats(end + 130.0))
+    assert check(pipe, end + 30.0, beats(end + 30.0)) == []
+    [hang] = check(pipe, end + 31.0, beats(end + 31.0))
     assert summary([hang]) == [("hang:*:99:0", "active", 99, None, tuple(range(8)), ("node-a", "node-b"))]
-    assert hang.evidence["silent_ranks"] == [] and "processes alive" in hang.message
+    assert hang.evidence["silent_ranks"] == [] and hang.evidence["culprit"] is None
+    assert "every rank is alive and waits in the same step" in hang.message
     # Steps resume: resolved at the earliest rank's step.
-    [done] = pipe.check_heartbeats(end + 140.0, {r: _hb(end + 139.0, 100, end + 138.0) for r in range(8)})
-    assert (done.id, done.status, done.end_step) == ("hang:*:99:0", "resolved", 100)
+    [done] = check(pipe, end + 40.0, {r: _hb(end + 39.0, 100, end + 38.0) for r in range(8)})
+    assert (done.id, done.status, done.end_step, done.evidence["stalled_s"]) == ("hang:*:99:0", "resolved", 100, 38.0)
 
 
 def test_a_rank_stuck_in_start_up_does_not_mask_a_hang() -> None:
     pipe = _job()
     end = T0 + 100.0
-    hb = {r: _hb(end + 129.0, 99, end) for r in range(8)}
-    hb[7] = _hb(end + 129.0, None, None)               # relaunched alone, never reaches its first step
-    [hang] = pipe.check_heartbeats(end + 130.0, hb)
+    hb = {r: _hb(end + 30.0, 99, end) for r in range(8)}
+    hb[7] = _hb(end + 30.0, None, None)               # relaunched alone, never reaches its first step
+    [hang] = check(pipe, end + 31.0, hb)
     assert summary([hang]) == [("hang:*:99:0", "active", 99, None, tuple(range(8)), ("node-a", "node-b"))]
-    assert hang.evidence["stalled_s"] == 130.0
+    assert hang.evidence["stalled_s"] == 31.0
 
 
 def test_a_rank_stuck_alone_while_the_others_progress_is_a_dead_rank() -> None:
@@ -277,13 +289,26 @@ def test_a_rank_stuck_alone_while_the_others_progress_is_a_dead_rank() -> None:
     # that, is no evidence yet although its last step is 280 s old.
     hb = {r: _hb(now - 21.0, 370, now - 20.5) for r in range(8)}
     hb[3] = _hb(now - 21.0, 99, T0 + 100.0)
-    assert pipe.check_heartbeats(now - 20.0, hb) == []
+    assert check(pipe, now - 20.0, hb) == []
     hb = {r: _hb(now - 1.0, 390, now - 0.5) for r in range(8)}
     hb[3] = _hb(now - 1.0, 99, T0 + 100.0)                     # alive, still at step 99, 19.5 s later
-    [dead] = pipe.check_heartbeats(now, hb)
+    [dead] = check(pipe, now, hb)
     assert summary([dead]) == [("dead_rank:*:99:0", "active", 99, None, (3,), ("node-a",))]
     ev = dead.evidence
-    assert (ev["stuck_ranks"], ev["silent_ranks"], ev["timeout_s"], ev["behind_s"]) == ([3], [], 120.0, 19.5)
+    assert (ev["stuck_ranks"], ev["silent_ranks"], ev["timeout_s"], ev["behind_s"]) == ([3], [], 30.0, 19.5)
+    assert dead.message.startswith("rank 3: alive but no step completed for 300 s (timeout 30 s) while the other ranks")
+
+
+def test_a_rank_one_step_behind_its_blocked_peers_is_no_dead_rank() -> None:
+    # Rank 2 froze between its all-reduce of step 100 and its log_step: the others completed step 100 and block in
+    # step 101. One step behind is how a synchronous job stalls, not a rank stuck alone: a hang, rank 2 its culprit.
+    pipe = _job()
+    end = T0 + 100.0
+    hb = {r: _hb(end + 40.0, 100, end + 1.0) for r in range(8)}
+    hb[2] = _hb(end + 40.0, 99, end)
+    got = check(pipe, end + 41.0, hb)
+    assert [a.kind for a in got] == ["hang"]
+    assert got[0].evidence["culprit"]["rank"] == 2 and got[0].evidence["culprit"]["why"].startswith("behind")
 
 
 def test_checkpoint_save_phase_raises_nothing() -> None:
@@ -293,15 +318,71 @@ def test_checkpoint_save_phase_raises_nothing() -> None:
     for dt in (60.0, 130.0, 300.0, 600.0):
         hb = {r: _hb(end + dt - 1.0, 99, end, host=host_of(4)(r)) for r in range(8)}
         hb[0] = _hb(end + dt - 1.0, 99, end, phase="checkpoint_save")
-        assert pipe.check_heartbeats(end + dt, hb) == []
+        assert check(pipe, end + dt, hb) == []
     # A save can starve the heartbeat thread: rank 0 silent for 60 s while saving is not dead (allowance 120 s).
     hb[0] = _hb(end + 540.0, 99, end, phase="checkpoint_save")
-    assert pipe.check_heartbeats(end + 600.0, hb) == []
+    assert check(pipe, end + 600.0, hb) == []
     # Training resumes; the save is recorded; still nothing.
     pipe.feed_event(Event("checkpoint_save", 0, end + 601.0, T0, step=99, seconds=600.0))
     after = run_steps(pipe, 8, range(100, 200), healthy(8, seed=18), t0=end + 601.0)
     hb = {r: _hb(end + 700.0, 199, end + 700.0) for r in range(8)}
-    assert after == [] and pipe.check_heartbeats(end + 701.0, hb) == []
+    assert after == [] and check(pipe, end + 701.0, hb) == []
+
+
+def test_a_killed_rank_is_the_culprit_of_a_crash_and_its_relaunch() -> None:
+    # Rank 6 is SIGKILLed 1 s after step 99 (no last word); ranks 0-5 and 7 die of the closed connection 0.1 s
+    # later and say so (rank_exit with gloo's error, or the launcher's SIGTERM); no relaunch for a minute.
+    pipe = _job()
+    end = T0 + 100.0
+    hb = {r: _hb(end + 1.0, 99, end, host=host_of(4)(r)) for r in range(8)}
+    hb[6] = _hb(end + 0.9, 99, end, host="node-b")
+    for r in range(8):
+        if r == 6:
+            continue
+        word = ({"reason": "signal", "signal": "SIGTERM"} if r == 7 else
+                {"reason": "exception", "error": "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by "
+                                                 "peer [10.0.0.2]:3994"})
+        pipe.feed_event(Event("rank_exit", r, end + 1.1, T0, step=99, extra={"phase": "train", **word}))
+    assert check(pipe, end + 15.0, hb) == []
+    [dead] = check(pipe, end + 17.0, hb)
+    assert (dead.ranks, dead.evidence["victims"], dead.evidence["culprit"]["rank"], dead.step) == (
+        (6,), [0, 1, 2, 3, 4, 5, 7], 6, 99)
+    assert dead.message == ("no heartbeat from rank 6 (host node-b) since step 99 (16 s): the process stopped, froze "
+                            "or lost its node; ranks 0, 1, 2, 3, 4, 5, 7 stopped after it")
+    assert "no last word" in dead.evidence["culprit"]["why"]
+    # Nobody is alive: no hang, ever. After the silence limit plus the 30 s grace the job is crashed.
+    out = pipe.check_heartbeats(end + 46.0, hb)
+    assert out.job is None and [a.kind for a in out.anomalies] == ["dead_rank"]  # 45 s silent: its update
+    out = pipe.check_heartbeats(end + 47.0, hb)
+    assert (out.job.state, out.job.since, out.job.step, out.job.culprit.rank) == ("crashed", end + 1.0, 99, 6)
+    assert out.job.message == ("crashed at step 99, rank 6 first (host node-b, pid 1): no last word (killed, crashed, "
+                               "frozen or lost its node) while the others exited after it with a communication "
+                               "error; no relaunch within 30 s")
+    [crash] = [a for a in out.anomalies if a.kind == "dead_rank"]
+    assert crash.message.startswith("job crashed at step 99, rank 6 first: no heartbeat from rank 6")
+    assert crash.evidence["job_state"] == "crashed"
+    assert not [a for a in pipe.anomalies.values() if a.kind == "hang"]
+    snap = pipe.ledger.snapshot(end + 1.0)  # the service snapshots a crashed job at its last heartbeat
+    assert snap["wall_s"] == 101.0
+    # Relaunched 5 minutes later from step 80: the restart names rank 6, the dead rank resolves, the gap is recovery.
+    relaunch = end + 300.0
+    launch(pipe, 8, host_of(4), inc=relaunch)
+    got = run_steps(pipe, 8, range(80, 90), healthy(8, seed=19), inc=relaunch, t0=relaunch + 20.0)
+    [restart] = [a for a in got if a.kind == "restart"]
+    assert (restart.ranks, restart.evidence["culprit"]["rank"], restart.evidence["incident"]) == (
+        (6,), 6, "dead_rank:*:99:0")
+    assert restart.message.endswith("; rank 6 (host node-b) stopped first: no last word (killed, crashed, frozen or "
+                                    "lost its node) while the others exited after it with a communication error")
+    hb = {r: _hb(relaunch + 30.5, 89, relaunch + 30.0, host=host_of(4)(r)) for r in range(8)}
+    out = pipe.check_heartbeats(relaunch + 31.0, hb)
+    assert [(a.kind, a.status) for a in out.anomalies] == [("dead_rank", "resolved")]
+    assert (out.job.state, out.job.step, out.job.culprit.rank) == ("restarted", 80, 6)
+    secs = pipe.ledger.snapshot(relaunch + 30.0)["seconds"]
+    assert secs["hang"] == 0.0 and secs["infrastructure_recovery_from_disruption"] == 300.0
+    # Every rank closes: finished.
+    outs = [pipe.feed_event(Event("run_end", r, relaunch + 31.0, relaunch, extra={"status": "finished"}))
+            for r in range(8)]
+    assert outs[-1].job.state == "finished" and all(o.job is None for o in outs[:-1])
 
 
 class Staggered:
@@ -331,7 +412,7 @@ class Staggered:
                 _, step, step_t, phase = next(s for s in reversed(self.states) if s[0] <= t)
                 snap[r] = _hb(t, step, step_t, phase, host_of(4)(r))
             self.snaps.append((now, snap))
-            self.found += self.pipe.check_heartbeats(now, snap)
+            self.found += self.pipe.check_heartbeats(now, snap).anomalies
             self.next_check += 5.0
 
     def steps(self, first: int, last: int, first_s: float = 1.0) -> None:
@@ -382,11 +463,18 @@ def test_staggered_heartbeats_after_a_resumed_hang_are_no_dead_rank() -> None:
     job.steps(0, 99)
     job.pause(400.0)                                                   # every rank stuck, heartbeats alive
     job.steps(100, 199)                                                # step 100 ends at T0 + 501
-    assert summary(rank_family(job.found)) == [
+    found = rank_family(job.found)
+    assert {a.kind for a in found} == {"hang"}  # its duration rewritten while it lasts, then resolved; no dead rank
+    assert summary([found[0], found[-1]]) == [
         ("hang:*:99:0", "active", 99, None, tuple(range(8)), ("node-a", "node-b")),
         ("hang:*:99:0", "resolved", 99, 100, tuple(range(8)), ("node-a", "node-b")),
     ]
-    assert job.found[0].evidence["stalled_s"] == 125.0                 # first check past 120 s: T0 + 225
+    assert found[0].evidence["stalled_s"] == 35.0                      # first check past 30 s: T0 + 135
+    assert [a.evidence["stalled_s"] for a in found[1:-1]] == [45.0, 55.0, 65.0, 75.0, 85.0, 95.0, 105.0, 115.0,
+                                                              125.0, 135.0, 145.0, 155.0, 165.0, 175.0, 185.0,
+                                                              195.0, 205.0, 215.0, 225.0, 235.0, 245.0, 255.0,
+                                                              265.0, 275.0, 285.0, 295.0, 305.0, 315.0, 325.0,
+                                                              335.0, 345.0, 355.0, 365.0, 375.0, 385.0, 395.0]
     # At T0 + 505 ranks 0 and 1 (heartbeats at T0 + 500.3, 500.9) still showed step 99, 405 s old.
     assert job.lagging(T0 + 500.0, 99) == [(505.0, [0, 1])]
 

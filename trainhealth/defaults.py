@@ -132,6 +132,10 @@ HANG_STEP_MULTIPLE = 5.0
 HANG_INITIAL_S = 600.0
 HANG_MIN_INTERVALS = 5
 HANG_CHECKPOINT_S = 1800.0
+#: A rank saving or loading a checkpoint may go this long without a heartbeat before it counts as gone (s): pickling
+#: a large state can hold the GIL the collector's heartbeat thread needs. Our choice (the progress timeout's floor
+#: before the timeout was learned from the intervals); no published figure.
+CHECKPOINT_HEARTBEAT_ALLOWANCE_S = 120.0
 #: Heartbeats older than this many intervals mean the rank's process is gone: 3 x 5 s, so a rank that stops is
 #: named within 20 s (its last heartbeat was at most one interval before it stopped, and the service checks every
 #: second).
