@@ -189,6 +189,11 @@ def test_killed_rank_without_restart_is_a_crash_not_an_endless_hang(r: redis.Red
     recs = [json.loads(v) for v in r.hgetall(f"th:{{{run}}}:recommendations").values()]
     incident = [x for x in recs if x["kind"] in ("dead_rank", "hang")]
     assert [(x["anomaly_id"], x["action"]) for x in incident] == [(dead["id"], "restart")]
+    assert dead["recommendation"]["action"] == "restart"  # travels with the anomaly, so with its alerts
+    cli = subprocess.run([sys.executable, "-m", "trainhealth", "advise", run, "--json", "--redis-url", redis_url],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert [x["action"] for x in json.loads(cli.stdout) if x["kind"] == "dead_rank"] == ["restart"]
 
 
 def test_killed_rank_with_restart_names_the_rank_that_died(r: redis.Redis, redis_url: str, tmp_path: Path,
