@@ -31,7 +31,7 @@ from trainhealth.keys import RUNS, RunKeys
 from trainhealth.loop import Backoff
 from trainhealth.text import show
 from trainhealth.warn_once import WarnOnce
-from trainhealth.wire import encode_value
+from trainhealth.wire import DROP_CAUSES, encode_value
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ class Sender(threading.Thread):
         self._stopping = threading.Event()
         self._idle = threading.Event()
         self._reported_drops = 0
+        self._reported_by_cause: dict[str, int] = {}
         self._spill_failed = 0
         self._unsendable = 0  # records that could not be encoded (no valid step or time, or worse)
         self._next_hb = 0.0
@@ -328,6 +329,8 @@ class Sender(threading.Thread):
             now = time.time()
             hb_due = now >= self._next_hb
             drops = self.dropped_total - self._reported_drops  # after taking the batch: encoding may drop some
+            by_cause = self.drops_by_cause()
+            new_by_cause = {k: v - self._reported_by_cause.get(k, 0) for k, v in by_cause.items()}
             if not batch and not (first and (hb_due or drops > 0)):
                 return
             # One MULTI/EXEC per batch: a batch lands whole or not at all, so a retry after a
@@ -336,6 +339,7 @@ class Sender(threading.Thread):
             self._add_batch(pipe, batch)
             if drops > 0:
                 ev = self._clean("events", {"kind": "collector_drops", "count": drops,
+                                            **{k: v for k, v in new_by_cause.items() if v > 0},
                                             **self._registry_event_fields()})
                 self._add_batch(pipe, [("events", ev)])  # type: ignore[list-item]
             if hb_due:
@@ -352,8 +356,10 @@ class Sender(threading.Thread):
             self._inflight = []
             if drops > 0:
                 self._reported_drops += drops
-                log.warning("trainhealth collector: %d records were dropped (buffer full, spill bound reached or "
-                            "not encodable); reported as a collector_drops event", drops)
+                self._reported_by_cause = by_cause
+                log.warning("trainhealth collector: %d records were dropped (%s); reported as a collector_drops "
+                            "event", drops, ", ".join(f"{v} {DROP_CAUSES[k]}" for k, v in new_by_cause.items()
+                                                      if v > 0))
             if hb_due:
                 self._next_hb = now + self.heartbeat_interval
             if not batch:
@@ -438,6 +444,12 @@ class Sender(threading.Thread):
         body = json.dumps(steps, separators=(",", ":"))  # NaN/Infinity kept as JSON5-style tokens
         pipe.execute_command("XADD", self._keys.steps, "MAXLEN", "~", self._maxlen["steps"], "*",
                              "rank", self._registry["_rank"], "n", len(steps), "recs", body)
+
+    def drops_by_cause(self) -> dict[str, int]:
+        """Records lost so far by cause (the keys of :data:`DROP_CAUSES`); they sum to :attr:`dropped_total`."""
+        return {"buffer": self.overflowed,
+                "spill": (self._spill.dropped if self._spill is not None else 0) + self._spill_failed,
+                "unencodable": self._unsendable}
 
     @property
     def dropped_total(self) -> int:

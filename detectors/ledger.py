@@ -125,6 +125,11 @@ class GoodputLedger:
         self._pending: dict[tuple[str, Any, str], tuple[float, float]] = {}
         self._custom_by_name: dict[str, float] = {}
         self._applied: deque[tuple[str, Any, str]] = deque(maxlen=4096)
+        # Records the collectors reported lost, by cause and by rank; rank records the steps were built from.
+        self._drops: dict[str, int] = {}
+        self._drops_by_rank: dict[int, int] = {}
+        self._rank_steps = 0
+        self._partial_steps = 0
         #: Seconds the newest restart took from the last step before it to the first step's start (s; None before
         #: any): the measured cost of a relaunch, for the recovery advice.
         self.restart_s: float | None = None
@@ -143,6 +148,9 @@ class GoodputLedger:
         if ev.kind == "run_start":
             self.note_start(ev.t)
             return
+        if ev.kind == "collector_drops":
+            self._note_drops(ev)
+            return
         if ev.kind not in ("checkpoint_save", "checkpoint_load", "badput") or ev.seconds is None:
             return
         if ev.kind == "checkpoint_save" and ev.step is not None and (not self._ckpts or ev.step > self._ckpts[-1]):
@@ -154,6 +162,24 @@ class GoodputLedger:
         old_s, old_t = self._pending.get(key, (0.0, ev.t))
         self._pending[key] = (max(old_s, secs), max(old_t, ev.t))
         self._last_t = max(self._last_t, ev.t)
+
+    def _note_drops(self, ev: Event) -> None:
+        """A collector's ``collector_drops`` event: records it lost, in total and by cause (events of collectors
+        before the causes were reported count as ``unknown``)."""
+        try:
+            total = int(ev.extra.get("count", "0"))
+        except ValueError:
+            return
+        causes = {}
+        for cause in ("buffer", "spill", "unencodable"):
+            try:
+                causes[cause] = max(0, int(ev.extra.get(cause, "0")))
+            except ValueError:
+                causes[cause] = 0
+        causes["unknown"] = max(0, total - sum(causes.values()))
+        for cause, n in causes.items():
+            self._drops[cause] = self._drops.get(cause, 0) + n
+        self._drops_by_rank[ev.rank] = self._drops_by_rank.get(ev.rank, 0) + max(total, 0)
 
     def _take(self, kind: str, limit: float, before: float) -> float:
         """Consume the pending seconds of ``kind`` that ended before ``before`` (unix s), at most
@@ -244,6 +270,9 @@ class GoodputLedger:
             self._book_pause(agg.pause, parts, dur)
         tokens = agg.tokens or 0
         good = 0 if parts.get("skipped_steps") else tokens
+        self._rank_steps += agg.n_ranks
+        if agg.n_ranks < self.world_size:
+            self._partial_steps += 1  # closed with the ranks it had: the others' records were lost
         self._lineage.append((agg.step, good, parts))
         self._tokens_total += tokens
         self._tokens_good += good
@@ -367,7 +396,8 @@ class GoodputLedger:
         report it (``step_s`` = time inside step attempts: productive + data loading + wasted);
         ``goodput_tok_s`` = tokens_good / wall_s, progress kept per wall-clock second;
         ``goodput_pct`` = 100 · productive / wall_s; ``custom_by_name`` splits ``custom`` by the
-        names given to ``Monitor.badput`` (``evaluation``...); step and restart counts.
+        names given to ``Monitor.badput`` (``evaluation``...); step and restart counts; what the figures rest on
+        (:meth:`_data_quality`: records the collectors dropped, steps missing ranks, coverage).
         """
         start = self._start if self._start is not None else now
         end = max(now, self._last_end or start)
@@ -410,4 +440,21 @@ class GoodputLedger:
             "seconds": sec, "custom_by_name": {k: round(v, 6) for k, v in by_name.items()},
             "gpu_hours": gh, "cost_usd": cost,
             "badput_cost_usd": (sum(v for k, v in cost.items() if k != "productive") if cost else None),
+            **self._data_quality(),
+        }
+
+    def _data_quality(self) -> dict[str, Any]:
+        """What the figures rest on: ``records_dropped`` (``total`` and by cause — ``buffer``, ``spill``,
+        ``unencodable``, ``unknown`` — and ``by_rank``, from the collectors' ``collector_drops`` events),
+        ``steps_partial`` (steps closed without every rank's record) and ``coverage_pct``: the rank records the
+        steps were built from, per cent of those there should have been — world size x steps, or the records seen
+        plus the records dropped when more (a dropped record may be one a partial step misses: not counted twice).
+        Records dropped count step records and events alike, so the share is a lower bound."""
+        drops = {k: v for k, v in self._drops.items() if v}
+        expected = max(self.world_size * self._steps_done, self._rank_steps + sum(drops.values()))
+        return {
+            "records_dropped": {"total": sum(drops.values()), **drops,
+                                "by_rank": {str(r): n for r, n in sorted(self._drops_by_rank.items()) if n}},
+            "steps_partial": self._partial_steps,
+            "coverage_pct": round(100.0 * min(self._rank_steps, expected) / expected, 3) if expected else None,
         }

@@ -197,7 +197,7 @@ def test_full_buffer_drops_oldest_and_reports_the_count(own_redis) -> None:
     client = redis.Redis.from_url(own_redis.url)
     assert [x.step for x in steps_of(client, "run-f")] == list(range(70, 120))
     drops = [e for e in events_of(client, "run-f") if e.kind == "collector_drops"]
-    assert [d.extra["count"] for d in drops] == ["71"]
+    assert [(d.extra["count"], d.extra["buffer"], "spill" in d.extra) for d in drops] == [("71", "71", False)]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
@@ -492,7 +492,8 @@ def test_a_record_the_sender_cannot_encode_is_dropped_counted_and_the_rest_deliv
     assert mon.close() is True
     assert [x.step for x in steps_of(r, "run-enc")] == [1, 3]
     assert mon.dropped_total == 2
-    assert [e.extra["count"] for e in events_of(r, "run-enc") if e.kind == "collector_drops"] == ["2"]
+    assert [(e.extra["count"], e.extra["unencodable"]) for e in events_of(r, "run-enc")
+            if e.kind == "collector_drops"] == [("2", "2")]
     msgs = [m.getMessage() for m in caplog.records]
     assert sum("a steps record cannot be encoded; dropped" in m for m in msgs) == 1
     assert sum("a steps record cannot be sent; dropped" in m for m in msgs) == 1

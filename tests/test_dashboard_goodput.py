@@ -737,3 +737,17 @@ def test_rates_table_says_when_a_window_is_longer_than_the_run() -> None:
     assert list(table.columns) == ["whole run", "last 1 min", "last 10 min (run younger: whole run)",
                                    "last 1 h (run younger: whole run)"]
     assert table.loc["goodput"].tolist() == ["900", "1,000", "900", "900"]
+
+
+def test_goodput_page_says_what_data_was_lost(r: redis.Redis, seeded: dict) -> None:
+    # A run whose collectors dropped records (issue 15): the page must not read as if nothing was lost.
+    k = run_keys(RUN)
+    snap = json.loads(r.get(k.ledger_latest))
+    assert not [w for w in goodput_page().warning if "Data lost" in w.value]  # a clean snapshot: no warning
+    snap.update(records_dropped={"total": 1234, "buffer": 1200, "unencodable": 34, "by_rank": {"3": 1200, "5": 34}},
+                steps_partial=12, coverage_pct=97.5)
+    r.set(k.ledger_latest, json.dumps(snap))
+    [warning] = [w.value for w in goodput_page().warning if "Data lost" in w.value]
+    assert warning == ("**Data lost**: the collectors dropped 1,234 records on ranks 3, 5 (1,200 in the full "
+                       "in-memory buffer, 34 not encodable); 12 steps closed without every rank's record. The figures "
+                       "here rest on 97.5% of the rank-steps.")

@@ -31,6 +31,13 @@ EVENT_KINDS = (
     "rank_exit",        # a rank's interpreter exited without close(): reason, error, exit_code, step, phase
 )
 
+#: Where a collector loses records, as a ``collector_drops`` event names them: the in-memory buffer was full (the
+#: sender could not keep up with the training loop, or Redis was away and no spill took the rest), the on-disk
+#: spill reached its bound or could not be written, or the record could not be encoded.
+DROP_CAUSES = {"buffer": "in the full in-memory buffer", "spill": "at the on-disk spill (bound reached or write "
+               "failed)", "unencodable": "not encodable"}
+
+
 def encode_value(v: Any) -> str | int | None:
     """Encode one event field for XADD: ints as is, floats with ``repr`` (keeps nan/inf), strings as is. The
     collectors send this; the offline pipeline builds the same events from a log.

@@ -35,7 +35,8 @@ from trainhealth.dashboard.common import (
 )
 from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S
-from trainhealth.text import fmt_duration, fmt_gpu_hours, fmt_pct, fmt_rate, fmt_usd, plural
+from trainhealth.text import fmt_duration, fmt_gpu_hours, fmt_int, fmt_pct, fmt_rate, fmt_usd, plural
+from trainhealth.wire import DROP_CAUSES
 
 #: History windows offered (label → ledger snapshots read: one per 2 s) and how long a read is
 #: reused (s): the charts' history is one ``XREVRANGE … COUNT`` per period, the KPIs stay live.
@@ -144,6 +145,27 @@ def closed_recommendations(recs: list[dict[str, Any]], tz: str) -> pd.DataFrame:
     return frame[CLOSED_COLUMNS]
 
 
+def data_lost_text(snap: dict) -> str | None:
+    """A warning when the figures rest on less than every record: records the collectors dropped (by cause and
+    rank), steps closed without every rank's record, the share of rank-steps the ledger saw; None when nothing
+    was lost."""
+    drops, ranks, partial, coverage = data.data_quality(snap)
+    if not drops and not partial:
+        return None
+    parts = []
+    if drops:
+        total = sum(drops.values())
+        how = ", ".join(f"{fmt_int(n)} {DROP_CAUSES.get(c, 'for a cause not reported')}" for c, n in drops.items())
+        who = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:16]))}" if ranks else ""
+        parts.append(f"the collectors dropped {plural(total, 'record')}{who} ({how})")
+    if partial:
+        parts.append(f"{plural(partial, 'step')} closed without every rank's record")
+    text = "**Data lost**: " + "; ".join(parts)
+    if coverage is not None:
+        text += f". The figures here rest on {fmt_pct(coverage)} of the rank-steps."
+    return text
+
+
 def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str) -> None:
     """Breakdown over time (full width), then throughput vs goodput and the cost per cause side by side."""
     if hist.empty:
@@ -202,6 +224,9 @@ def live(run: str) -> None:
         return
     tz = viewer_tz()
     st.caption(summary_line(snap, meta, time.time()))
+    lost = data_lost_text(snap)
+    if lost:
+        st.warning(lost, icon=":material/database_off:")
     kpis(snap, meta)
     if data.has_token_counts(snap):
         rates = rates_table(snap)
