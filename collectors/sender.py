@@ -344,6 +344,7 @@ class Sender(threading.Thread):
                 self._add_batch(pipe, [("events", ev)])  # type: ignore[list-item]
             if hb_due:
                 try:
+                    self._register(client, pipe)
                     rank, body = self._heartbeat()
                     pipe.hset(self._keys.heartbeats, str(rank), body)
                 except Exception:  # a heartbeat that cannot be built must not hold the records back
@@ -490,14 +491,24 @@ class Sender(threading.Thread):
             return None
         return out
 
-    def _register(self, client: redis.Redis) -> None:
+    def _register(self, client: redis.Redis, pipe: Any = None) -> None:
+        """Put the run in the registry and its metadata in ``th:{run}:meta``: on (re)connect, written over; with
+        ``pipe`` (every heartbeat), only what is missing — a Redis that restarted without its data behind a
+        connection redis-py re-opened by itself gets the run back within one heartbeat interval, and nothing another
+        writer set (rank 0's final status) is overwritten."""
         meta = {k: v for k, v in self._registry.items() if not k.startswith("_") and v is not None}
-        pipe = client.pipeline(transaction=False)
+        missing_only = pipe is not None
+        if pipe is None:
+            pipe = client.pipeline(transaction=False)
         pipe.zadd(RUNS, {self._keys.run: float(meta.get("started_at", time.time()))}, nx=True)
         started = meta.pop("started_at", None)
         if started is not None:
             pipe.hsetnx(self._keys.meta, "started_at", repr(float(started)))
-        if meta:
-            pipe.hset(self._keys.meta, mapping={k: json.dumps(v) if isinstance(v, dict) else str(v)
-                                                for k, v in meta.items()})
+        fields = {k: json.dumps(v) if isinstance(v, dict) else str(v) for k, v in meta.items()}
+        if missing_only:
+            for k, v in fields.items():
+                pipe.hsetnx(self._keys.meta, k, v)
+            return
+        if fields:
+            pipe.hset(self._keys.meta, mapping=fields)
         pipe.execute()

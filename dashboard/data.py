@@ -689,6 +689,13 @@ def clean_snapshot(snap: Mapping[str, Any], bad: list[str]) -> dict[str, Any]:
     return out
 
 
+def history_lost_before(snap: Mapping[str, Any]) -> int | None:
+    """The step before which the run's history is gone (the snapshot's ``history_lost.before_step``), or None."""
+    lost = snap.get("history_lost")
+    step = lost.get("before_step") if isinstance(lost, Mapping) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def data_quality(snap: Mapping[str, Any]) -> tuple[dict[str, int], list[int], int, float | None]:
     """What a ledger snapshot rests on: ``(records dropped by cause, ranks that dropped some, steps closed
     without every rank's record, coverage in % of rank-steps or None)``, from its ``records_dropped``,

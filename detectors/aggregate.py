@@ -155,6 +155,8 @@ class StepAggregator:
         self._seen: dict[int, int] = {}  # gen -> highest step with a record
         #: Records that arrived for a step already closed (late ranks), counted.
         self.late = 0
+        #: ``(rank, inc, step, t)`` of each rank incarnation's first record, for the caller to take (and clear).
+        self.first_rows: list[tuple[int, float, int, float]] = []
 
     @property
     def generation(self) -> int:
@@ -171,6 +173,8 @@ class StepAggregator:
         out: list[StepAggregate] = []
         rank, step, inc = row[12], row[13], row[6]  # (called once per record: ~100,000 times a second)
         prev = self._rank_inc.get(rank)
+        if prev is None or inc > prev:
+            self.first_rows.append((rank, inc, step, row[2]))
         if prev is None:
             self._rank_inc[rank] = inc
             self._rank_gen[rank] = self._gen

@@ -130,6 +130,9 @@ class GoodputLedger:
         self._drops_by_rank: dict[int, int] = {}
         self._rank_steps = 0
         self._partial_steps = 0
+        #: Set by :meth:`note_lost_history`: the run's history before its first step seen is gone.
+        self.history_lost: dict[str, Any] | None = None
+        self._first_startup = 0.0  # seconds booked as start-up before the first step seen
         #: Seconds the newest restart took from the last step before it to the first step's start (s; None before
         #: any): the measured cost of a relaunch, for the recovery advice.
         self.restart_s: float | None = None
@@ -162,6 +165,18 @@ class GoodputLedger:
         old_s, old_t = self._pending.get(key, (0.0, ev.t))
         self._pending[key] = (max(old_s, secs), max(old_t, ev.t))
         self._last_t = max(self._last_t, ev.t)
+
+    def note_lost_history(self, step: int, t: float, ranks: list[int]) -> None:
+        """The records before ``step`` (of ``ranks``, first seen at unix time ``t``) are gone: Redis lost them
+        (restarted without its data) or trimmed them. The ledger then starts at the first step seen — the time
+        before it is not booked as start-up, which it was not — and its snapshots say so (``history_lost``)."""
+        if self.history_lost is not None:
+            return
+        self.history_lost = {"before_step": step, "first_seen_t": t, "ranks": sorted(ranks)}
+        if self._last_end is not None and self._first_startup > 0 and self._start is not None:
+            self._sec["program_startup"] -= self._first_startup
+            self._start += self._first_startup
+            self._first_startup = 0.0
 
     def _note_drops(self, ev: Event) -> None:
         """A collector's ``collector_drops`` event: records it lost, in total and by cause (events of collectors
@@ -227,9 +242,12 @@ class GoodputLedger:
         gap = start - last
         sec = self._sec
         if self._last_end is None:
+            if self.history_lost is not None:  # the time before this step is not known: not booked at all
+                self._start, gap = start, 0.0
             restore = self._take("checkpoint_load", gap, end)
             sec["checkpoint_restore"] += restore
             sec["program_startup"] += gap - restore
+            self._first_startup = gap - restore
         elif agg.gen != self._gen:
             self._restarts += 1
             self.restart_s = start - last  # recovery, start-up and restore: what the next relaunch will cost
@@ -456,5 +474,6 @@ class GoodputLedger:
             "records_dropped": {"total": sum(drops.values()), **drops,
                                 "by_rank": {str(r): n for r, n in sorted(self._drops_by_rank.items()) if n}},
             "steps_partial": self._partial_steps,
+            "history_lost": self.history_lost,
             "coverage_pct": round(100.0 * min(self._rank_steps, expected) / expected, 3) if expected else None,
         }

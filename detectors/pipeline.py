@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainhealth import defaults
-from trainhealth.anomaly import Anomaly
+from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
 from trainhealth.detectors.base import StepDetector
@@ -105,6 +105,10 @@ class RunPipeline:
         #: rank -> its last word (a ``rank_exit`` event) of its latest incarnation.
         self.last_words: dict[int, LastWord] = {}
         self._restart: tuple[float, int] | None = None  # (unix s, resume step) of the newest restart
+        # (rank, inc) of the run_start events seen; first records of incarnations without one, (step, t).
+        self._started: set[tuple[int, float]] = set()
+        self._unstarted: dict[tuple[int, float], tuple[int, float]] = {}
+        self._history_reported = False
         # The newest hang/dead-rank incident: (its id, its generation, whether a member is still open).
         self._job_incident: tuple[str, int, bool] | None = None
         #: rank -> host, from run_start events.
@@ -180,11 +184,56 @@ class RunPipeline:
                 self.rank_outlier.observe_data(rank, rec[ROW_DATA])
             else:
                 self.rank_outlier.observe(src if isinstance(src, StepRecord) else step_record(src))
-            return agg.add_row(rec)
+            out = agg.add_row(rec)
+            if agg.first_rows:
+                self._first_rows()
+            return out
         if rec.rank >= agg.world_size:
             self.set_world_size(rec.rank + 1)
         self.rank_outlier.observe(rec)
-        return agg.add(rec)
+        out = agg.add(rec)
+        if agg.first_rows:
+            self._first_rows()
+        return out
+
+    def _first_rows(self) -> None:
+        # A rank incarnation's first record: judged by check_history once the events stream caught up with it.
+        for rank, inc, step, t in self.aggregator.first_rows:
+            if (rank, inc) not in self._started:
+                self._unstarted.setdefault((rank, inc), (step, t))
+        self.aggregator.first_rows.clear()
+
+    def check_history(self) -> Output:
+        """Judge the rank incarnations whose first record came without their ``run_start`` event (call it once the
+        events up to those records were fed: the service does when its read of the events stream caught up).
+
+        A collector sends ``run_start`` before any record, so a first record of a later step without it means the
+        history before it is not in Redis (Redis restarted without its data, or trimmed it): one ``data_loss``
+        (info, a point event) names the step and the ranks, and the ledger starts at the first step seen instead
+        of booking the unknown time as start-up. Not judged for a run that resumed from a checkpoint load seen.
+        """
+        out = Output()
+        lost = {k: v for k, v in self._unstarted.items() if k not in self._started}
+        self._unstarted.clear()
+        if not lost or self._history_reported:
+            return out
+        step = min(s for s, _ in lost.values())
+        if step <= 0:
+            return out
+        self._history_reported = True
+        ranks = sorted({r for r, _ in lost})
+        t = min(t for _, t in lost.values())
+        self.ledger.note_lost_history(step, t, ranks)
+        a = Anomaly(kind="data_loss", severity="info", step=step, end_step=step, status=RESOLVED,
+                    gen=self.aggregator.generation, ranks=tuple(ranks),
+                    evidence={"before_step": step, "ranks": ranks, "first_seen_t": round(t, 3)},
+                    message=(f"the run's history before step {step} is not in Redis (rank"
+                             f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:16]))} sent records of "
+                             f"step {step} on, but their start is missing): Redis restarted without its data or "
+                             "trimmed it; the figures cover the run from there"))
+        self.anomalies[a.id] = a
+        out.anomalies.append(a)
+        return out
 
     def feed(self, items: Iterable[StepRecord | tuple | Event]) -> Iterator[Output]:
         """Feed records (or their rows, :func:`trainhealth.wire.decode_step_rows`) and events in order;
@@ -224,6 +273,7 @@ class RunPipeline:
             self.ledger.add_event(ev)
             return Output()
         if ev.kind == "run_start":
+            self._started.add((ev.rank, ev.inc))
             host = ev.extra.get("host")
             if host:
                 self.hosts[ev.rank] = host

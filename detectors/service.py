@@ -133,6 +133,9 @@ class _Run:
     replay: bool = False
     #: The service marked the run crashed (meta ``status``); undone when the job comes back.
     crashed: bool = False
+    #: The newest read of the run's events stream got all there was (so a record's run_start, if any, was fed);
+    #: False from the rebuild until the first live read says so.
+    events_caught_up: bool = False
 
 
 class DetectorService:
@@ -399,6 +402,9 @@ class DetectorService:
             by_run.setdefault(run, []).extend((_sid(i), stream, f) for i, f in entries)
             ids[stream] = [i for i, _ in entries]
             n += len(entries)
+        for run in self.runs.values():
+            # The events stream caught up when this read got fewer of its entries than asked for.
+            run.events_caught_up = len(ids.get(run.keys.events, ())) < self.count
         for run_id, batch in by_run.items():
             run = self.runs[run_id]
             pipe = self.client.pipeline(transaction=True)
@@ -629,6 +635,8 @@ class DetectorService:
         pipe = self.client.pipeline(transaction=True)
         out = run.pipeline.flush_stale(now)
         self._write(run, out, pipe)
+        if run.events_caught_up and not run.replay:  # a replay pushes records without run_start events
+            self._write(run, run.pipeline.check_history(), pipe)
         if run.status in ("running", "crashed"):  # a crashed job is watched for its relaunch
             hbs = {}
             for rank, raw in self.client.hgetall(run.keys.heartbeats).items():

@@ -4,6 +4,7 @@ Goodput page and its numbers (issue 15)."""
 from __future__ import annotations
 
 import json
+import time
 
 import redis
 
@@ -53,3 +54,45 @@ def test_records_a_full_buffer_dropped_reach_the_ledger(own_redis) -> None:
     assert (snap["steps_done"], snap["records_dropped"], snap["steps_partial"]) == (
         50, {"total": 71, "buffer": 71, "by_rank": {"0": 71}}, 0)
     assert snap["coverage_pct"] == round(100 * 50 / 121, 3)
+
+
+def test_a_redis_restarted_without_its_data_is_a_data_loss_not_start_up(own_redis) -> None:
+    # Steps 0-99 reach Redis; Redis restarts empty (no persistence); the job goes on with steps 100-149.
+    mon = Monitor("run-wipe", redis_url=own_redis.url, rank=0, world_size=1, flush_interval=0.01, spill_dir=False,
+                  heartbeat_interval=0.2)
+    for s in range(100):
+        mon.log_step(s, loss=2.0 - s / 200 + 0.01 * (s % 7), tokens=10)
+    assert mon.flush(20)
+    own_redis.stop()
+    own_redis.start()
+    for s in range(100, 150):
+        mon.log_step(s, loss=2.0 - s / 200 + 0.01 * (s % 7), tokens=10)
+    time.sleep(0.5)  # a heartbeat puts what is missing of the registry back (redis-py reconnected by itself)
+    assert mon.flush(40)
+    client = redis.Redis.from_url(own_redis.url)
+    svc = DetectorService(client, consumer="t", snapshot_interval=0.0, hang_factory=lambda: HangDetector(floor_s=1e9))
+    for _ in range(5):
+        svc.run_once(block_ms=10)
+    [loss] = [json.loads(v) for v in client.hgetall("th:{run-wipe}:anomalies").values()]
+    assert (loss["kind"], loss["severity"], loss["step"], loss["status"], loss["ranks"]) == (
+        "data_loss", "info", 100, "resolved", [0])
+    assert loss["message"].startswith("the run's history before step 100 is not in Redis (rank 0 sent records of "
+                                      "step 100 on, but their start is missing)")
+    snap = json.loads(client.get("th:{run-wipe}:ledger:latest"))
+    assert snap["history_lost"]["before_step"] == 100 and snap["steps_done"] == 50
+    assert snap["seconds"]["program_startup"] == 0.0  # the unknown time before step 100 is not start-up
+    assert snap["started_at"] > mon.inc  # the ledger starts at the first step seen, not at the process start
+    assert client.zscore("th:runs", "run-wipe") is not None and client.hget("th:{run-wipe}:meta", "world_size") == b"1"
+    mon.close()
+
+
+def test_a_run_that_kept_its_history_has_no_data_loss(r: redis.Redis, redis_url: str) -> None:
+    mon = Monitor("run-kept", redis_url=redis_url, rank=0, world_size=1, flush_interval=0.01, spill_dir=False)
+    for s in range(50):
+        mon.log_step(s, loss=2.0 - s / 200 + 0.01 * (s % 7), tokens=10)
+    mon.close()
+    svc = DetectorService(r, consumer="t", snapshot_interval=0.0, hang_factory=lambda: HangDetector(floor_s=1e9))
+    for _ in range(3):
+        svc.run_once(block_ms=10)
+    assert not [a for a in r.hvals("th:{run-kept}:anomalies") if b"data_loss" in a]
+    assert json.loads(r.get("th:{run-kept}:ledger:latest"))["history_lost"] is None

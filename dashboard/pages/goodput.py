@@ -150,9 +150,13 @@ def data_lost_text(snap: dict) -> str | None:
     rank), steps closed without every rank's record, the share of rank-steps the ledger saw; None when nothing
     was lost."""
     drops, ranks, partial, coverage = data.data_quality(snap)
-    if not drops and not partial:
+    before = data.history_lost_before(snap)
+    if not drops and not partial and before is None:
         return None
     parts = []
+    if before is not None:
+        parts.append(f"the run's history before step {fmt_int(before)} is not in Redis (it restarted without its "
+                     "data, or trimmed it): the figures cover the run from there")
     if drops:
         total = sum(drops.values())
         how = ", ".join(f"{fmt_int(n)} {DROP_CAUSES.get(c, 'for a cause not reported')}" for c, n in drops.items())
