@@ -756,5 +756,5 @@ def test_goodput_page_says_what_data_was_lost(r: redis.Redis, seeded: dict) -> N
     r.set(k.ledger_latest, json.dumps(snap))
     [warning] = [w.value for w in goodput_page().warning if "Data lost" in w.value]
     assert warning == ("**Data lost**: the run's history before step 3,729 is not in Redis (it restarted without its "
-                       "data, or trimmed it): the figures cover the run from there. The figures here rest on 100.0% of "
+                       "data, or trimmed it): the figures cover the run from there. The figures here rest on 100% of "
                        "the rank-steps.")
