@@ -21,6 +21,16 @@ Deliberate differences from Alertmanager, for training runs:
   an inhibition mutes it meanwhile (it closes PagerDuty incidents; a silence stops noise, not closure).
 - **Point events** (``restart``: the anomaly is born resolved) are notified once as firing, never resolved.
 - A severity **escalation** of a notified alert (``loss_spike`` warning → critical) counts as new.
+- **Quiet observations** (:meth:`Grouper.observe` with ``quiet=True``; the worker's catch-up of stale
+  transitions, :mod:`trainhealth.alerts.intake`): a firing alert joins its group as known but never notified
+  (``Group.quiet``), so it makes no notification by itself, a later ``updated`` at the same severity is no
+  news, and its later resolve is dropped like a flapping alert's. It is news again when it escalates above the
+  severity it was observed at, and it is shown as firing in any notification its group sends for another
+  reason (after which it counts as notified). A quiet point event is dropped; a quiet resolve is an ordinary
+  one (the resolve of an alert notified as firing goes out).
+- **Runs that are over** (:attr:`Grouper.ended_runs`, kept by the worker: the run's status is no longer
+  ``running`` and it wrote no transition for a while) mute their alerts like a silence: no new notification,
+  no repeat; a resolve of an alert notified as firing still goes out.
 
 Time is whatever the caller passes (unix seconds): the worker passes each transition's ``last_seen``
 and the wall clock; tests pass numbers. Flushes happen at their scheduled times, so the outcome is a
@@ -49,6 +59,11 @@ _SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
 
 def _rank(severity: str | None) -> int:
     return _SEVERITY_RANK.get(severity or "", -1)
+
+
+def _higher(old: str | None, new: str) -> str:
+    """The higher of two severities (``new`` on a tie or when ``old`` is None)."""
+    return new if _rank(new) >= _rank(old) else old  # type: ignore[return-value]
 
 
 def _tick_after(ts: float, interval: float, t: float) -> float:
@@ -85,11 +100,15 @@ class Group:
     #: Alert key -> highest severity notified as firing (the alerts a later "resolved" must report).
     notified: dict[str, str] = field(default_factory=dict)
     seq: int = 0
+    #: Alert key -> highest severity observed quietly (stale at the worker's start), never notified: no news
+    #: until it escalates above it; its resolve is not reported. Disjoint from :attr:`notified`.
+    quiet: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "route": self.route.id, "labels": self.labels, "created_at": self.created_at,
                 "next_flush": self.next_flush, "alerts": [a.to_dict() for a in self.alerts.values()],
-                "last_notified_at": self.last_notified_at, "notified": self.notified, "seq": self.seq}
+                "last_notified_at": self.last_notified_at, "notified": self.notified, "seq": self.seq,
+                "quiet": self.quiet}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], route: Route) -> Group:
@@ -97,7 +116,7 @@ class Group:
         return cls(key=d["key"], route=route, labels=dict(d["labels"]), created_at=float(d["created_at"]),
                    next_flush=float(d["next_flush"]), alerts={a.key: a for a in alerts},
                    last_notified_at=None if d.get("last_notified_at") is None else float(d["last_notified_at"]),
-                   notified=dict(d.get("notified", {})), seq=int(d.get("seq", 0)))
+                   notified=dict(d.get("notified", {})), seq=int(d.get("seq", 0)), quiet=dict(d.get("quiet", {})))
 
 
 class Grouper:
@@ -114,6 +133,9 @@ class Grouper:
     now : float
         Initial clock (unix seconds); it only moves forward.
 
+    :attr:`ended_runs` (run ids) mutes the alerts of runs that are over, as a silence would; the worker
+    replaces it as runs end (:mod:`trainhealth.alerts.intake`).
+
     Use :meth:`observe` for each alert state change and :meth:`advance` for the passage of time; both
     return the notifications that became due, in flush order. :meth:`take_changes` tells which groups
     changed, for persisting them (:meth:`dump`, :meth:`load`).
@@ -124,19 +146,37 @@ class Grouper:
         self.root = root
         self.inhibit_rules = tuple(inhibit_rules)
         self.silences: Sequence[Silence] = tuple(silences)
+        self.ended_runs: frozenset[str] = frozenset()
         self.now = float(now)
         self.groups: dict[str, Group] = {}
         self._routes = {r.id: r for r in root.walk()}
         self._changed: set[str] = set()
 
     # -- input ------------------------------------------------------------------------------------------
-    def observe(self, alert: Alert, t: float) -> list[Notification]:
+    def observe(self, alert: Alert, t: float, quiet: bool = False) -> list[Notification]:
         """Apply one alert state at time ``t`` (clamped to the engine's clock); returns notifications due by then.
 
         Groups due at or before ``t`` are flushed first, so an alert arriving exactly at a flush time
         joins the next flush.
+
+        Parameters
+        ----------
+        alert : Alert
+            The alert's new state.
+        t : float
+            Event time (unix seconds).
+        quiet : bool
+            Track the alert without notifying it (see the module doc, "Quiet observations"): a firing alert
+            joins its group as known, a point event is dropped, a resolve is applied as usual.
+
+        Returns
+        -------
+        list of Notification
+            The flushes due by ``t``, in time order.
         """
         out = self.advance(t)
+        if quiet and alert.point:
+            return out  # a stale point event is history: nothing to track, nothing to resolve later
         targets: dict[str, tuple[Route, dict[str, str]]] = {}
         for route in self.root.match(alert.labels):
             gl = group_labels(route, alert.labels, alert.key)
@@ -145,6 +185,7 @@ class Grouper:
             if alert.key in g.alerts and gk not in targets:
                 del g.alerts[alert.key]
                 g.notified.pop(alert.key, None)
+                g.quiet.pop(alert.key, None)
                 self._changed.add(gk)
         for gk, (route, gl) in targets.items():
             g = self.groups.get(gk)
@@ -158,6 +199,11 @@ class Grouper:
                           next_flush=self.now + route.timers.group_wait)
                 self.groups[gk] = g
             g.alerts[alert.key] = alert
+            if quiet and alert.status == FIRING:
+                if alert.key in g.notified:  # a stale escalation of a notified alert: absorbed, not news
+                    g.notified[alert.key] = _higher(g.notified[alert.key], alert.severity)
+                else:
+                    g.quiet[alert.key] = _higher(g.quiet.get(alert.key), alert.severity)
             self._changed.add(gk)
         return out
 
@@ -196,10 +242,12 @@ class Grouper:
         return list(seen.items())
 
     def muted(self, alert: Alert, t: float) -> str | None:
-        """Why ``alert`` is muted at ``t``: ``"silence <id>"``, ``"inhibited by <key>"``, or None."""
+        """Why ``alert`` is muted at ``t``: ``"silence <id>"``, ``"run over"``, ``"inhibited by <key>"``, or None."""
         s = muted_by(self.silences, alert.labels, t)
         if s is not None:
             return f"silence {s.id}"
+        if alert.labels.get("run") in self.ended_runs:
+            return "run over"
         src = inhibited(self.inhibit_rules, alert.key, alert.labels, self._firing_everywhere())
         return f"inhibited by {src}" if src else None
 
@@ -211,10 +259,10 @@ class Grouper:
         order = sorted(g.alerts.values(), key=lambda a: (a.starts_at or 0.0, a.key))
         firing = [a for a in order if (a.status == FIRING or a.point) and a.key not in muted]
         resolved = [a for a in order if a.status == RESOLVED and not a.point and a.key in g.notified]
-        changed = any(a.point or _rank(a.severity) > _rank(g.notified.get(a.key)) for a in firing)
+        changed = any(self._news(g, a) for a in firing)
         reason = ""
         if g.last_notified_at is None:
-            reason = "new" if firing else ""
+            reason = "new" if changed else ""
         elif changed:
             reason = "update"
         elif resolved:
@@ -232,9 +280,10 @@ class Grouper:
             for a in g.alerts.values():
                 if a.status != FIRING or a.point:
                     continue
-                if a.key not in muted:
+                if a.key not in muted:  # shown as firing now (a quiet one too): its resolve must be reported
                     old = g.notified.get(a.key)
                     notified[a.key] = a.severity if _rank(a.severity) >= _rank(old) else old  # type: ignore[assignment]
+                    g.quiet.pop(a.key, None)
                 elif a.key in g.notified:  # muted meanwhile: keep, so that its resolve still goes out
                     notified[a.key] = g.notified[a.key]
             g.notified = notified
@@ -244,10 +293,23 @@ class Grouper:
             if a.status == RESOLVED or a.point:
                 del g.alerts[a.key]
         g.notified = {k: v for k, v in g.notified.items() if k in g.alerts}
+        g.quiet = {k: v for k, v in g.quiet.items() if k in g.alerts and k not in g.notified}
         g.next_flush = ts + timers.group_interval
         if not g.alerts:
             del self.groups[g.key]
         return note
+
+    @staticmethod
+    def _news(g: Group, a: Alert) -> bool:
+        """Whether firing alert ``a`` is news for group ``g``: a point event, an alert never notified nor
+        observed quietly, or one whose severity rose above what was notified (or observed quietly)."""
+        if a.point:
+            return True
+        if a.key in g.quiet:
+            return _rank(a.severity) > _rank(g.quiet[a.key])
+        if g.last_notified_at is None:
+            return True
+        return _rank(a.severity) > _rank(g.notified.get(a.key))
 
     # -- state --------------------------------------------------------------------------------------------
     def alerts(self) -> Iterable[tuple[Group, Alert]]:

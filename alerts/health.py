@@ -1,9 +1,16 @@
 """``trainhealth doctor``'s alerting section: the alert worker's heartbeat and the sinks' states.
 
-:func:`doctor_report` returns printable lines and whether alerting is healthy. Alerting counts as
-*unhealthy* only when it is in use (some sink state, outbox entry or alert group exists) and no worker
-heartbeat is live, or when a sink's last try failed, or dead letters exist. A Redis that never saw an
-alert worker is not a failure (alerting is optional).
+:func:`doctor_report` returns printable lines and whether alerting is healthy.
+
+Alerting is *configured* on a Redis once an alert worker has run there: a live worker heartbeat, or what only a
+worker (or a dead letter it made) leaves behind and keeps: ``th:{alerts}:state`` (written by every worker at
+start, with the config path it read), sink states, alert groups, outbox entries, the delivery log, dead
+letters. Silences are no sign of it: the dashboard and ``trainhealth silence`` store them on any Redis. There is
+no default config file to look for: the worker reads only ``--config FILE``. Alerting that is not configured is
+reported as such and is no failure (alerting is optional).
+
+Configured alerting is *unhealthy* when no worker heartbeat is live, a worker reports loop errors, a sink's last
+try failed, or dead letters exist.
 """
 
 from __future__ import annotations
@@ -13,10 +20,15 @@ import time
 import redis
 
 from trainhealth import alert_store as store
+from trainhealth.keys import ALERTS_STATE
 from trainhealth.text import fmt_duration
 
 #: A sink with this many failures in a row counts as failing.
 FAILING_AFTER = 1
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _age(now: float, t: float | None) -> str:
@@ -34,7 +46,9 @@ def doctor_report(client: redis.Redis, now: float | None = None) -> tuple[list[s
     beats = store.workers(client)
     sinks = store.sink_states(client)
     stats = store.outbox_stats(client)
-    in_use = bool(beats or sinks or any(stats.values()))
+    fields = ("epoch", "config", "started_at")
+    state = {k: _s(v) for k, v in zip(fields, client.hmget(ALERTS_STATE, list(fields)), strict=True) if v is not None}
+    in_use = bool(beats or state or sinks or any(v for k, v in stats.items() if k != "silences"))
     if not in_use:
         return ["Alert worker: not configured (no heartbeat, no alert state): `trainhealth alerts --config FILE`"], True
     leaders = [b for b in beats if b.get("role") == "leader"]
@@ -48,8 +62,13 @@ def doctor_report(client: redis.Redis, now: float | None = None) -> tuple[list[s
             ok = False
     if not leaders:
         ok = False
-        lines.append("Alert worker: NOT RUNNING (no live heartbeat): notifications are not being sent; start "
-                     "`trainhealth alerts --config FILE`")
+        last = ""
+        if "started_at" in state:
+            last = f"; the last one started {_age(now, float(state['started_at']))}"
+            if state.get("config"):
+                last += f" with --config {state['config']}"
+        lines.append(f"Alert worker: NOT RUNNING (no live heartbeat{last}): notifications are not being sent; "
+                     "start `trainhealth alerts --config FILE`")
     for name, st in sinks.items():
         fails = int(st.get("consecutive_failures") or 0)
         paused = float(st.get("paused_until") or 0)

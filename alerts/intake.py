@@ -15,6 +15,24 @@ enqueued once, with the sequence number, hence the idempotency key, it had to ha
 On its very first start (no ``epoch`` in ``th:{alerts}:state``) the worker records the time and ignores
 transitions older than ``epoch - backfill`` (default 1 h), so enabling alerts on an old Redis does not
 page for last month's anomalies.
+
+**Catch-up window** (``catch_up``, :data:`trainhealth.defaults.ALERT_CATCHUP_S`, ``trainhealth alerts
+--catch-up``). The consumer group remembers how far the worker read each log, so a worker that was stopped
+for an hour, or one that meets a run for the first time (a replay pushed while no worker ran, the runs of an
+earlier ``trainhealth demo`` on the same Redis), reads a backlog. A transition whose stream entry was written
+more than ``catch_up`` seconds before the intake (re)loaded its state (at start, after a takeover or a Redis
+error) is **stale**; both times are Redis's clock (the entry id's milliseconds, ``TIME``), so no clock skew
+between hosts counts. A stale transition is applied to the alert groups quietly
+(:meth:`~trainhealth.alerts.grouping.Grouper.observe` with ``quiet=True``: the group knows the alert, so its
+later ``updated`` is no news, but nothing is notified for it) and counted; one INFO line says how many and
+why. Entries written after a saved position younger than the window are never stale, so a restart within
+the window holds nothing back. A resolve of an alert that was notified as firing still goes out.
+
+**Runs that are over** are not paged at all: a run whose ``th:{run}:meta`` ``status`` is set and is not
+``running`` and whose newest ``anomaly_log`` entry is older than the window (or the longest ``group_wait``, if
+longer) mutes its alerts (:attr:`~trainhealth.alerts.grouping.Grouper.ended_runs`): no notification, no
+``repeat_interval`` reminder every 4 h for a divergence that will never resolve because the job is gone.
+Checked for the runs the groups hold every :data:`WATCHDOG_EVERY_S`. ``catch_up = 0`` turns both off.
 """
 
 from __future__ import annotations
@@ -22,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +57,7 @@ from trainhealth.alerts.watchdog import SERVICE_DOWN_KEY, check_service, service
 from trainhealth.anomaly import SEVERITIES
 from trainhealth.keys import ALERTS_GROUPS, ALERTS_SILENCES, ALERTS_STATE, RUNS, run_keys, run_of
 from trainhealth.silences import Silence
+from trainhealth.text import fmt_duration
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +122,11 @@ def _sid(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def _redis_time(reply: Any) -> float:
+    """Unix seconds from a ``TIME`` reply (redis-py: ``(seconds, microseconds)``)."""
+    return int(reply[0]) + int(reply[1]) / 1e6
+
+
 def load_silences(client: redis.Redis) -> list[Silence]:
     """Every stored silence (malformed records are skipped with a warning)."""
     out = []
@@ -128,17 +153,29 @@ class Intake:
         Consumer group name.
     count : int
         Entries read per stream per ``XREADGROUP``.
+    catch_up : float
+        Catch-up window in seconds (see the module doc); 0 notifies every transition read, however old.
     """
 
     def __init__(self, client: redis.Redis, config: AlertsConfig, *, consumer: str,
                  clock: Callable[[], float] = time.time, group: str = defaults.ALERT_CONSUMER_GROUP,
-                 count: int = 1000) -> None:
+                 count: int = 1000, catch_up: float = defaults.ALERT_CATCHUP_S) -> None:
+        if not (math.isfinite(catch_up) and catch_up >= 0):
+            raise ValueError(f"catch_up={catch_up!r} must be a finite number of seconds >= 0")
         self.client = client
         self.config = config
         self.consumer = consumer
         self.clock = clock
         self.group = group
         self.count = count
+        self.catch_up = float(catch_up)
+        #: Entries written before this unix time (s) are stale (set by :meth:`setup`; -inf without a window).
+        self.stale_before = -math.inf
+        #: Stale transitions applied without notifying, in total (the heartbeat's ``stale_entries``).
+        self.stale = 0
+        self._stale_batch: dict[str, int] = {}
+        self._last_ended = -1e18
+        self._checked: set[str] = set()
         self.grouper = Grouper(config.route, config.inhibit_rules)
         self.runs: set[str] = set()
         self.cursors: dict[str, str] = {}
@@ -158,6 +195,10 @@ class Intake:
         """Load grouping state and cursors from Redis (first start: record the epoch)."""
         now = self.clock()
         self.client.hsetnx(ALERTS_STATE, "epoch", repr(now))
+        # Where the last leader read its config, for `trainhealth doctor` once no heartbeat is left.
+        path = self.config.path
+        self.client.hset(ALERTS_STATE, mapping={"config": os.path.abspath(path) if os.path.exists(path) else path,
+                                                "started_at": repr(now)})
         state = {_s(k): _s(v) for k, v in self.client.hgetall(ALERTS_STATE).items()}
         self.epoch = float(state["epoch"])
         self.cursors = {k.split(":", 1)[1]: v for k, v in state.items() if k.startswith("cursor:")}
@@ -173,6 +214,11 @@ class Intake:
         self.grouper.load(groups)
         self.runs.clear()
         self.service_down = any(a.key == SERVICE_DOWN_KEY and a.status == FIRING for _, a in self.grouper.alerts())
+        # Redis's clock, which also stamps the entry ids: no skew between the worker's host and Redis's counts.
+        self.stale_before = _redis_time(self.client.time()) - self.catch_up if self.catch_up > 0 else -math.inf
+        self._stale_batch.clear()
+        self._last_ended = -1e18
+        self._checked = set()
         self.ready = True
         log.info("intake: %d alert groups restored, %d run cursors", len(self.grouper.groups), len(self.cursors))
 
@@ -209,6 +255,7 @@ class Intake:
             self.setup()
         self.grouper.silences = load_silences(self.client)
         entries = self.discover()
+        backlog = False  # some log returned a full batch: more of a catch-up may follow
         streams = {run_keys(r).anomaly_log: ">" for r in sorted(self.runs)}
         if streams:
             nxt = self.grouper.next_due()
@@ -219,7 +266,11 @@ class Intake:
             for stream_raw, items in reply or []:
                 run = run_of(stream_raw)
                 entries += [(run, _s(i), f) for i, f in items]
+                backlog = backlog or len(items) >= self.count
+        self._check_ended(entries, self.clock())
         notes = self._apply(entries, self.clock())
+        if self._stale_batch and not backlog:
+            self._log_stale()
         now = self.clock()
         if now - self._last_watchdog >= WATCHDOG_EVERY_S:
             self._last_watchdog = now
@@ -272,15 +323,70 @@ class Intake:
         todo.sort(key=lambda x: (x[0], x[1], x[2]))
         self._enrich([x[4] for x in todo])
         notes: list[Notification] = []
-        for t, run, _, eid, alert in todo:
+        for t, run, sid, eid, alert in todo:
+            # Stale: written (the entry id's time, Redis's clock) before the catch-up window of this start.
+            stale = sid[0] / 1000.0 < self.stale_before
+            if stale:
+                self.stale += 1
+                self._stale_batch[run] = self._stale_batch.get(run, 0) + 1
+            elif run in self.grouper.ended_runs:  # a fresh transition: the run is not quiet any more
+                self.grouper.ended_runs = self.grouper.ended_runs - {run}
             try:
                 # Ahead of the wall clock (a skewed detector host): observed now, or the engine's clock
                 # would run ahead and hold back every group's flush until the wall clock caught up.
-                notes += self.grouper.observe(alert, min(t, now))
+                notes += self.grouper.observe(alert, min(t, now), quiet=stale)
             except Exception:  # one odd anomaly must not stop alerting on all the others
                 self.skipped += 1
                 log.exception("run %s: skipping anomaly_log entry %s that the grouping engine refused", run, eid)
         return notes
+
+    def _log_stale(self) -> None:
+        """The one INFO line of a catch-up: how many transitions were applied without notifying, and why."""
+        runs = sorted(self._stale_batch)
+        n = sum(self._stale_batch.values())
+        shown = ", ".join(runs[:5]) + (f" and {len(runs) - 5} more" if len(runs) > 5 else "")
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.stale_before))
+        log.info("intake: catch-up: %d anomaly transition%s of %d run%s (%s) not notified as stale: written before "
+                 "%s, more than the %s catch-up window (--catch-up) before this worker started; their alerts are "
+                 "tracked, later changes notify", n, "s" if n != 1 else "", len(runs), "s" if len(runs) != 1 else "",
+                 shown, when, fmt_duration(self.catch_up, minute_digits=0))
+        self._stale_batch.clear()
+
+    def _check_ended(self, entries: list[tuple[str, str, dict]], now: float) -> None:
+        """Refresh :attr:`Grouper.ended_runs`: runs whose meta ``status`` is set and not ``running`` and whose
+        newest anomaly_log entry is older than the window (see the module doc). Every :data:`WATCHDOG_EVERY_S`,
+        and at once for runs not checked yet (restored groups at start, a batch's runs)."""
+        if self.catch_up <= 0:
+            return
+        runs = {a.run for _, a in self.grouper.alerts()} | {run for run, _, _ in entries}
+        runs.discard("*")  # the watchdog's own service_down alert
+        if now - self._last_ended < WATCHDOG_EVERY_S and runs <= self._checked:
+            return
+        window = max([self.catch_up] + [r.timers.group_wait for r in self.config.route.walk()])
+        order = sorted(runs)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.time()  # entry ids are Redis's clock: compare them with Redis's now
+        for run in order:
+            keys = run_keys(run)
+            pipe.hget(keys.meta, "status")
+            pipe.xrevrange(keys.anomaly_log, count=1)
+        replies = pipe.execute()
+        redis_now = _redis_time(replies[0])
+        ended: set[str] = set()
+        for i, run in enumerate(order):
+            status, last = replies[1 + 2 * i], replies[2 + 2 * i]
+            status = _s(status) if status is not None else "running"  # as the detector service reads it
+            last_t = _sid(_s(last[0][0]))[0] / 1000.0 if last else -math.inf
+            if status != "running" and last_t < redis_now - window:
+                ended.add(run)
+        newly = sorted(ended - self.grouper.ended_runs)
+        if newly:
+            log.info("intake: not paging the alerts of %d run%s that are over (meta status not running, no anomaly "
+                     "transition for %s): %s", len(newly), "s" if len(newly) > 1 else "",
+                     fmt_duration(window, minute_digits=0), ", ".join(newly))
+        self.grouper.ended_runs = frozenset(ended)
+        self._checked = runs
+        self._last_ended = now
 
     def _skip(self, run: str, eid: str, name: str, value: Any) -> None:
         self.skipped += 1

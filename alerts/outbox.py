@@ -6,6 +6,7 @@ with the consumer group ``th-alerts-delivery``:
 
 - every entry read is scheduled in the sorted set ``th:{alerts}:retry`` (score: unix s of the next try)
   with its bookkeeping in the hash ``th:{alerts}:attempts``; it stays in the group's pending list until done;
+  a try is counted there before its request goes out, so tries cut short by a crash count too;
 - a due entry is sent (:meth:`~trainhealth.alerts.sinks.base.Sink.send`); success acknowledges it, removes
   its schedule and logs it in ``th:{alerts}:sent``, in one ``MULTI/EXEC``;
 - a retryable failure (timeout, connection error, 408/425/429/5xx) schedules the next try after
@@ -18,7 +19,8 @@ with the consumer group ``th-alerts-delivery``:
 **At-least-once with an idempotency key.** If the worker dies after the receiver got a request but
 before the acknowledgement, the entry is still pending and scheduled: the next worker (which claims every
 pending entry on start, :meth:`Deliverer.setup`) sends it again with the same ``Idempotency-Key`` and the
-same body, so a receiver that remembers keys shows it once. Nothing is lost: an entry leaves the pending
+same body, so a receiver that remembers keys shows it once; that resend is try 2 (or later) in the log,
+in ``th:{alerts}:sent`` and against ``max_attempts``. Nothing is lost: an entry leaves the pending
 list only in the transaction that records its delivery or its dead letter.
 
 **Order within a group.** Deliveries of one (sink, group) pair go out in sequence order: a later
@@ -318,9 +320,12 @@ class Deliverer:
             log.exception("sink %s: cannot render notification %s of %s", name, n.seq, n.group_key)
             self._dead(eid, book, fields, None, f"cannot render for this sink: {type(exc).__name__}: {exc}")
             return 0
-        result = sink.send(self.http, req, now)
+        # The try is counted before it is made: a worker killed during the request leaves it counted, so the
+        # next worker's resend of the pending entry is logged, recorded and bounded as try 2, not try 1 again.
         attempts = int(book.get("attempts", 0)) + 1
         book["attempts"] = attempts
+        self.client.hset(ALERTS_ATTEMPTS, eid, json.dumps(book))
+        result = sink.send(self.http, req, now)
         now = self.clock()
         st.last_attempt_at, st.last_status = now, result.status
         if result.ok:

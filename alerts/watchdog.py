@@ -6,7 +6,10 @@ Two dead-man's switches:
   ``service_stale`` seconds, but no detector service wrote its ``th:service:<consumer>`` heartbeat in
   that time. Training data then flows with nobody looking at it: the worker raises a critical alert of
   kind ``service_down`` (run label ``*``), resolved when a service heartbeat is back. It is routed,
-  silenced and inhibited like any alert (``kind="service_down"``).
+  silenced and inhibited like any alert (``kind="service_down"``). Only live training jobs count: a run
+  whose ``th:{run}:meta`` ``status`` is set and is not ``running`` (finished, failed, stopped, crashed...) left
+  its ranks' last heartbeats behind, and a replay (``source`` ``replay:...``) is a log pushed into Redis that
+  the service processes whenever it comes back; neither raises ``service_down``.
 - **deadman ping** (``[deadman]`` in the config, done by :mod:`trainhealth.alerts.worker`): while the worker
   is healthy and the detector service is up, the worker POSTs to an external dead-man's-switch URL
   (healthchecks.io, Dead Man's Snitch, a PagerDuty heartbeat...) every ``interval``. When the worker, its
@@ -60,12 +63,26 @@ def check_service(client: redis.Redis, now: float, stale_s: float) -> ServiceChe
     for raw in client.zrevrange(RUNS, 0, RUNS_EXAMINED - 1):
         run = raw.decode() if isinstance(raw, bytes) else str(raw)
         try:
-            hb = client.hvals(run_keys(run).heartbeats)
+            keys = run_keys(run)
         except ValueError:
             continue
-        if any((t := _t(b)) is not None and now - t < stale_s for b in hb):
+        if any((t := _t(b)) is not None and now - t < stale_s for b in client.hvals(keys.heartbeats)) and \
+                live_job(client.hmget(keys.meta, ["status", "source"])):
             sending.append(run)
     return ServiceCheck(bool(sending), age, tuple(sorted(sending)))
+
+
+def live_job(meta: list[Any]) -> bool:
+    """Whether a run's ``[status, source]`` meta fields (bytes, str or None) are a live training job's:
+    status unset or ``running``, and not a replay (``source`` ``replay:...``).
+
+    >>> live_job([b"running", b"demo"]), live_job([None, None]), live_job(["finished", None])
+    (True, True, False)
+    >>> live_job(["running", "replay:train.log"])
+    False
+    """
+    status, source = (v.decode() if isinstance(v, bytes) else v for v in meta)
+    return status in (None, "running") and not (source or "").startswith("replay:")
 
 
 def service_down_alert(check: ServiceCheck, now: float, first_seen: float | None = None) -> Alert:

@@ -6,6 +6,9 @@
 - **Two loops, two threads.** The intake (:mod:`trainhealth.alerts.intake`, anomaly logs → grouping →
   outbox) and the delivery (:mod:`trainhealth.alerts.outbox`, outbox → HTTP) run in their own threads, so a
   slow sink never delays grouping. The detector service does no HTTP at all; it only writes the logs.
+- **Catch-up window** (``catch_up``, ``--catch-up``, default 10 min): at start, anomaly transitions written
+  longer ago are tracked but not notified, and runs that are over are not paged
+  (:mod:`trainhealth.alerts.intake`).
 - **Heartbeat with TTL**: ``th:{alerts}:worker:<consumer>`` (30 s) with the role, counters and sink names,
   for ``trainhealth doctor`` and the dashboard; removed on a clean stop.
 - **Dead-man's switch**: with ``[deadman]``, a POST to an external URL every ``interval`` while both loops
@@ -61,18 +64,22 @@ class AlertWorker:
         Longest blocking read of each loop (milliseconds).
     lease_s : int
         Seconds the leadership lease lasts without renewal.
+    catch_up : float
+        Catch-up window in seconds (``--catch-up``): at start, transitions written longer ago are tracked but
+        not notified, and runs that are over are not paged (:mod:`trainhealth.alerts.intake`); 0 turns it off.
     """
 
     def __init__(self, client: redis.Redis, config: AlertsConfig, *, consumer: str | None = None,
                  clock: Callable[[], float] = time.time, rand: Callable[[], float] = random.random,
-                 http: httpx.Client | None = None, block_ms: int = 1000, lease_s: int = defaults.ALERT_LEASE_S) -> None:
+                 http: httpx.Client | None = None, block_ms: int = 1000, lease_s: int = defaults.ALERT_LEASE_S,
+                 catch_up: float = defaults.ALERT_CATCHUP_S) -> None:
         self.client = client
         self.config = config
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.clock = clock
         self.block_ms = block_ms
         self.lease_s = lease_s
-        self.intake = Intake(client, config, consumer=self.consumer, clock=clock)
+        self.intake = Intake(client, config, consumer=self.consumer, clock=clock, catch_up=catch_up)
         self.delivery = Deliverer(client, config.sinks, config.delivery, consumer=self.consumer, clock=clock,
                                   rand=rand, http=http)
         self._lease = client.register_script(LEASE_LUA)
@@ -99,8 +106,9 @@ class AlertWorker:
 
     def run_forever(self) -> None:
         """Run until :meth:`stop`: lease and heartbeat here, intake and delivery in two threads."""
-        log.info("alert worker %s started (%d sinks: %s)", self.consumer, len(self.config.sinks),
-                 ", ".join(self.config.sinks) or "none")
+        log.info("alert worker %s started (%d sinks: %s; catch-up window %s)", self.consumer, len(self.config.sinks),
+                 ", ".join(self.config.sinks) or "none",
+                 f"{self.intake.catch_up:g} s" if self.intake.catch_up > 0 else "off")
         threads = [threading.Thread(target=self._loop, args=("intake", self._intake_once), name="alerts-intake",
                                     daemon=True),
                    threading.Thread(target=self._loop, args=("delivery", self._delivery_once),
@@ -159,7 +167,8 @@ class AlertWorker:
                 "sinks": {n: s.type for n, s in self.config.sinks.items()},
                 "intake_ok_at": self.intake.last_ok, "delivery_ok_at": self.delivery.last_loop_ok,
                 "groups": len(self.intake.grouper.groups), "enqueued": self.intake.enqueued,
-                "skipped_entries": self.intake.skipped,
+                "skipped_entries": self.intake.skipped, "stale_entries": self.intake.stale,
+                "catch_up_s": self.intake.catch_up,
                 "delivered": self.delivery.sent, "service_down": self.intake.service_down,
                 "errors": dict(self._errors), "deadman_ok": self.last_ping_ok}
 

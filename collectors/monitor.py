@@ -229,7 +229,8 @@ class Monitor:
     heartbeat_interval : float
         Seconds between heartbeats (sent by the background thread).
     retention : int
-        Approximate entries kept in the run's step stream (``XADD MAXLEN ~``).
+        Step records kept in the run's step stream, about (``XADD MAXLEN`` of this many records divided by the
+        records in each entry added; ``$TRAINHEALTH_RETENTION``, default 1,000,000).
     started_at : float, optional
         Unix time this process started (default now); for replaying old logs.
     spill_dir : path or False, optional
@@ -355,7 +356,7 @@ class Monitor:
         self._sender = Sender(
             connect, self.keys, buffer_records, self._heartbeat_body, registry,
             batch=batch_records, flush_interval=flush_interval, heartbeat_interval=heartbeat_interval,
-            retention=retention or config.retention_entries(), spill=spill,
+            retention=retention or config.retention_records(), spill=spill,
         )
         self._put = self._sender.put  # the hot path's one call: bound once, no lookup per record
         self._event("run_start", host=self.host, pid=os.getpid(), world_size=self.world_size,

@@ -157,7 +157,7 @@ class Sender(threading.Thread):
         batch: int = defaults.COLLECTOR_BATCH_RECORDS,
         flush_interval: float = defaults.COLLECTOR_FLUSH_INTERVAL_S,
         heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL_S,
-        retention: int = defaults.STEPS_RETENTION_ENTRIES,
+        retention: int = defaults.STEPS_RETENTION_RECORDS,
         events_retention: int = defaults.EVENTS_RETENTION_ENTRIES,
         spill: Spill | None = None,
     ) -> None:
@@ -443,7 +443,10 @@ class Sender(threading.Thread):
 
     def _xadd_steps(self, pipe: Any, steps: list[dict[str, Any]]) -> None:
         body = json.dumps(steps, separators=(",", ":"))  # NaN/Infinity kept as JSON5-style tokens
-        pipe.execute_command("XADD", self._keys.steps, "MAXLEN", "~", self._maxlen["steps"], "*",
+        # The retention is in records: this entry's share of it in entries. Approximate trimming (whole radix-tree
+        # nodes of 100 entries) overshoots by up to a node: exact up to 10 nodes, where that would be 10 % or more.
+        maxlen = max(1, self._maxlen["steps"] // len(steps))
+        pipe.execute_command("XADD", self._keys.steps, "MAXLEN", "~" if maxlen > 1000 else "=", maxlen, "*",
                              "rank", self._registry["_rank"], "n", len(steps), "recs", body)
 
     def drops_by_cause(self) -> dict[str, int]:

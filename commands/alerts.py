@@ -12,6 +12,7 @@ from typing import Any
 import redis
 
 from trainhealth import alert_store as store
+from trainhealth import defaults
 from trainhealth.commands._shared import redis_client, with_url
 from trainhealth.exceptions import ConfigError
 from trainhealth.matchers import MatcherError
@@ -28,6 +29,10 @@ def register(sub: Any) -> None:
     a.add_argument("--config", required=True, metavar="FILE", help="alerting config (TOML; docs/alerts.example.toml)")
     a.add_argument("--check", action="store_true", help="validate the config, print its summary (no secrets), exit")
     a.add_argument("--consumer", help="consumer name (default: <host>-<pid>)")
+    a.add_argument("--catch-up", default=f"{defaults.ALERT_CATCHUP_S:g}s", metavar="DURATION",
+                   help="at start, anomaly transitions written longer ago than this are tracked but not notified, "
+                        "and runs that are over (status not running, no transition for this long) are not paged "
+                        f"(e.g. 10m, 1h; 0 = notify every backlog; default {defaults.ALERT_CATCHUP_S:g}s)")
     a.set_defaults(func=lambda args: run_alerts(args, lambda: redis_client(args)), extra="server")
 
     summary = "Silence alerts by run, kind, rank, host or severity for a while (Alertmanager-style silences)."
@@ -69,14 +74,19 @@ def run_alerts(args: argparse.Namespace, connect: Callable[[], redis.Redis]) -> 
     from trainhealth.alerts.config import load
 
     cfg = load(args.config)
+    catch_up = parse_duration(args.catch_up)
+    if catch_up is None:
+        raise ConfigError(f"--catch-up={args.catch_up!r} is not a duration (e.g. 10m, 1h, 0 to turn it off)")
     if args.check:
         print(cfg.describe())
+        print(f"  catch-up: transitions older than {catch_up:g} s at start are not notified" if catch_up else
+              "  catch-up: off (every transition read is notified, however old)")
         return 0
     from trainhealth.alerts.secrets import protect_logs
     from trainhealth.alerts.worker import AlertWorker
 
     protect_logs(cfg.secrets())  # webhook URLs and keys never reach a log line, whichever library writes it
-    worker = AlertWorker(connect(), cfg, consumer=args.consumer)
+    worker = AlertWorker(connect(), cfg, consumer=args.consumer, catch_up=catch_up)
     worker.install_signal_handlers()
     worker.run_forever()
     return 0

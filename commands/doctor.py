@@ -1,4 +1,9 @@
-"""``trainhealth doctor``: is Redis reachable, is a detector service running, are the alert sinks well."""
+"""``trainhealth doctor``: is Redis reachable, is a detector service running, are the alert sinks well.
+
+The alerting lines come from :func:`trainhealth.alerts.health.doctor_report`: a missing alert worker fails the
+check only where alerting is configured (an alert worker has run on this Redis), so a deployment without alerting
+can gate on ``doctor`` too.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,9 @@ from trainhealth.commands._shared import SERVICE_STALE_S, command, live_services
 
 def register(sub: Any) -> None:
     """Add ``doctor`` to the ``trainhealth`` sub-parsers."""
-    o = with_url(command(sub, "doctor", "Check Redis and the detector service; exit 1 when something is down."),
-                 starts=False)
+    summary = ("Check Redis, the detector service and, where alerting is configured, the alert worker and its "
+               "sinks; exit 1 when something is down.")
+    o = with_url(command(sub, "doctor", summary), starts=False)
     o.set_defaults(func=run, extra=None)
 
 

@@ -1,8 +1,9 @@
 """trainhealth dashboard entry point: ``streamlit run dashboard/app.py``.
 
-Frames every page (see :mod:`trainhealth.dashboard.frame`): page navigation, the Redis connection and the
-run picker in the sidebar. The selected run lives in ``st.session_state`` (shared by all
-pages) and is mirrored in ``?run=<id>`` so a link opens that run. Nothing here writes to Redis.
+Frames every page (see :mod:`trainhealth.dashboard.frame`): page navigation, the login gate and the
+read-only note (docs/security.md), the Redis connection and the run picker in the sidebar. The selected
+run lives in ``st.session_state`` (shared by all pages) and is mirrored in ``?run=<id>`` so a link opens
+that run. Nothing here writes to Redis.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Shown at the top of the Overview (:func:`recommendation_cards`, a live fragment 
 under the KPIs of the Goodput page (:func:`render`, inside that page's live fragment) for every
 recommendation still waiting for a decision (``proposed`` or ``acknowledged``), newest first.
 The buttons move it through its lifecycle with :func:`trainhealth.recommendations.set_status`
-(``by="dashboard"``), the only write the dashboard makes; the fragment the card is in then
-re-runs and re-reads Redis, so an applied or dismissed recommendation disappears at once. See
-docs/advisor.md.
+(``by=`` the logged-in user, else the OS user running the dashboard plus ``(no login)``:
+:func:`trainhealth.dashboard.common.actor`); the fragment the card is in then re-runs and re-reads
+Redis, so an applied or dismissed recommendation disappears at once. A read-only dashboard
+(``--read-only``) shows the cards without the buttons. See docs/advisor.md and docs/security.md.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import streamlit as st
 
 from trainhealth import recommendations as recommendation_store
 from trainhealth.dashboard import data
-from trainhealth.dashboard.common import client, show_problems, to_datetime, viewer_tz
+from trainhealth.dashboard.common import actor, client, read_only, show_problems, to_datetime, viewer_tz
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.exceptions import ConfigError
 from trainhealth.recommendations import Recommendation
@@ -194,8 +195,11 @@ def button_key(where: str, status: str, rec_id: str) -> str:
 
 def _set_status(run: str, rec_id: str, status: str) -> None:
     """Button callback: move the recommendation, remember the outcome for the next run."""
+    if read_only():  # no button is drawn then; a click still queued from before must not write either
+        st.session_state[_FLASH] = ("error", f"Not set `{rec_id}` to {status}: the dashboard is read-only.")
+        return
     try:
-        recommendation_store.set_status(client(), run, rec_id, status, by="dashboard")
+        recommendation_store.set_status(client(), run, rec_id, status, by=actor())
     except (ConfigError, redis.RedisError) as exc:
         st.session_state[_FLASH] = ("error", f"Could not set `{rec_id}` to {status}: {exc}")
     else:
@@ -216,10 +220,11 @@ def card(rec: Mapping[str, Any], run: str, where: str, tz: str, now: float) -> N
         for col, text in zip(st.columns(4), facts(rec), strict=True):
             col.markdown(text)
         row = st.container(horizontal=True, gap="small", vertical_alignment="center")
-        for label, target, bicon, help_text in BUTTONS:
-            row.button(label, key=button_key(where, target, rec_id), icon=bicon, help=help_text,
-                       type="primary" if target == "acknowledged" and status == "proposed" else "secondary",
-                       disabled=target == status, on_click=_set_status, args=(run, rec_id, target))
+        if not read_only():
+            for label, target, bicon, help_text in BUTTONS:
+                row.button(label, key=button_key(where, target, rec_id), icon=bicon, help=help_text,
+                           type="primary" if target == "acknowledged" and status == "proposed" else "secondary",
+                           disabled=target == status, on_click=_set_status, args=(run, rec_id, target))
         row.caption(status_line(rec, tz, now))
         why, export = st.columns(2)
         reasoning, options = rec.get("reasoning") or [], rec.get("options") or []

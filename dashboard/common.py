@@ -1,8 +1,10 @@
-"""What the entry point and the pages share: the Redis client, the selected run, formatting."""
+"""What the entry point and the pages share: the Redis client, the selected run, access, formatting."""
 
 from __future__ import annotations
 
+import getpass
 import math
+import os
 from typing import Any
 
 import pandas as pd
@@ -19,6 +21,15 @@ RUN_KEY = "th_run"
 URL_KEY = "th_redis_url"
 #: Session-state key: ``(run, status)`` as :func:`follow_run_status` last read it.
 STATUS_SEEN_KEY = "th_status_seen"
+
+#: Set (to ``1``) by ``trainhealth dashboard --read-only``: no button that writes to Redis. Read by
+#: :func:`read_only` only.
+READ_ONLY_ENV = "TRAINHEALTH_DASHBOARD_READ_ONLY"
+#: Shown on top of every page of a read-only dashboard.
+READ_ONLY_NOTE = (":material/lock: Read-only dashboard: silences, dead-letter resends and recommendation decisions "
+                  "are made with the `trainhealth` commands (`silence`, `deadletters requeue`, `advise --set`).")
+#: Appended to the OS user in the actor of a change made without a login (:func:`actor`).
+NO_LOGIN = "(no login)"
 
 NO_RUNS = ("No runs yet — start `trainhealth demo` or instrument a job with `trainhealth.Monitor` "
            "(and run `trainhealth serve` to aggregate it).")
@@ -45,6 +56,59 @@ def client() -> redis.Redis:
     if not url:
         raise redis.ConnectionError("no Redis URL configured")
     return get_client(url)
+
+
+def read_only() -> bool:
+    """True when the dashboard runs read-only (``$TRAINHEALTH_DASHBOARD_READ_ONLY``, set by ``--read-only``).
+
+    Unset, empty, ``0``, ``false``, ``no`` and ``off`` mean writable; any other value read-only, so a typo
+    errs on the safe side.
+    """
+    return os.environ.get(READ_ONLY_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def login_configured() -> bool:
+    """True when Streamlit's secrets have an ``[auth]`` section: every page then requires ``st.login()``.
+
+    A secrets file that exists but does not parse counts too: the dashboard stays locked rather than open
+    (``trainhealth dashboard`` refuses to start with one).
+    """
+    try:
+        return bool(st.secrets.get("auth"))
+    except FileNotFoundError:  # StreamlitSecretNotFoundError: no secrets file, or one that does not parse
+        from streamlit import config
+
+        return any(os.path.isfile(p) for p in config.get_option("secrets.files"))
+
+
+def logged_in() -> bool:
+    """True when a login is configured and this session's user has logged in."""
+    return login_configured() and bool(st.user.get("is_logged_in"))
+
+
+def os_user() -> str:
+    """The login name of the account the dashboard process runs as (``uid N`` when it has none)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a container user without a passwd entry nor $USER
+        return f"uid {os.getuid()}"
+
+
+def actor() -> str:
+    """Who makes a change from this session, as recorded in Redis (silence ``created_by``, recommendation
+    history ``by``).
+
+    With a login: the identity provider's e-mail of the logged-in user, else their name, else the OIDC
+    subject. Without one: the OS user running the dashboard plus ``(no login)``, e.g. ``root (no login)`` —
+    the dashboard cannot know who clicked, only that nobody logged in (docs/security.md).
+    """
+    if logged_in():
+        user = st.user
+        for claim in ("email", "name", "sub"):
+            value = user.get(claim)
+            if value:
+                return str(value)
+    return f"{os_user()} {NO_LOGIN}"
 
 
 def current_run() -> str | None:

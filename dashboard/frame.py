@@ -7,6 +7,10 @@ was executed *without* ``app.py``, builds the frame itself. That happens because
 mode until the first ``st.navigation`` call of the server process (so for the first
 request after start, e.g. a bookmarked ``/ranks?run=x``) and in every ``AppTest`` run:
 Streamlit then executes ``pages/<name>.py`` directly for the URL path ``<name>``.
+
+Either way :func:`sidebar` runs first, and it starts with :func:`access`: with ``[auth]`` in Streamlit's
+secrets nothing else renders before the user has logged in, and a read-only dashboard says so on top of
+every page (docs/security.md).
 """
 
 from __future__ import annotations
@@ -17,18 +21,24 @@ from pathlib import Path
 
 import redis
 import streamlit as st
+from streamlit.errors import StreamlitAuthError
 from streamlit.navigation.page import StreamlitPage
 
 from trainhealth.config import redact_url
 from trainhealth.dashboard import data
 from trainhealth.dashboard.common import (
     NO_RUNS,
+    READ_ONLY_NOTE,
     RUN_KEY,
     STATUS_SEEN_KEY,
     URL_KEY,
+    actor,
     client,
     current_run,
     get_client,
+    logged_in,
+    login_configured,
+    read_only,
     resolve_url,
     status_moved,
 )
@@ -44,6 +54,7 @@ _FRAMED = "th_framed"
 #: The detector-service banner re-checks this often (s); its two reads are cached as long, so
 #: every open page together costs one SCAN + MGET (+ one HGETALL/XREVRANGE per run) per period.
 SERVICE_CHECK_S = 5.0
+LOGIN_REQUIRED = "This dashboard requires a login: changes made here are recorded under your identity."
 SERVICE_DOWN = ("Detector service not running: anomalies and goodput are not updating — start "
                 "`trainhealth serve`.")
 
@@ -54,8 +65,10 @@ def page_config() -> None:
 
 
 def navigation() -> StreamlitPage:
-    """Declare the pages (Overview is the default, at ``/``); returns the selected one."""
-    return st.navigation([
+    """Declare the pages (Overview is the default, at ``/``); returns the selected one. Hidden until the
+    user has logged in when a login is configured (:func:`access`)."""
+    hidden = login_configured() and not logged_in()
+    return st.navigation(position="hidden" if hidden else "sidebar", pages=[
         st.Page(HERE / "pages" / "overview.py", title="Overview", icon=":material/monitoring:", default=True),
         st.Page(HERE / "pages" / "goodput.py", title="Goodput", icon=":material/savings:"),
         st.Page(HERE / "pages" / "ranks.py", title="Ranks", icon=":material/grid_view:"),
@@ -208,8 +221,32 @@ def _run_label(runs: dict[str, dict], run: str) -> str:
     return f"{run} · {status}" + (f" · {plural(ws, 'rank')}" if ws else "")
 
 
+def access() -> None:
+    """The login gate and the read-only note, before anything reads Redis.
+
+    With ``[auth]`` in the secrets, a session that has not logged in sees only a "Log in" button and the
+    script stops there (every page, however it was opened); a logged-in one sees who it is and "Log out" in
+    the sidebar. A read-only dashboard (:func:`trainhealth.dashboard.common.read_only`) says so on top.
+    """
+    if login_configured():
+        if not logged_in():
+            st.info(LOGIN_REQUIRED, icon=":material/lock:")
+            if st.button("Log in", icon=":material/login:", type="primary", key="th_login"):
+                try:
+                    st.login()  # a redirect to the identity provider
+                except StreamlitAuthError as exc:  # [auth] incomplete, Authlib missing: say so, stay locked
+                    st.error(f"Login is not set up correctly: {exc}", icon=":material/error:")
+            st.stop()
+        st.sidebar.caption(f"Logged in as **{actor()}**")
+        if st.sidebar.button("Log out", icon=":material/logout:", key="th_logout"):
+            st.logout()
+    if read_only():
+        st.caption(READ_ONLY_NOTE)
+
+
 def sidebar() -> bool:
-    """Connect, pick the run; True when a run is selected and the page can render."""
+    """Check access (:func:`access`), connect, pick the run; True when a run is selected and the page can render."""
+    access()
     try:
         url = resolve_url()
     except ConfigError as exc:

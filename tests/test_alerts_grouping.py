@@ -338,3 +338,34 @@ def test_advance_refuses_a_time_that_is_not_finite() -> None:
         else:
             raise AssertionError(f"advance({bad!r}) accepted")
     assert g.now == 0.0
+
+
+def test_a_quiet_alert_is_tracked_without_notifying_and_survives_dump_and_load() -> None:
+    g = Grouper(root())
+    assert g.observe(alert(t=100.0), 100.0, quiet=True) == []
+    assert g.observe(alert(kind="restart", ranks=(), step=9, status="resolved", end_step=9, t=100.0), 100.0,
+                     quiet=True) == []  # a stale point event is dropped
+    assert g.advance(130.0) == [] and g.advance(20_000.0) == []  # no first notification, no repeat
+    assert (g.groups[G_STRAG].quiet, g.groups[G_STRAG].notified) == ({"r1/straggler:5:250:0": "warning"}, {})
+    restored = Grouper(root(), now=g.now)
+    restored.load(g.dump())
+    # another rank is news: the notification shows every firing alert, the quiet one included
+    restored.observe(alert(ranks=(6,), t=20_100.0), 20_100.0)
+    assert summary(restored.advance(20_230.0)) == [(G_STRAG, 1, 20_230.0, "new", ["r1/straggler:5:250:0",
+                                                                                  "r1/straggler:6:250:0"], [])]
+    assert restored.groups[G_STRAG].quiet == {}  # shown as firing: its resolve is reported from now on
+    restored.observe(alert(transition="resolved", status="resolved", end_step=800, t=20_300.0), 20_300.0)
+    assert summary(restored.advance(20_530.0)) == [(G_STRAG, 2, 20_530.0, "update", ["r1/straggler:6:250:0"],
+                                                    ["r1/straggler:5:250:0"])]
+
+
+def test_the_alerts_of_runs_that_are_over_are_muted_but_their_resolves_go_out() -> None:
+    g = Grouper(root())
+    g.observe(alert(t=100.0), 100.0)
+    assert [n.seq for n in g.advance(130.0)] == [1]
+    g.ended_runs = frozenset({"r1"})
+    assert g.muted(g.groups[G_STRAG].alerts["r1/straggler:5:250:0"], 200.0) == "run over"
+    g.observe(alert(ranks=(6,), t=200.0), 200.0)
+    assert g.advance(14_530.0) == []  # neither the new rank nor the repeat
+    g.observe(alert(transition="resolved", status="resolved", end_step=800, t=14_600.0), 14_600.0)
+    assert summary(g.advance(14_830.0)) == [(G_STRAG, 2, 14_830.0, "resolved", [], ["r1/straggler:5:250:0"])]

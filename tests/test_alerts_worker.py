@@ -318,6 +318,10 @@ def test_worker_killed_mid_delivery_resends_the_same_key_once(r: redis.Redis, ht
     assert len(requests) == 2 and requests[0] == requests[1]  # same key, same body
     assert len(processed) == 1 and r.xlen(ALERTS_OUTBOX) == 1
     assert store.recent_notifications(r)[0]["key"] == requests[0][0]
+    # the resend is the second try: the killed worker's try was counted before its request went out
+    assert store.recent_notifications(r)[0]["attempts"] == 2
+    assert 'delivered notification #1 of root:{run="r1",kind="straggler"} to sink bot (try 2)' in \
+        (tmp_path / "second.log").read_text()
     # SIGTERM: clean stop, heartbeat removed, lease released at once
     _wait(lambda: r.exists(alerts_worker_heartbeat("second")), what="the heartbeat")
     second.send_signal(signal.SIGTERM)

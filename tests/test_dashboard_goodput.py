@@ -29,12 +29,14 @@ from streamlit.testing.v1 import AppTest
 
 from trainhealth.anomaly import Anomaly
 from trainhealth.dashboard import cards, charts, data
-from trainhealth.dashboard.common import rates_table
+from trainhealth.dashboard.common import os_user, rates_table
 from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.keys import RUNS, run_keys, service_heartbeat
 from trainhealth.recommendations import Recommendation
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+#: Who a change made from the dashboard is recorded as, without a login (docs/security.md).
+ACTOR = f"{os_user()} (no login)"
 T0 = 1796000000.0  # 2026-11-30 00:53:20 UTC
 RUN = "gpt-13b"
 WORLD = 64
@@ -507,7 +509,7 @@ def test_goodput_page_cards_and_acknowledge(seeded: dict, r: redis.Redis) -> Non
     assert not at.exception
     d = stored(r, rollback.id)
     assert d["status"] == "acknowledged"
-    assert d["history"][-1]["by"] == "dashboard" and d["history"][-1]["status"] == "acknowledged"
+    assert d["history"][-1]["by"] == ACTOR and d["history"][-1]["status"] == "acknowledged"
     assert before <= d["history"][-1]["t"] <= time.time()
     assert stored(r, wait.id)["status"] == "proposed"  # the other card is untouched
     # The card re-read Redis: still shown, now acknowledged, its Acknowledge button disabled.
@@ -516,7 +518,7 @@ def test_goodput_page_cards_and_acknowledge(seeded: dict, r: redis.Redis) -> Non
     assert ":violet-badge[acknowledged]" in [t for t in markdowns(at) if "-badge[" in t][1]
     assert [t.value for t in at.toast] == ["Recommendation acknowledged."]
     status = [c.value for c in at.caption if c.value.startswith("Status **acknowledged**")]
-    assert len(status) == 1 and " → acknowledged by dashboard " in status[0]
+    assert len(status) == 1 and f" → acknowledged by {ACTOR} " in status[0]
 
 
 def test_dismissed_and_applied_recommendations_leave(seeded: dict, r: redis.Redis) -> None:
@@ -526,7 +528,7 @@ def test_dismissed_and_applied_recommendations_leave(seeded: dict, r: redis.Redi
     at.button(key=cards.button_key("overview", "dismissed", wait.id)).click().run()
     assert not at.exception
     assert stored(r, wait.id)["status"] == "dismissed"
-    assert stored(r, wait.id)["history"][-1]["by"] == "dashboard"
+    assert stored(r, wait.id)["history"][-1]["by"] == ACTOR
     assert card_summaries(at) == [rollback.summary]
     assert [b.label for b in at.button] == ["Acknowledge", "Mark applied", "Dismiss"]
 
@@ -539,7 +541,7 @@ def test_dismissed_and_applied_recommendations_leave(seeded: dict, r: redis.Redi
     closed = at.dataframe[1].value
     assert list(closed["status"]) == ["applied", "dismissed", "dismissed"]
     assert list(closed["summary"]) == [rollback.summary, wait.summary, seeded["none"].summary]
-    assert list(closed["by"]) == ["dashboard", "dashboard", "alice"]
+    assert list(closed["by"]) == [ACTOR, ACTOR, "alice"]
     assert at.expander[-1].label == "Closed recommendations (3)"
     assert closed["decided"].iloc[2] == pd.Timestamp(T0 + 400, unit="s", tz="UTC")  # alice's, from the seed
     assert closed["decided"].iloc[0] >= closed["decided"].iloc[1] > pd.Timestamp(T0 + 400, unit="s", tz="UTC")
@@ -668,7 +670,7 @@ def test_goodput_page_and_recommendation_card_in_chromium(r: redis.Redis, redis_
             card = page.locator(f".st-key-{cards.card_key('overview', rollback.id)}")
             card.get_by_role("button", name="Acknowledge").click()
             d = _wait_stored(r, rollback.id, "acknowledged")
-            assert d["status"] == "acknowledged" and d["history"][-1]["by"] == "dashboard"
+            assert d["status"] == "acknowledged" and d["history"][-1]["by"] == ACTOR
             expect(card.get_by_role("button", name="Acknowledge")).to_be_disabled()
             expect(card.locator(".stMarkdownBadge", has_text="acknowledged")).to_be_visible()  # the status badge
             expect(page.locator(".js-plotly-plot")).to_have_count(3)

@@ -62,9 +62,9 @@ def test_a_bad_redis_url_is_refused_without_its_password(url: str, message: str)
 
 
 def test_retention_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert config.retention_entries() == 1_000_000
+    assert config.retention_records() == 1_000_000
     monkeypatch.setenv("TRAINHEALTH_RETENTION", "5000")
-    assert config.retention_entries() == 5000
+    assert config.retention_records() == 5000
     monkeypatch.setenv("TRAINHEALTH_RETENTION", "12")
     with pytest.raises(ConfigError, match="TRAINHEALTH_RETENTION='12' must be an integer >= 1000"):
-        config.retention_entries()
+        config.retention_records()

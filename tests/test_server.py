@@ -104,7 +104,21 @@ def test_step_stream_is_trimmed_to_the_retention(r: redis.Redis, redis_url: str)
         mon.log_step(s, loss=1.0)
     assert mon.close() is True
     n = r.xlen("th:{trim}:steps")
-    # MAXLEN ~ trims whole radix-tree nodes (100 entries by default): bounded near the retention
-    assert 1000 <= n <= 1100
+    assert n == 1000  # a retention under 10 radix-tree nodes is trimmed exactly
     last = r.xrevrange("th:{trim}:steps", count=1)[0][1]
     assert json.loads(last[b"recs"])[0]["step"] == 19999
+
+
+def test_step_stream_retention_counts_records_not_entries(r: redis.Redis, redis_url: str) -> None:
+    from trainhealth import Monitor
+
+    # 100-record entries: a retention of 20,000 records keeps 200 entries, not 20,000 of them (2,000,000 records).
+    mon = Monitor("trim-recs", redis_url=redis_url, rank=0, world_size=1, retention=20_000, batch_records=100,
+                  buffer_records=200_000, close_timeout=60.0)
+    for s in range(100_000):
+        mon.log_step(s, loss=1.0)
+    assert mon.close() is True
+    entries = r.xrange("th:{trim-recs}:steps")
+    records = sum(int(f[b"n"]) for _, f in entries)
+    assert 19_900 <= records <= 20_100 and len(entries) <= 201
+    assert json.loads(entries[-1][1][b"recs"])[-1]["step"] == 99_999

@@ -85,11 +85,11 @@ def redis_url(explicit: str | None = None) -> str | None:
     return embedded_url()
 
 
-def retention_entries() -> int:
-    """Step-stream retention (entries): ``$TRAINHEALTH_RETENTION`` or the default."""
+def retention_records() -> int:
+    """Step-stream retention (records): ``$TRAINHEALTH_RETENTION`` or the default."""
     raw = os.environ.get(defaults.RETENTION_ENV)
     if not raw:
-        return defaults.STEPS_RETENTION_ENTRIES
+        return defaults.STEPS_RETENTION_RECORDS
     try:
         n = int(raw)
     except ValueError:

@@ -18,14 +18,17 @@ EMBEDDED_PORT = 6390
 EMBEDDED_START_TIMEOUT_S = 10.0
 
 # --- Streams and retention -----------------------------------------------------
-#: Approximate maximum entries kept per run in the per-rank step stream (``XADD MAXLEN ~``).
-#: About 250 bytes an entry: 1,000,000 entries ≈ 250 MB of Redis memory per run.
-STEPS_RETENTION_ENTRIES = 1_000_000
+#: Step records kept per run in the step stream, about: each collector trims it (``XADD MAXLEN``) to this many
+#: records divided by the records in the entry it adds (an entry holds up to COLLECTOR_BATCH_RECORDS), so the bound
+#: holds in records whatever the batching. Measured 306 B of Redis memory a timed record (3 sections, 6 metrics) in
+#: 1,000-record entries, 366 B at one record an entry (``bench/stream_memory.py``, BENCHMARKS.md): 1,000,000 records
+#: ≈ 300-370 MB per run.
+STEPS_RETENTION_RECORDS = 1_000_000
 #: Approximate maximum entries kept in the events, per-step aggregate and ledger streams.
 EVENTS_RETENTION_ENTRIES = 100_000
 AGG_RETENTION_ENTRIES = 200_000
 LEDGER_RETENTION_ENTRIES = 20_000
-#: Environment variable overriding ``STEPS_RETENTION_ENTRIES``.
+#: Environment variable overriding ``STEPS_RETENTION_RECORDS``.
 RETENTION_ENV = "TRAINHEALTH_RETENTION"
 
 # --- Collectors -----------------------------------------------------------------
@@ -431,3 +434,15 @@ RESTART_OVERHEAD_S = 300.0
 #: Replace a straggler or slow node when a restart without it pays for itself within this many hours of the time
 #: it costs the job: past that, advising a restart is noise (the run may end, or the node recover, first).
 REPLACE_NODE_BREAK_EVEN_H = 1.0
+
+# --- Alert worker catch-up (alerts/intake.py) ---
+#: Catch-up window (s; ``trainhealth alerts --catch-up``). At worker start, anomaly transitions whose
+#: ``anomaly_log`` entry was written longer ago than this are applied to the alert groups without notifying,
+#: and a run whose meta ``status`` is not ``running`` and whose last transition is this old is not paged.
+#: 10 min is twice Prometheus Alertmanager's default ``group_interval`` and ``resolve_timeout`` (5 min each;
+#: Alertmanager itself treats an alert not re-sent for 5 min as resolved): a worker restart (a crash restarted
+#: by systemd, a redeploy, a standby taking over after the 15 s lease) is back within seconds, so nothing
+#: it would have sent on time is held back, while anything older would reach on-call at least two group
+#: intervals late: history, not a page. It is also PyTorch's NCCL watchdog timeout (HANG_RESTART_AFTER_S),
+#: after which a hung job has aborted by itself.
+ALERT_CATCHUP_S = 600.0

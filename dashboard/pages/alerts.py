@@ -3,6 +3,11 @@
 Every Redis read and write goes through :mod:`trainhealth.alert_store` (the alerting keys are the alert
 worker's, see docs/alerts.md); this page only lays them out. Silences added here mute matching alerts at
 the worker's next flush; requeued dead letters are delivered again with their idempotency key.
+
+A read-only dashboard (``--read-only``) has neither the silence forms nor the resend form, and says which
+command does it instead. A silence added here is created by the logged-in user when a login is configured,
+else by the name typed in "Your name" or, left empty, the OS user running the dashboard plus ``(no login)``
+(:func:`trainhealth.dashboard.common.actor`, docs/security.md).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import streamlit as st
 from trainhealth import alert_store as store
 from trainhealth.anomaly import KINDS, SEVERITIES
 from trainhealth.dashboard import data
-from trainhealth.dashboard.common import client, redis_trouble, to_datetime, viewer_tz
+from trainhealth.dashboard.common import actor, client, logged_in, read_only, redis_trouble, to_datetime, viewer_tz
 from trainhealth.dashboard.frame import page_run
 from trainhealth.matchers import INTERNAL_KINDS, MatcherError
 from trainhealth.text import fmt_duration, parse_duration
@@ -30,6 +35,10 @@ SILENCE_COLUMNS = ["id", "state", "matchers", "starts_at", "ends_at", "created_b
 DEAD_COLUMNS = ["dead_at", "sink", "group", "seq", "attempts", "status", "error", "id"]
 SINK_COLUMNS = ["sink", "type", "state", "last_ok", "delivered", "dead", "last_error"]
 DURATIONS = ("30m", "1h", "2h", "4h", "12h", "1d", "3d", "7d")
+#: Where the forms would be on a read-only dashboard.
+SILENCES_READ_ONLY = ("Read-only: add a silence with `trainhealth silence add`, end one with "
+                      "`trainhealth silence expire ID`.")
+DEAD_READ_ONLY = "Read-only: resend dead letters with `trainhealth deadletters requeue ID... | --all`."
 
 
 def _times(s: pd.Series) -> pd.Series:
@@ -123,7 +132,8 @@ def live(run: str | None) -> None:
               f"heartbeat {fmt_duration(now - leader_t)} ago" if leader else "start `trainhealth alerts`",
               delta_color="off" if leader else "inverse")
     m2.metric("Pending deliveries", f"{stats['pending']:,}")
-    m3.metric("Dead letters", f"{stats['dead']:,}", "resend below" if stats["dead"] else None, delta_color="off")
+    resend = "resend with the CLI" if read_only() else "resend below"
+    m3.metric("Dead letters", f"{stats['dead']:,}", resend if stats["dead"] else None, delta_color="off")
     m4.metric("Active silences", f"{n_silences:,}")
     if leader and leader.get("service_down"):
         st.error("The alert worker raised **service_down**: ranks send data but no detector service runs.",
@@ -167,6 +177,9 @@ def silences(run: str | None) -> None:
     else:
         st.caption("No silences.")
     st.checkbox("Show expired silences", key="alerts_expired")
+    if read_only():
+        st.caption(SILENCES_READ_ONLY)
+        return
     left, right = st.columns(2)
     with left.form("add_silence", clear_on_submit=False):
         st.markdown("**Add a silence** (every filled field must match)")
@@ -177,15 +190,19 @@ def silences(run: str | None) -> None:
         f_host = st.text_input("Host", key="sil_host")
         f_dur = st.selectbox("For", DURATIONS, index=2, key="sil_duration")
         f_comment = st.text_input("Comment", key="sil_comment")
-        f_by = st.text_input("Your name", key="sil_by")
+        if logged_in():  # the identity provider says who: no name to type
+            st.caption(f"Created by **{actor()}**")
+            f_by = ""
+        else:
+            f_by = st.text_input("Your name", key="sil_by", help=f"left empty: {actor()}")
         if st.form_submit_button("Add silence", icon=":material/notifications_off:"):
             matchers = [f'{label}="{value.strip()}"' for label, value in
                         (("run", f_run), ("rank", f_rank), ("host", f_host)) if value.strip()]
             matchers += [f'{label}="{value}"' for label, value in (("kind", f_kind), ("severity", f_sev))
                          if value != "(any)"]
             try:
-                s = store.add_silence(c, matchers, duration_s=parse_duration(f_dur), created_by=f_by.strip(),
-                                      comment=f_comment.strip())
+                s = store.add_silence(c, matchers, duration_s=parse_duration(f_dur),
+                                      created_by=f_by.strip() or actor(), comment=f_comment.strip())
             except MatcherError as exc:
                 st.error(f"Not added: {exc}", icon=":material/error:")
             except redis.RedisError as exc:
@@ -218,6 +235,9 @@ def dead_actions() -> None:
         redis_trouble(exc)
         return
     if not dead:
+        return
+    if read_only():
+        st.caption(DEAD_READ_ONLY)
         return
     with st.form("requeue_dead"):
         # .get: a dead letter missing a field (written by hand or another version) must not break the form.
