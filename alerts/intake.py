@@ -377,12 +377,13 @@ class Intake:
             status, last = replies[1 + 2 * i], replies[2 + 2 * i]
             status = _s(status) if status is not None else "running"  # as the detector service reads it
             last_t = _sid(_s(last[0][0]))[0] / 1000.0 if last else -math.inf
-            if status != "running" and last_t < redis_now - window:
+            # A crashed job is not over: it waits for someone to relaunch it, and its page keeps repeating.
+            if status not in ("running", "crashed") and last_t < redis_now - window:
                 ended.add(run)
         newly = sorted(ended - self.grouper.ended_runs)
         if newly:
-            log.info("intake: not paging the alerts of %d run%s that are over (meta status not running, no anomaly "
-                     "transition for %s): %s", len(newly), "s" if len(newly) > 1 else "",
+            log.info("intake: not paging the alerts of %d run%s that are over (meta status not running or crashed, "
+                     "no anomaly transition for %s): %s", len(newly), "s" if len(newly) > 1 else "",
                      fmt_duration(window, minute_digits=0), ", ".join(newly))
         self.grouper.ended_runs = frozenset(ended)
         self._checked = runs

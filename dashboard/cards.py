@@ -37,12 +37,13 @@ ACTIONS = {
     "wait": ("Wait", "orange", ":material/hourglass_top:"),
     "none_possible": ("No checkpoint", "red", ":material/block:"),
     "dump_stacks": ("Dump stacks", "red", ":material/bug_report:"),
+    "check_process": ("Check process", "red", ":material/search:"),
     "restart": ("Restart", "red", ":material/restart_alt:"),
     "replace_node": ("Replace node", "orange", ":material/swap_horiz:"),
     "keep": ("Keep", "gray", ":material/check:"),
 }
 #: Actions of the recovery advisor (detectors/recovery_advisor.py): a stop or a slow rank, not a loss incident.
-RECOVERY_ACTIONS = frozenset({"dump_stacks", "restart", "replace_node", "keep"})
+RECOVERY_ACTIONS = frozenset({"dump_stacks", "check_process", "restart", "replace_node", "keep"})
 STATUS_COLORS = {"proposed": "blue", "acknowledged": "violet", "applied": "green", "dismissed": "gray"}
 KIND_NAMES = {"loss_spike": "Loss spike", "divergence": "Divergence", "nan_inf": "NaN/Inf loss", "hang": "Hang",
               "dead_rank": "Dead rank", "straggler": "Straggler", "slow_node": "Slow node"}

@@ -121,18 +121,20 @@ def judge(beats: Iterable[Beat], timeout_s: float, silence_s: float, last_steps:
         # Earliest last heartbeat (largest silence), then the lowest last step, then the lowest rank.
         c = min(pool, key=lambda b: (-b.silent_s, step_of(b) if step_of(b) is not None else -1, b.rank))
         w = said(c)
-        # When every rank is gone: in a synchronous job another rank completes a step only with the culprit in its
-        # collectives, so the newest step any of them completed is one the culprit took part in too (its own last
-        # records died with it, unflushed). While others live, its own records (they come late) stand.
-        others = [s for s in (step_of(b) for b in beats if b.rank != c.rank) if s is not None] if not alive else []
-        c_step = max([s for s in (step_of(c), max(others, default=None)) if s is not None], default=None)
+        # In a synchronous job another rank completes a step only with the culprit in its collectives: a step the
+        # others completed is one the culprit took part in too (its own records of it are held in its frozen sender,
+        # or died with it). Every rank gone: the newest any of them completed; others alive: the one they all did.
+        others = [s for s in (step_of(b) for b in beats if b.rank != c.rank) if s is not None]
+        theirs = (min(others) if alive else max(others)) if others else None
+        c_step = max([s for s in (step_of(c), theirs) if s is not None], default=None)
         if alive:
             why = "its heartbeat stopped while the other ranks' continued"
             dead = sorted(b.rank for b in pool)
         elif split:
-            why = ("no last word (killed, crashed, frozen or lost its node) while the others exited after it with a "
-                   "communication error" if w is None else f"its own error ({w.error}) while the others exited "
-                   "after it with a communication error")
+            others_said = [said(b) for b in gone if b not in pool]
+            how = _how_they_ended([x for x in others_said if x is not None])
+            why = (f"no last word (killed, crashed, frozen or lost its node) while the others {how}" if w is None
+                   else f"its own error ({w.error}) while the others {how}")
             dead = sorted(b.rank for b in pool)
         else:
             why = "its heartbeat stopped first"
@@ -151,3 +153,14 @@ def judge(beats: Iterable[Beat], timeout_s: float, silence_s: float, last_steps:
                                                              f"step {top} and wait for it")
             return Verdict((), rank_sort, (), tuple(r for r in rank_sort if r not in behind), culprit)
     return Verdict((), rank_sort)
+
+
+def _how_they_ended(words: list[LastWord]) -> str:
+    """How the victims ended, in words: ``exited after it with a communication error``, ``were stopped by the
+    launcher (SIGTERM) after it``, or both."""
+    signals = sum(w.reason == "signal" for w in words)
+    if signals == len(words):
+        return "were stopped by a SIGTERM (the launcher tearing the group down) after it"
+    if signals == 0:
+        return "exited after it with a communication error"
+    return "exited after it with a communication error or were stopped by the launcher's SIGTERM"

@@ -70,17 +70,18 @@ class DeadRankDetector:
     >>> hb = {r: {"t": 1000.0, "step": 50, "step_t": 999.0, "host": "node-a"} for r in range(4)}
     >>> det.check(1001.0, hb, timeout_s=120.0)
     []
+    >>> # The others completed step 51, in a synchronous job with rank 3 in its collectives: its last step is 51.
     >>> hb = {**hb, 0: {"t": 1030.0, "step": 51, "step_t": 1029.0}, 1: {"t": 1030.0, "step": 51, "step_t": 1029.0},
     ...       2: {"t": 1030.0, "step": 51, "step_t": 1029.0}}
     >>> [(a.kind, a.ranks, a.step, a.evidence["silent_ranks"]) for a in det.check(1031.0, hb, timeout_s=120.0)]
-    [('dead_rank', (3,), 50, [3])]
+    [('dead_rank', (3,), 51, [3])]
     >>> print(det.open.message)  # doctest: +NORMALIZE_WHITESPACE
-    no heartbeat from rank 3 (host node-a) since step 50 (31 s): the process stopped, froze or lost its node;
+    no heartbeat from rank 3 (host node-a) since step 51 (31 s): the process stopped, froze or lost its node;
     ranks 0, 1, 2 alive and waiting for it
 
     >>> hb = {r: {"t": 1200.0, "step": None, "step_t": None} for r in range(4)}  # relaunched, starting up
     >>> [(a.status, a.end_step) for a in det.check(1201.0, hb, timeout_s=120.0)]
-    [('resolved', 50)]
+    [('resolved', 51)]
 
     A rank alive but stuck at step 60 while the others go on (progress timeout 120 s): named once its
     own heartbeat, 10 s after the others were seen past step 60, still says 60.
@@ -190,7 +191,8 @@ class DeadRankDetector:
         new = replace(cur, ranks=ranks, evidence=ev, message=msg)
         self._open = new
         old = cur.evidence
-        grown = max(ev["silent_s"], ev["idle_s"]) - self._emitted >= self.update_s
+        # A crashed job's silence grows without news: the job state says crashed; no rewrite every 10 s.
+        grown = job_state != "crashed" and max(ev["silent_s"], ev["idle_s"]) - self._emitted >= self.update_s
         changed = (new.ranks != cur.ranks or ev["silent_ranks"] != old["silent_ranks"]
                    or ev["stuck_ranks"] != old["stuck_ranks"] or ev["culprit"] != old.get("culprit")
                    or ev["job_state"] != old.get("job_state") or ev["victims"] != old.get("victims") or grown)

@@ -275,7 +275,9 @@ class HangDetector:
             return [self._resolved(cur, now, beats, progressing)]
         idle = min(b.idle_s for b in stepped)
         stalled = min(idle, since_phase)
-        onset = min(b.step for b in stepped)
+        # The last step every live rank completed (a frozen rank's heartbeat, and records, lag behind its part).
+        live_steps = [b.step for b in stepped if b.silent_s <= silence_limit(b, timeout, silence)]
+        onset = min(live_steps or [b.step for b in stepped])
         ranks = tuple(sorted(b.rank for b in beats))
         silent = sorted(b.rank for b in beats if b.rank not in {a.rank for a in alive})
         if cur is not None and cur.evidence.get("culprit"):

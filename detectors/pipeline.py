@@ -109,6 +109,7 @@ class RunPipeline:
         self._started: set[tuple[int, float]] = set()
         self._unstarted: dict[tuple[int, float], tuple[int, float]] = {}
         self._history_reported = False
+        self.silent_since: float | None = None
         # The newest hang/dead-rank incident: (its id, its generation, whether a member is still open).
         self._job_incident: tuple[str, int, bool] | None = None
         #: rank -> host, from run_start events.
@@ -314,9 +315,15 @@ class RunPipeline:
         return replace(agg, pause=hit) if hit is not None else agg
 
     def _run_ended(self, t: float) -> Output:
-        # Conditions of a live job (slowness) cannot be observed once every rank has ended: left active they
-        # would keep firing for a finished run. Loss findings (divergence, NaN) stay: they describe the model.
-        out = Output(job=self.job.finish(t, self.current_step, self.aggregator.generation))
+        out = self._live_conditions_end()
+        out.job = self.job.finish(t, self.current_step, self.aggregator.generation)
+        return out
+
+    def _live_conditions_end(self) -> Output:
+        # Conditions of a live job (slowness) cannot be observed once every rank has ended or the job crashed: left
+        # active they would keep firing for a job that is gone. Loss findings (divergence, NaN) stay: they describe
+        # the model.
+        out = Output()
         for det in self.step_detectors:
             try:
                 found = det.finish(self.current_step)
@@ -415,6 +422,10 @@ class RunPipeline:
                                           job_state=state, current_step=self.current_step)
         except Exception:
             self._failed(self.dead_rank, self.current_step)
+        #: When no rank is heard from any more (None while one is): the newest heartbeat heard, unix s. The ledger
+        #: does not run on past it, also before the job is called crashed.
+        self.silent_since = (max((float(hb["t"]) for hb in live.values()), default=now)
+                             if live and not verdict.alive else None)
         try:
             newest = max((float(hb["t"]) for hb in live.values()), default=now)
             out.job = self.job.update(now, verdict, newest_hb_t=newest, silence_s=silence, hang=hang.open,
@@ -423,9 +434,10 @@ class RunPipeline:
         except Exception:
             self._failed(self.job, self.current_step)
         if out.job is not None and out.job.state == "crashed":
-            # Nothing more comes from this launch: its pending steps close with the ranks they have, and the
-            # dead-rank anomaly says the job crashed.
+            # Nothing more comes from this launch: its pending steps close with the ranks they have, the conditions
+            # of a live job (stragglers, slowdowns) end as at a run's end, and the dead-rank anomaly says it crashed.
             out.extend(self._steps(self.aggregator.flush()))
+            out.extend(self._live_conditions_end())
             try:
                 found += self.dead_rank.check(now, live, hang.timeout_s, self.aggregator.generation, verdict,
                                               job_state="crashed", current_step=self.current_step)

@@ -300,12 +300,11 @@ class RecoveryAdvisor:
         name = f"rank {culprit.rank}" if culprit is not None else "the dead rank"
         if state == "crashed":
             reasoning.append("the job crashed (every rank's heartbeat is gone): only a relaunch brings it back")
-        elif state == "hung":
-            reasoning.append(f"{name} is gone and the others wait for it in a collective: they cannot finish the step "
-                             "without it, so relaunch (their stacks would only show them waiting)")
         else:
-            reasoning.append(f"{name} is gone: a synchronous job cannot complete a step without it; the others "
-                             "block at the next collective")
+            reasoning.append(f"{name}'s heartbeat stopped: its process was stopped (SIGSTOP, a debugger), is stuck in "
+                             "the kernel, was killed (the OOM killer) or lost its node — `ps` on its host tells which; "
+                             "the others wait for it in a collective (their stacks would only show them waiting) and "
+                             "cannot finish a step without it")
         silent_s = _num(ev.get("silent_s"))
         continue_cost = _burn(ctx, silent_s)
         if state == "crashed":
@@ -319,7 +318,19 @@ class RecoveryAdvisor:
             reasoning.append(_repeat_line(host, repeat))
         elif host:
             reasoning.append(f"no earlier failure on {host} in this run: no reason to exclude it yet")
-        return _rec(ctx, "restart", summary, reasoning, continue_cost, commands, exclude, None)
+        check = state != "crashed" and culprit is not None and culprit.pid is not None
+        if check:
+            # The process may still be there (a stopped or stuck one resumes without losing a step): look first,
+            # restart when nothing moved by the deadline.
+            at = f"host {culprit.host}" if culprit.host else "its host"
+            summary = (f"Check rank {culprit.rank}'s process on {at}: `ps -o pid,stat,etime,cmd -p {culprit.pid}` "
+                       f"(T: stopped — `kill -CONT {culprit.pid}`; D: stuck in the kernel; nothing: it died — see the "
+                       f"kernel log); if nothing moved {fmt_duration(self.restart_after_s)} after the onset, "
+                       + summary[0].lower() + summary[1:])
+            reasoning.append(f"restart if nothing moved {fmt_duration(self.restart_after_s)} after the onset: "
+                             "PyTorch's default NCCL watchdog timeout (the others abort their collectives by then)")
+        return _rec(ctx, "check_process" if check else "restart", summary, reasoning, continue_cost, commands, exclude,
+                    self.restart_after_s if check else None)
 
     # --- straggler, slow node ---------------------------------------------------------------------------
 
@@ -361,6 +372,8 @@ class RecoveryAdvisor:
             summary = (f"Keep {subject} for now: no timing figures to cost it; drain it if it stays slow"
                        + (f" (Slurm: `{_drain(host, a.kind, comment=False)}`)" if host else ""))
             return _rec(ctx, "keep", summary, reasoning, {}, [], [], None)
+        if fraction < defaults.SLOW_RANK_MIN_LOSS:
+            return None  # keeping it is the obvious answer: a card saying so is noise
         per_h = fraction * ctx.world
         elapsed_h = (ctx.current_step - a.step) * ctx.step_s / 3600.0 if ctx.step_s else None
         lost_h = fraction * elapsed_h if elapsed_h is not None else None

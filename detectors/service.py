@@ -684,6 +684,8 @@ class DetectorService:
         job = run.pipeline.job.state
         if job is not None and job.state == "crashed":
             at = max(job.since, ledger.last_activity)  # the job is gone: its ledger stops where it was last heard
+        elif run.pipeline.silent_since is not None:  # nobody heard from (not called crashed yet): no time after that
+            at = max(min(at, run.pipeline.silent_since), ledger.last_activity)
         snap = ledger.snapshot(at)
         body = json.dumps(snap)
         pipe.set(run.keys.ledger_latest, body)

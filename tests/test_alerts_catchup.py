@@ -175,22 +175,26 @@ def test_runs_that_are_over_are_not_paged_not_even_by_the_repeat_of_a_restored_g
     hour_ago = redis_now(r) - 3600
     done = anomaly("done", kind="divergence", ranks=(), step=700, severity="critical", last=T)
     live = anomaly("live", kind="divergence", ranks=(), step=700, severity="critical", last=T)
+    down = anomaly("down", kind="dead_rank", ranks=(1,), step=700, severity="critical", last=T)
     log(r, "opened", done, written=hour_ago)
     log(r, "opened", live, written=hour_ago)
-    # an earlier worker (no window) notified both while the runs were running
+    log(r, "opened", down, written=hour_ago)
+    # an earlier worker (no window) notified all three while the runs were running
     first = Intake(r, config(), consumer="first", clock=Clock(T + 30), catch_up=0)
-    assert [n.seq for n in first.run_once()] == [1, 1]
+    assert [n.seq for n in first.run_once()] == [1, 1, 1]
     r.hset(run_keys("done").meta, "status", "finished")
     r.hset(run_keys("live").meta, "status", "running")
-    # four hours later a worker starts: only the running run's divergence is repeated
+    r.hset(run_keys("down").meta, "status", "crashed")  # waits for a relaunch: its page keeps repeating
+    # four hours later a worker starts: the running run's divergence and the crash are repeated
     clock = Clock(T + 30 + defaults.ALERT_REPEAT_INTERVAL_S + 300)
     second = Intake(r, config(), consumer="second", clock=clock)
     with caplog.at_level(logging.INFO, logger="trainhealth.alerts.intake"):
-        assert summary(second.run_once()) == [('root:{run="live",kind="divergence"}', 2, "repeat",
-                                               ["live/divergence:*:700:0"], [])]
+        assert summary(second.run_once()) == [
+            ('root:{run="down",kind="dead_rank"}', 2, "repeat", ["down/dead_rank:1:700:0"], []),
+            ('root:{run="live",kind="divergence"}', 2, "repeat", ["live/divergence:*:700:0"], [])]
     assert [m.getMessage() for m in caplog.records if "over" in m.getMessage()] == [
-        "intake: not paging the alerts of 1 run that are over (meta status not running, no anomaly transition for "
-        "10 min): done"]
+        "intake: not paging the alerts of 1 run that are over (meta status not running or crashed, no anomaly "
+        "transition for 10 min): done"]
     assert second.grouper.ended_runs == frozenset({"done"})
     # a late transition of the finished run: it is heard again, and the resolve closes what was paged
     log(r, "resolved", {**done, "status": "resolved", "end_step": 710, "last_seen": clock.t})
@@ -304,8 +308,8 @@ def test_worker_started_on_an_old_redis_sends_only_the_fresh_notification(
     text = (tmp_path / "w.log").read_text()
     assert "catch-up window 600 s" in text
     assert "intake: catch-up: 2 anomaly transitions of 1 run (old-job) not notified as stale: written before " in text
-    assert "intake: not paging the alerts of 1 run that are over (meta status not running, no anomaly transition " \
-           "for 10 min): old-job" in text
+    assert "intake: not paging the alerts of 1 run that are over (meta status not running or crashed, no anomaly " \
+           "transition for 10 min): old-job" in text
     assert "service_down" not in text
 
 

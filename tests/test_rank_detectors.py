@@ -357,7 +357,7 @@ def test_a_killed_rank_is_the_culprit_of_a_crash_and_its_relaunch() -> None:
     assert (out.job.state, out.job.since, out.job.step, out.job.culprit.rank) == ("crashed", end + 1.0, 99, 6)
     assert out.job.message == ("crashed at step 99, rank 6 first (host node-b, pid 1): no last word (killed, crashed, "
                                "frozen or lost its node) while the others exited after it with a communication "
-                               "error; no relaunch within 30 s")
+                               "error or were stopped by the launcher's SIGTERM; no relaunch within 30 s")
     [crash] = [a for a in out.anomalies if a.kind == "dead_rank"]
     assert crash.message.startswith("job crashed at step 99, rank 6 first: no heartbeat from rank 6")
     assert crash.evidence["job_state"] == "crashed"
@@ -372,7 +372,8 @@ def test_a_killed_rank_is_the_culprit_of_a_crash_and_its_relaunch() -> None:
     assert (restart.ranks, restart.evidence["culprit"]["rank"], restart.evidence["incident"]) == (
         (6,), 6, "dead_rank:*:99:0")
     assert restart.message.endswith("; rank 6 (host node-b) stopped first: no last word (killed, crashed, frozen or "
-                                    "lost its node) while the others exited after it with a communication error")
+                                    "lost its node) while the others exited after it with a communication error or "
+                                    "were stopped by the launcher's SIGTERM")
     hb = {r: _hb(relaunch + 30.5, 89, relaunch + 30.0, host=host_of(4)(r)) for r in range(8)}
     out = pipe.check_heartbeats(relaunch + 31.0, hb)
     assert [(a.kind, a.status) for a in out.anomalies] == [("dead_rank", "resolved")]

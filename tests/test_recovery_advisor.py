@@ -139,14 +139,17 @@ def test_dead_rank_first_failure_is_not_excluded() -> None:
     a = dead(gen=0, state="hung")
     rec = advise(a, history=[hang(), a])  # the hang of the same incident does not count
     # Its heartbeat is gone while the others live: first see whether the process is stopped, stuck or dead.
-    assert (rec.action, rec.exclude_hosts, rec.commands) == ("restart", [], [
+    assert (rec.action, rec.deadline_s, rec.exclude_hosts, rec.commands) == ("check_process", 600.0, [], [
         "ssh node-7 ps -o pid,stat,etime,cmd -p 4242  # T: stopped (kill -CONT 4242), D: stuck in the kernel, "
         "nothing: it died",
         "ssh node-7 dmesg -T | grep -i -E 'killed process|out of memory' | tail -3"])
-    assert rec.summary == ("Restart from the checkpoint of step 59: recomputes 7 steps (9.07 GPU-hours, $22.67 with "
-                           "the 5.0 min relaunch, 8.5 min of the run's time)")
-    assert rec.reasoning[2].startswith("rank 2 is gone and the others wait for it in a collective")
-    assert rec.reasoning[-1] == "no earlier failure on node-7 in this run: no reason to exclude it yet"
+    assert rec.summary == ("Check rank 2's process on host node-7: `ps -o pid,stat,etime,cmd -p 4242` (T: stopped — "
+                           "`kill -CONT 4242`; D: stuck in the kernel; nothing: it died — see the kernel log); if "
+                           "nothing moved 10.0 min after the onset, restart from the checkpoint of step 59: "
+                           "recomputes 7 steps (9.07 GPU-hours, $22.67 with the 5.0 min relaunch, 8.5 min of the run's "
+                           "time)")
+    assert rec.reasoning[2].startswith("rank 2's heartbeat stopped: its process was stopped (SIGSTOP, a debugger)")
+    assert rec.reasoning[-2] == "no earlier failure on node-7 in this run: no reason to exclude it yet"
     assert rec.continue_cost == pytest.approx({"stalled_s": 90.0, "wall_hours": 0.025, "gpu_hours": 1.6, "usd": 4.0,
                                                "gpu_hours_per_hour": 64.0, "usd_per_hour": 160.0})
 
@@ -289,3 +292,12 @@ def test_round_trip_and_old_records() -> None:
            "status": "proposed", "history": []}
     loaded = Recommendation.from_dict(old)
     assert (loaded.commands, loaded.exclude_hosts, loaded.deadline_s, loaded.skip_steps) == ([], [], None, (300, 600))
+
+
+def test_straggler_costing_under_one_percent_gets_no_card() -> None:
+    def rec(rank_median_s: float) -> Recommendation | None:
+        return RecoveryAdvisor().advise(straggler(rank_median_s), run="r", checkpoints=CKPTS, current_step=80,
+                                        step_s=0.2, world_size=64, gpu_hour_usd=2.5, history=[])
+    # 0.1035 s against a typical 0.102 s in 0.2 s steps: 0.75 % of the job's time; keeping it needs no advice.
+    assert rec(0.1035) is None
+    assert rec(0.105).continue_cost["lost_fraction"] == pytest.approx(0.015)  # 1.5 %: costed

@@ -446,3 +446,7 @@ REPLACE_NODE_BREAK_EVEN_H = 1.0
 #: intervals late: history, not a page. It is also PyTorch's NCCL watchdog timeout (HANG_RESTART_AFTER_S),
 #: after which a hung job has aborted by itself.
 ALERT_CATCHUP_S = 600.0
+#: A straggler or slow node costing less than this share of the job's time gets no recommendation (keeping it is the
+#: obvious answer, and a "Keep" card saying "costs 0.0 %" is noise); the anomaly itself still shows. Our choice:
+#: the throughput detector's own floor for a drop worth a warning is 4 %.
+SLOW_RANK_MIN_LOSS = 0.01

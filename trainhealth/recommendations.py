@@ -35,7 +35,9 @@ class Recommendation:
         skipping the data range), ``wait`` (a spike that may recover: re-check at ``recheck_step``)
         or ``none_possible``. From the recovery advisor (hangs, dead ranks, slow ranks and nodes):
         ``dump_stacks`` (run ``commands`` to see where the job is stuck; restart if nothing moved
-        by ``deadline_s``), ``restart`` (relaunch from ``checkpoint_step``, without
+        by ``deadline_s``), ``check_process`` (a rank's heartbeat stopped while the others wait: see with
+        ``commands`` whether its process is stopped, stuck or gone; restart if nothing moved by ``deadline_s``),
+        ``restart`` (relaunch from ``checkpoint_step``, without
         ``exclude_hosts``), ``replace_node`` (a restart without the slow node pays for itself soon)
         or ``keep`` (it does not: carry on with the slow node).
     checkpoint_step : int | None
