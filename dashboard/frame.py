@@ -303,6 +303,7 @@ def sidebar() -> bool:
         options.append(selected)
     if selected not in options:
         selected = options[0]
+    info[selected] = {**info[selected], **_job_status(selected)}
     st.session_state[RUN_KEY] = selected
     # Re-seed the widget from our own key each run: a new run appearing in the list (or a
     # page switch) must never silently move the picker to another run.
@@ -336,6 +337,16 @@ def status_line(meta: dict, now: float) -> str:
     return " · ".join(bits)
 
 
+def _job_status(run: str) -> dict[str, str]:
+    """``{"status": state}`` when the service judges the job hung, crashed or just restarted (its meta still says
+    ``running``), else nothing: the picker and the status line say what the page's banner says."""
+    try:
+        state = data.job_state(client(), run)
+    except redis.RedisError:
+        return {}
+    return {"status": state.state} if state is not None and state.state in ("hung", "crashed", "restarted") else {}
+
+
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
 def run_status(run: str, listed: dict) -> None:
     """The run's status line, re-read live (a run that crashes or ends changes status while watched).
@@ -344,7 +355,7 @@ def run_status(run: str, listed: dict) -> None:
     read here moves, the whole app reruns so that the picker says what the page says.
     """
     try:
-        meta = {**listed, **data.run_meta(client(), run)}
+        meta = {**listed, **data.run_meta(client(), run), **_job_status(run)}
     except redis.RedisError:
         meta = listed  # the page's own reads report the outage
     st.caption(status_line(meta, time.time()))

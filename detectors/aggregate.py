@@ -118,8 +118,8 @@ class StepAggregator:
     stale_s : float
         A step still missing ranks this many seconds after its first record is closed with
         the ranks it has once the job went on without them (:meth:`flush_stale`): a missing rank has a later
-        record, or a rank is two steps past it. While no rank got further (a rank frozen mid-step, the others
-        blocked on it, at most one step ahead) the step waits, so a resumed rank's late record joins it.
+        record, or a rank is ``defaults.AGG_WENT_ON_STEPS`` steps past it. While no rank got that far (a rank frozen
+        mid-step, the others blocked on it) the step waits, so a resumed rank's late records join it.
     data_sections : tuple[str, ...]
         Section names counted as data-loading wait.
 
@@ -218,10 +218,11 @@ class StepAggregator:
 
     def _went_on(self, key: tuple[int, int]) -> bool:
         """Whether the job went on past pending step ``key`` without its missing ranks: one of them has a later record
-        (its record of this step was lost), or some rank is two steps past it (in a synchronous job the others get
-        at most one step ahead of a rank that froze: it took part in that step's collectives, then stopped)."""
+        (its record of this step was lost), or some rank is ``defaults.AGG_WENT_ON_STEPS`` steps past it. Not a few
+        steps: a frozen rank's records of the steps it completed before it froze wait in its sender (a quarter of a
+        second of steps: several at fast steps) while the others are at most one step past its actual progress."""
         gen, step = key
-        if self._seen.get(gen, -1) >= step + 2:
+        if self._seen.get(gen, -1) >= step + defaults.AGG_WENT_ON_STEPS:
             return True
         have = self._pending[key]
         return any(self._rank_gen.get(r) == gen and s > step for r, s in self._rank_last.items() if r not in have)

@@ -174,6 +174,9 @@ def test_hung_banner_status_and_last_minute_throughput(seeded: redis.Redis) -> N
     assert [e.value for e in at.error] == [HUNG_BANNER]
     assert not at.warning
     assert status(at) == "status **hung**"
+    # The sidebar says it too: the picker's label and the live status line (meta still says running).
+    assert at.sidebar.selectbox[0].format_func(RUN) == f"{RUN} · hung · 4 ranks"
+    assert at.sidebar.caption[0].value.startswith("**hung**")
     # The 60 s window (no step completed in the last minute), not the run's healthy 68,233 tokens/s.
     thr = next(m for m in at.metric if m.label == "Throughput")
     assert (thr.value, thr.proto.delta) == ("0", "tokens/s, last min")

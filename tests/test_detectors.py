@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from trainhealth import defaults
 from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
 from trainhealth.detectors.dead_rank import DeadRankDetector
 from trainhealth.detectors.divergence import DivergenceDetector
@@ -63,10 +64,12 @@ def test_aggregator_stale_step_closes_with_the_ranks_it_has_once_the_job_went_on
     ag.add(StepRecord(0, 7, 0.0, 100.0, loss=1.0))
     assert ag.flush_stale(129.0) == []
     assert ag.flush_stale(131.0) == []  # no rank got further: a frozen rank's record may still come
-    ag.add(StepRecord(0, 8, 0.0, 131.5, loss=1.0))
-    assert ag.flush_stale(132.0) == []  # one step ahead: the others wait for a rank frozen after its all-reduce
-    ag.add(StepRecord(0, 9, 0.0, 132.5, loss=1.0))
-    [a] = ag.flush_stale(133.0)  # two steps past it: the job went on without ranks 1-3
+    for s in range(8, 12):
+        ag.add(StepRecord(0, s, 0.0, 131.5, loss=1.0))
+    # A few steps ahead: the others wait for a rank frozen mid-step whose last records are unsent in its collector.
+    assert ag.flush_stale(132.0) == []
+    ag.add(StepRecord(0, 7 + defaults.AGG_WENT_ON_STEPS, 0.0, 132.5, loss=1.0))
+    [a] = ag.flush_stale(133.0)  # far past it: the job went on without ranks 1-3
     assert (a.step, a.n_ranks) == (7, 1)
 
 

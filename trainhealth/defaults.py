@@ -74,6 +74,10 @@ RUN_LEASE_S = 15
 RUN_RETRY_S = 60.0
 #: Seconds after which a step still missing some ranks is closed with the ranks it has.
 AGG_STALE_S = 30.0
+#: ...and only once a rank is this many steps past it (or a missing rank has a later record): a synchronous job's
+#: ranks stay within a step of each other, but a frozen rank's last records wait unsent in its collector (up to
+#: COLLECTOR_FLUSH_INTERVAL_S of steps: dozens at 10 ms steps); a job that goes on without a rank gets this far.
+AGG_WENT_ON_STEPS = 1000
 
 # --- Detectors ------------------------------------------------------------------
 #: Loss spike: trailing window (logged points), warm-up (points; 3 lets a log excerpt with a handful of points

@@ -210,6 +210,17 @@ def ledger_caption(snap: dict) -> str | None:
 
 
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
+def banner(run: str) -> None:
+    """The job-state banner, first on the page (above the recommendation cards): a hung or crashed job is the news."""
+    problems: list[str] = []
+    try:
+        state = data.job_state(client(), run, problems)
+    except redis.RedisError:
+        return  # the live part below says Redis is away
+    job_banner(state)
+
+
+@st.fragment(run_every=DASHBOARD_REFRESH_S)
 def live(run: str) -> None:
     """Everything that updates: re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
     url = st.session_state.get(URL_KEY, "")
@@ -227,7 +238,6 @@ def live(run: str) -> None:
         redis_trouble(exc)
         return
 
-    job_banner(state)
     status_line(steps, meta, state)
     show_problems([*problems, *history_problems])
     kpis(snap, anomalies, meta, state)
@@ -274,5 +284,6 @@ def live(run: str) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · overview")
+    banner(run)
     cards.recommendation_cards(run, "overview")
     live(run)
