@@ -40,7 +40,9 @@ class SlowStepDetector(StepDetector):
     ``z_open``, ``close_ratio``, ``z_close``, ``max_run`` and ``min_scale`` (floor of ``s``).
 
     Evidence: ``step_s`` (the slowest step's seconds), ``peak_step``, ``median_s``, ``ratio``,
-    ``z``, ``steps`` (timed steps in the run), ``lost_s`` (seconds above the median, summed).
+    ``z``, ``steps`` (timed steps in the run), ``lost_s`` (seconds above the median, summed; at most the run's
+    wall time minus its steps' median time: the steps of a stall overlap, a frozen rank's and the others' next one
+    both spanning the freeze).
 
     Examples
     --------
@@ -91,6 +93,9 @@ class SlowStepDetector(StepDetector):
         self._slow: deque[int] = deque(maxlen=16)  # onset steps of recent slow runs (the rhythm)
         self._run: list[tuple[int, float, float]] = []  # (step, seconds, z) of the open run
         self._run_base: tuple[float, float] = (0.0, 1.0)
+        # (start, end) unix s of the open run's wall time: steps of a stall overlap (a frozen rank's step and the
+        # others' next one, blocked in its collective, both span the freeze), so its time lost is counted once.
+        self._span = (0.0, 0.0)
         self._run_quiet = False  # the open run is warm-up or rhythm: not reported
         self._shifted = False  # inside a level shift (a run longer than max_run)
 
@@ -114,6 +119,7 @@ class SlowStepDetector(StepDetector):
             m, s = self._run_base
             if t >= self.close_ratio * math.exp(m) and (y - m) / s >= self.z_close:
                 self._continue(agg.step, t, y, (y - m) / s)
+                self._span = (min(self._span[0], agg.t_end - t), max(self._span[1], agg.t_end))
                 return []
             if self._run and not self._run_quiet:
                 out = self._report()
@@ -133,6 +139,7 @@ class SlowStepDetector(StepDetector):
             rhythm = any(2 * a - agg.step in self._slow for a in self._slow if agg.step - a >= 2)
             self._slow.append(agg.step)
             self._run = [(agg.step, t, z)]
+            self._span = (agg.t_end - t, agg.t_end)
             self._run_base = (m, s)
             self._run_quiet = rhythm or self._seen <= self.warmup
         else:
@@ -167,6 +174,9 @@ class SlowStepDetector(StepDetector):
         first, last = self._run[0][0], self._run[-1][0]
         peak_step, peak, z = max(self._run, key=lambda r: r[1])
         lost = sum(tr - med for _, tr, _ in self._run)
+        span = self._span[1] - self._span[0]
+        if span > 0:
+            lost = min(lost, span - len(self._run) * med)
         ev = {"step_s": peak, "peak_step": peak_step, "median_s": med, "ratio": round(peak / med, 3),
               "z": round(z, 1), "steps": len(self._run), "lost_s": round(lost, 6)}
         where = f"step {first}" if first == last else f"steps {first}-{last}"

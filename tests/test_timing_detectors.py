@@ -461,3 +461,26 @@ def test_sorted_window_caches_median_and_scale_until_its_values_change() -> None
     w.clear()
     w.extend([7.0])
     assert (w.cached_median(), w.cached_scale(0.0)) == (7.0, 0.0)
+
+
+def test_slow_steps_of_one_freeze_count_its_time_once() -> None:
+    # Rank 2 froze for 42 s in step 100 after its all-reduce: its step 100 and the others' step 101 (blocked in the
+    # collective) both span the freeze; the time lost is the freeze's, not twice it.
+    from trainhealth.detectors.aggregate import StepAggregate
+    from trainhealth.detectors.slow_step import SlowStepDetector
+
+    det = SlowStepDetector()
+    found = []
+    t = 1000.0
+    for step in range(200):
+        dur = 0.035 * (1 + 0.01 * (step % 5))
+        start = t
+        if step == 100:
+            dur = 42.035
+        if step == 101:
+            start, dur = t - 41.99, 42.025  # began before step 100 ended: blocked on rank 2 since the freeze
+        t = start + dur
+        found += det.update(StepAggregate(step, 0, 0.0, start, t, 1.0, 1.0, None, None, None, 4, (None,) * 4, 0.0))
+    [a] = found
+    assert (a.step, a.end_step, a.evidence["steps"]) == (100, 101, 2)
+    assert abs(a.evidence["lost_s"] - 42.0) < 0.1
