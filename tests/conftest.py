@@ -8,6 +8,7 @@ port with persistence off, from the same binary the product uses.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -124,3 +125,15 @@ def _wait_for(pred, timeout: float, what: str):
 def wait_for():
     """The polling helper of the end-to-end tests: ``wait_for(pred, timeout_s, what)``."""
     return _wait_for
+
+
+@pytest.fixture
+def serve(redis_url: str) -> Iterator[subprocess.Popen]:
+    """`trainhealth serve` with its defaults as a subprocess on the test Redis, as a user runs it; stopped with
+    SIGTERM (it must exit 0)."""
+    proc = subprocess.Popen([sys.executable, "-m", "trainhealth", "serve", "--redis-url", redis_url,
+                             "--consumer", "tests"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield proc
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, out

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import redis
 
 from trainhealth.wire import decode_event, decode_steps
@@ -22,17 +20,6 @@ EXAMPLE = ROOT / "examples" / "torchrun_gpt.py"
 _TORCHRUN = Path(sys.executable).with_name("torchrun")
 TORCHRUN = [str(_TORCHRUN)] if _TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"]
 TOKENS_PER_RANK_STEP = 8 * 64  # --batch-size 8 x --seq-len 64 (the example's defaults)
-
-
-@pytest.fixture
-def serve(redis_url: str) -> Iterator[subprocess.Popen]:
-    """`trainhealth serve` as a subprocess on the test Redis (as tests/test_e2e.py runs it)."""
-    proc = subprocess.Popen([sys.executable, "-m", "trainhealth", "serve", "--redis-url", redis_url,
-                             "--consumer", "torchrun"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    yield proc
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=20)
-    assert proc.returncode == 0, out
 
 
 def torchrun(redis_url: str, *args: str, restarts: int = 0, timeout: float = 120) -> subprocess.CompletedProcess:

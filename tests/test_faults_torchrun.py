@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,25 +19,12 @@ import redis
 
 from trainhealth import defaults
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "torchrun_gpt.py"
-_TORCHRUN = Path(sys.executable).with_name("torchrun")
-TORCHRUN = [str(_TORCHRUN)] if _TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"]
 #: A rank whose heartbeat stops is named within this (the issue's bound; 3 missed 5 s heartbeats + the 1 s tick).
 DEAD_RANK_BOUND_S = 20.0
 
 pytest.importorskip("torch")
-
-
-@pytest.fixture
-def serve(redis_url: str) -> Iterator[subprocess.Popen]:
-    """`trainhealth serve` with its defaults, as a user runs it."""
-    proc = subprocess.Popen([sys.executable, "-m", "trainhealth", "serve", "--redis-url", redis_url,
-                             "--consumer", "faults"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    yield proc
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=20)
-    assert proc.returncode == 0, out
+# The example and the launcher as tests/test_example_torchrun.py runs them; `serve` is tests/conftest.py's.
+from test_example_torchrun import EXAMPLE, ROOT, TORCHRUN  # noqa: E402
 
 
 def launch(redis_url: str, run: str, *args: str, restarts: int = 0) -> subprocess.Popen:
