@@ -23,8 +23,11 @@ from trainhealth import defaults
 DEAD_RANK_BOUND_S = 20.0
 
 pytest.importorskip("torch")
-# The example and the launcher as tests/test_example_torchrun.py runs them; `serve` is tests/conftest.py's.
-from test_example_torchrun import EXAMPLE, ROOT, TORCHRUN  # noqa: E402
+# The example and the launcher as tests/test_example_torchrun.py runs them (`serve` is tests/conftest.py's).
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "torchrun_gpt.py"
+_TORCHRUN = Path(sys.executable).with_name("torchrun")
+TORCHRUN = [str(_TORCHRUN)] if _TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
 def launch(redis_url: str, run: str, *args: str, restarts: int = 0) -> subprocess.Popen:
