@@ -12,6 +12,7 @@ resumes from the last checkpoint (as ``torchrun --max-restarts`` would).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -105,7 +106,13 @@ class DemoConfig:
 
 
 def _rank_main(cfg: DemoConfig, rank: int, start: int, barrier, url: str, ckpt_file: str, crash: bool) -> None:
-    # Runs in a spawned process: one rank of the job.
+    # Runs in a spawned process: one rank of the job. The terminal's Ctrl-C reaches every rank too: a demo the user
+    # stopped ends its ranks quietly (their last word says so), not with a traceback per rank.
+    with contextlib.suppress(KeyboardInterrupt):
+        _rank_loop(cfg, rank, start, barrier, url, ckpt_file, crash)
+
+
+def _rank_loop(cfg: DemoConfig, rank: int, start: int, barrier, url: str, ckpt_file: str, crash: bool) -> None:
     from trainhealth import Monitor
 
     logging.basicConfig(level=logging.WARNING)
