@@ -105,7 +105,8 @@ class RunPipeline:
         #: rank -> its last word (a ``rank_exit`` event) of its latest incarnation.
         self.last_words: dict[int, LastWord] = {}
         self._restart: tuple[float, int] | None = None  # (unix s, resume step) of the newest restart
-        # (rank, inc) of the run_start events seen; first records of incarnations without one, (step, t).
+        # (rank, inc) of the run_start events seen; (step, t) of the first records of the incarnations seen
+        # before the history was judged (once, by check_history).
         self._started: set[tuple[int, float]] = set()
         self._unstarted: dict[tuple[int, float], tuple[int, float]] = {}
         self._history_reported = False
@@ -200,7 +201,7 @@ class RunPipeline:
     def _first_rows(self) -> None:
         # A rank incarnation's first record: judged by check_history once the events stream caught up with it.
         for rank, inc, step, t in self.aggregator.first_rows:
-            if (rank, inc) not in self._started:
+            if not self._history_reported:
                 self._unstarted.setdefault((rank, inc), (step, t))
         self.aggregator.first_rows.clear()
 
@@ -214,14 +215,19 @@ class RunPipeline:
         of booking the unknown time as start-up. Not judged for a run that resumed from a checkpoint load seen.
         """
         out = Output()
-        lost = {k: v for k, v in self._unstarted.items() if k not in self._started}
+        first = dict(self._unstarted)
         self._unstarted.clear()
-        if not lost or self._history_reported:
+        if self._history_reported or not first:
+            return out
+        # Only the run's first records tell: a relaunch later on without its run_start (an older collector, a
+        # replay) follows history that is there. Judged once, on the first check that has records.
+        self._history_reported = True
+        lost = {k: v for k, v in first.items() if k not in self._started}
+        if not lost or len(lost) < len(first):
             return out
         step = min(s for s, _ in lost.values())
         if step <= 0:
             return out
-        self._history_reported = True
         ranks = sorted({r for r, _ in lost})
         t = min(t for _, t in lost.values())
         self.ledger.note_lost_history(step, t, ranks)

@@ -96,3 +96,41 @@ def test_a_run_that_kept_its_history_has_no_data_loss(r: redis.Redis, redis_url:
         svc.run_once(block_ms=10)
     assert not [a for a in r.hvals("th:{run-kept}:anomalies") if b"data_loss" in a]
     assert json.loads(r.get("th:{run-kept}:ledger:latest"))["history_lost"] is None
+
+
+def test_a_relaunch_without_run_start_after_history_seen_is_no_data_loss() -> None:
+    """Only the run's first records judge the history: a later incarnation without its run_start (an older
+    collector, records pushed by hand) follows history that is there, however the reads cut the stream."""
+    from trainhealth.detectors.pipeline import RunPipeline
+
+    p = RunPipeline(1, hang=HangDetector(floor_s=1e9), run="x")
+    p.feed_event(Event(kind="run_start", rank=0, step=0, t=T0, inc=T0))
+    for s in range(20):
+        p.feed_step(_rec(s, T0 + 1 + s, T0))
+    assert p.check_history().anomalies == []
+    for s in range(20, 40):  # a relaunch at step 20 whose run_start never came
+        p.feed_step(_rec(s, T0 + 100 + s, T0 + 90))
+    assert p.check_history().anomalies == []
+    assert p.ledger.snapshot(T0 + 200)["history_lost"] is None
+
+
+def test_first_records_past_step_zero_without_run_start_are_one_data_loss() -> None:
+    from trainhealth.detectors.pipeline import RunPipeline
+
+    p = RunPipeline(2, hang=HangDetector(floor_s=1e9), run="x")
+    assert p.check_history().anomalies == []  # nothing read yet: not judged
+    for s in range(3729, 3740):
+        for rank in (0, 1):
+            p.feed_step(_rec(s, T0 + s, T0, rank))
+    (a,) = p.check_history().anomalies
+    assert (a.kind, a.severity, a.step, a.ranks, a.evidence["before_step"]) == ("data_loss", "info", 3729, (0, 1),
+                                                                                3729)
+    for s in range(3740, 3745):  # judged once
+        p.feed_step(_rec(s, T0 + s, T0 + 1, 0))
+    assert p.check_history().anomalies == []
+
+
+def _rec(step: int, t: float, inc: float, rank: int = 0):
+    from trainhealth.wire import StepRecord
+
+    return StepRecord(rank=rank, step=step, inc=inc, t=t, dur=1.0, loss=2.0, tokens=10)
