@@ -35,8 +35,8 @@ from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
 from trainhealth.job import JobState
-from trainhealth.keys import RUNS, RunKeys, run_keys, run_of, service_heartbeat
-from trainhealth.loop import LEASE_LUA, Backoff, stop_on_signals
+from trainhealth.keys import RUNS, SERVICES, RunKeys, run_keys, run_of, service_heartbeat
+from trainhealth.loop import LEASE_LUA, MEMBERS_LUA, RELEASE_LUA, RENEW_LUA, Backoff, stop_on_signals
 from trainhealth.recommendations import Recommendation
 from trainhealth.warn_once import WarnOnce
 from trainhealth.wire import MAX_RANKS, Event, decode_event, decode_step_rows
@@ -138,6 +138,25 @@ class _Run:
     events_caught_up: bool = False
 
 
+def fair_share(runs: int, services: list[str], me: str) -> int:
+    """How many of ``runs`` runs the service ``me`` holds when the sorted ``services`` share them evenly.
+
+    Every service gets ``runs // len(services)``; the first ``runs % len(services)`` in sorted
+    order one more, so the shares differ by at most one and add up to ``runs``. Each service
+    computes its own from the same list, with no coordinator (the count-based split of rq's
+    and Celery's workers, without their queue: a run is a sticky unit of state).
+
+    >>> [fair_share(16, ["a", "b", "c", "d"], s) for s in "abcd"]
+    [4, 4, 4, 4]
+    >>> [fair_share(16, ["a", "b", "c"], s) for s in "abc"]
+    [6, 5, 5]
+
+    Raises ``ValueError`` if ``me`` is not in ``services``.
+    """
+    quotient, remainder = divmod(runs, len(services))
+    return quotient + (1 if services.index(me) < remainder else 0)
+
+
 class DetectorService:
     """Streams → detectors → Redis, for every run in the registry.
 
@@ -160,8 +179,11 @@ class DetectorService:
         Unix-time source (tests pass a fake).
     lease_s : int
         Each run is processed by one service at a time: the owner holds ``th:{run}:owner``
-        (``SET NX EX``) and renews it every tick; another service takes the run over once the
-        lease expires. Several services on one Redis so split the work by run.
+        (``SET NX EX``) and renews it every tick and every heartbeat; another service takes the
+        run over once the lease expires, or at once when the owner stops cleanly. Several services
+        on one Redis share the runs evenly (:func:`fair_share`): each counts the services heard
+        from in ``th:services``, takes runs while it holds fewer than its share and hands over
+        the excess when a service joins.
     """
 
     def __init__(
@@ -182,9 +204,14 @@ class DetectorService:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.lease_s = lease_s
         self._renew = client.register_script(LEASE_LUA)
+        self._release = client.register_script(RELEASE_LUA)
+        self._extend = client.register_script(RENEW_LUA)
+        self._members = client.register_script(MEMBERS_LUA)
         self.group = group
         self.block_ms = block_ms
         self.count = count
+        #: Records per steps entry lately (an exponential average; the worst case until the first read).
+        self._per_entry = float(defaults.COLLECTOR_BATCH_RECORDS)
         self.snapshot_interval = snapshot_interval
         self.hang_factory = hang_factory or HangDetector
         self.clock = clock
@@ -249,9 +276,9 @@ class DetectorService:
                 self._heartbeat_thread.join(timeout=defaults.SERVICE_HEARTBEAT_INTERVAL_S + 5.0)
             with contextlib.suppress(redis.RedisError):
                 self.client.delete(service_heartbeat(self.consumer))
+                self.client.zrem(SERVICES, self.consumer)  # the others' shares grow at once
                 for run in list(self.runs.values()):  # hand the runs over now instead of after the lease
-                    if _s(self.client.get(run.keys.owner) or b"") == self.consumer:
-                        self.client.delete(run.keys.owner)
+                    self._release(keys=[run.keys.owner], args=[self.consumer])
         log.info("detector service %s stopped after %d entries", self.consumer, self.processed)
 
     def run_once(self, block_ms: int | None = None) -> int:
@@ -265,10 +292,30 @@ class DetectorService:
         return n
 
     # -- runs -------------------------------------------------------------------------------------
+    def live_services(self) -> list[str]:
+        """Consumers of the services sharing the runs: heard from in ``th:services`` within
+        ``SERVICE_LIVE_S`` seconds (Redis server time), and this one; sorted."""
+        heard = self._members(keys=[SERVICES], args=["", defaults.SERVICE_LIVE_S, defaults.SERVICE_FORGET_S])
+        return sorted({_s(m) for m in heard} | {self.consumer})
+
     def discover(self) -> None:
-        """Take runs of ``th:runs`` that no other live service owns (rebuilding their state first)."""
-        for raw in self.client.zrange(RUNS, 0, -1):
-            run = _s(raw)
+        """Share the runs of ``th:runs`` with the other live services: hand over the runs held beyond
+        this service's :func:`fair_share`, and take runs nobody holds (rebuilding their state first)
+        while below it."""
+        registry = [_s(raw) for raw in self.client.zrange(RUNS, 0, -1)]
+        target = fair_share(len(registry), self.live_services(), self.consumer)
+        if len(self.runs) > target:
+            # A service joined (or this one took runs before it heard of the others): the excess goes back;
+            # a service below its share takes it at its next read. The newest-named go, so it is deterministic.
+            for run_id in sorted(self.runs, reverse=True)[:len(self.runs) - target]:
+                run = self.runs.pop(run_id)
+                self._release(keys=[run.keys.owner], args=[self.consumer])
+                log.info("run %s handed over: %d services share %d runs, this one's share is %d", run_id,
+                         len(self.live_services()), len(registry), target)
+            return
+        for run in registry:
+            if len(self.runs) >= target:
+                break
             if run in self.runs or self.broken.get(run, (0.0, 0))[0] > time.monotonic():
                 continue
             try:
@@ -276,8 +323,7 @@ class DetectorService:
             except ValueError:
                 self._warn_once(f"id:{run}", "ignoring run with invalid id %r in %s", run, RUNS)
                 continue
-            taken = self.client.set(keys.owner, self.consumer, nx=True, ex=self.lease_s)
-            if not taken and _s(self.client.get(keys.owner) or b"") != self.consumer:
+            if not self._renew(keys=[keys.owner], args=[self.consumer, self.lease_s]):
                 continue  # another service processes this run
             try:
                 self.runs[run] = self._attach(keys)
@@ -297,8 +343,7 @@ class DetectorService:
             log.error("run %s: error while %s (%d so far): %s; set aside, retried in %.0f s from its streams; the "
                       "other runs go on", run, doing, n + 1, exc, defaults.RUN_RETRY_S, exc_info=exc)
         with contextlib.suppress(redis.RedisError):  # another service (a fixed version) may take it meanwhile
-            if _s(self.client.get(run_keys(run).owner) or b"") == self.consumer:
-                self.client.delete(run_keys(run).owner)
+            self._release(keys=[run_keys(run).owner], args=[self.consumer])
 
     def _meta_num(self, run: str, meta: dict[str, str], name: str, kind: type, ok: Callable[[Any], bool]) -> Any:
         """``meta[name]`` as ``kind`` when present and ``ok``; else None, warned once per run and field."""
@@ -361,8 +406,8 @@ class DetectorService:
                 end = delivered.get(stream, "0-0")
                 if cursors[stream] is None or _sid(end) == (0, 0):
                     continue
-                entries = self.client.xrange(stream, min=cursors[stream], max=end, count=self.count)
-                if len(entries) < self.count:
+                entries = self.client.xrange(stream, min=cursors[stream], max=end, count=self._read_count(1))
+                if len(entries) < self._read_count(1):
                     cursors[stream] = None  # type: ignore[assignment]
                 elif entries:
                     cursors[stream] = "(" + _s(entries[-1][0])
@@ -391,8 +436,8 @@ class DetectorService:
         if not streams:
             self._stop.wait(block_ms / 1000.0)
             return 0
-        reply = self.client.xreadgroup(self.group, self.consumer, streams, count=self.count,
-                                       block=block_ms or None)
+        count = self._read_count(len(self.runs))
+        reply = self.client.xreadgroup(self.group, self.consumer, streams, count=count, block=block_ms or None)
         by_run: dict[str, list[tuple[tuple[int, int], str, dict]]] = {}
         ids: dict[str, list[bytes]] = {}
         n = 0
@@ -404,7 +449,7 @@ class DetectorService:
             n += len(entries)
         for run in self.runs.values():
             # The events stream caught up when this read got fewer of its entries than asked for.
-            run.events_caught_up = len(ids.get(run.keys.events, ())) < self.count
+            run.events_caught_up = len(ids.get(run.keys.events, ())) < count
         for run_id, batch in by_run.items():
             run = self.runs[run_id]
             pipe = self.client.pipeline(transaction=True)
@@ -427,6 +472,11 @@ class DetectorService:
                 self.runs.pop(run_id, None)
         self.processed += n
         return n
+
+    def _read_count(self, runs: int) -> int:
+        """Entries per stream for the next read of ``runs`` runs: about ``READ_RECORDS`` records in all, at most
+        ``count`` entries and at least one, from the records an entry held lately."""
+        return max(1, min(self.count, int(defaults.READ_RECORDS / (self._per_entry * max(1, runs)))))
 
     def _process(self, run: _Run, batch: Iterable[tuple[tuple[int, int], str, dict]], pipe: Any,
                  collect: Output | None = None) -> None:
@@ -452,6 +502,7 @@ class DetectorService:
         ordered: list[tuple | Event] = []  # rows (trainhealth.wire.decode_step_rows) and events
         group: list[tuple[int, list[tuple] | list[Event]]] = []  # (seq, records) of one ms's entries
         group_ms = -1
+        step_entries = step_records = 0
         for sid, stream, fields in chunk:
             try:
                 recs: list[tuple] | list[Event] = (
@@ -462,6 +513,9 @@ class DetectorService:
                 # Bad input never stops the service: the entry is skipped (and acknowledged with its batch).
                 self._bad_record(keys.run, sid, stream, collect is None, None, exc)
                 continue
+            if stream == keys.steps:
+                step_entries += 1
+                step_records += len(recs)
             if group and sid[0] != group_ms:
                 ordered += _time_order(group)
                 group = []
@@ -469,6 +523,9 @@ class DetectorService:
             group.append((sid[1], recs))
         if group:
             ordered += _time_order(group)
+        if step_entries:  # bigger entries shrink the next read at once; smaller ones grow it gradually
+            avg = max(1.0, step_records / step_entries)
+            self._per_entry = max(avg, 0.7 * self._per_entry + 0.3 * avg)
         # Only the records that complete a step (and events that produce something) give an output.
         for out in run.pipeline.feed(ordered):
             if collect is not None:
@@ -584,8 +641,12 @@ class DetectorService:
     def beat(self, now: float | None = None) -> None:
         """Write the service's heartbeat ``th:service:{consumer}`` (TTL ``SERVICE_HEARTBEAT_TTL_S``): pid, host,
         ``t`` (now), ``progress_t`` (the end of the last batch processed: how far behind a live process is),
-        runs, entries processed, malformed records and detector errors."""
+        runs, entries processed, malformed records and detector errors. Also marks it live in ``th:services``
+        and extends its leases (renew only: a run the loop just handed over is not taken back)."""
         now = time.time() if now is None else now
+        self._members(keys=[SERVICES], args=[self.consumer, defaults.SERVICE_LIVE_S, defaults.SERVICE_FORGET_S])
+        for run in list(self.runs.values()):
+            self._extend(keys=[run.keys.owner], args=[self.consumer, self.lease_s])
         self.client.set(service_heartbeat(self.consumer),
                         json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": now,
                                     "progress_t": self._progress_t, "runs": len(self.runs),

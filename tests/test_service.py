@@ -317,6 +317,7 @@ def test_a_failing_detector_is_isolated_counted_and_survives_a_rebuild(r: redis.
     before = r.xlen("th:{bug}:anomaly_log")
     svc2 = DetectorService(r, consumer="b2", clock=lambda: T0 + 300, hang_factory=lambda: HangDetector(floor_s=1e9))
     r.delete("th:{bug}:owner")
+    r.zrem("th:services", "b")  # b is gone: its beat would otherwise count it among the live services
     drain(svc2)
     assert svc2.runs["bug"].pipeline.detector_errors == {"GradNormExplosionDetector": 2}
     assert r.xlen("th:{bug}:anomaly_log") == before

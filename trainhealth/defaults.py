@@ -58,8 +58,12 @@ DATA_SECTIONS = ("data", "data_loading", "dataloader", "data_wait")
 CONSUMER_GROUP = "th-detectors"
 #: Milliseconds one ``XREADGROUP`` blocks waiting for new entries.
 READ_BLOCK_MS = 1_000
-#: Entries read per stream per ``XREADGROUP`` call.
+#: Entries read per stream per ``XREADGROUP`` call, at most (see READ_RECORDS).
 READ_COUNT = 5_000
+#: Records one read brings in, about: the entries per stream are READ_RECORDS divided by the records an entry
+#: held lately (a fast rank's entry holds up to COLLECTOR_BATCH_RECORDS) and by the runs read, so a catch-up
+#: holds ~50,000 records (~15 MB) at a time and a batch is processed in well under a second, not 5,000 x 1,000.
+READ_RECORDS = 50_000
 #: Seconds between ledger snapshots written per run.
 LEDGER_SNAPSHOT_INTERVAL_S = 2.0
 #: TTL in seconds of the service's own heartbeat key.
@@ -67,8 +71,15 @@ SERVICE_HEARTBEAT_TTL_S = 30
 #: The service writes its heartbeat this often (s), from a thread of its own: a long batch (a catch-up after an
 #: outage, a 1,000-rank step) must not let the key expire while the process is alive (rq's worker heartbeat).
 SERVICE_HEARTBEAT_INTERVAL_S = 2.0
-#: Seconds a detector service's lease on a run lasts without renewal (renewed every ~1 s).
-RUN_LEASE_S = 15
+#: Seconds a detector service's lease on a run lasts without renewal. It is renewed every second by the loop and
+#: every SERVICE_HEARTBEAT_INTERVAL_S by the heartbeat thread (a long batch does not lose it), so 6 s survives
+#: two missed beats, and a killed service's runs move to the others within about that: failover under 10 s.
+RUN_LEASE_S = 6
+#: A detector service is counted among those sharing the runs while its last heartbeat (in ``th:services``) is
+#: at most this old (s): three beats. A killed service stops counting by the time its leases expire.
+SERVICE_LIVE_S = 6.0
+#: Members of ``th:services`` silent this long (s) are removed from it.
+SERVICE_FORGET_S = 3600.0
 #: A run whose processing raised an unexpected error is set aside for this long (s), the other runs going
 #: on, then rebuilt from its streams and retried (as rq retries a failed job after a delay).
 RUN_RETRY_S = 60.0

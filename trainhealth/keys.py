@@ -8,6 +8,8 @@ slot and a MULTI/EXEC or pipeline over them stays on one node. See
 'th:{llama-70b}:steps'
 >>> RUNS
 'th:runs'
+>>> SERVICES
+'th:services'
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def service_heartbeat(consumer: str) -> str:
 
 
 SERVICE_HEARTBEAT_PATTERN = "th:service:*"
+
+#: Sorted set of detector service consumers scored by their last heartbeat (Redis server time, unix s): the
+#: services that share the runs. One key, written one member at a time (Redis Cluster safe).
+SERVICES = "th:services"
 
 
 @dataclass(frozen=True)

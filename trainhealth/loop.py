@@ -22,10 +22,25 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0
 """
+#: Extend the lease ``KEYS[1]`` to ``ARGV[2]`` seconds only if ``ARGV[1]`` holds it; never takes a free one.
+RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
 #: Delete the lease ``KEYS[1]`` only if ``ARGV[1]`` holds it (a clean exit hands it over at once).
 RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
+"""
+#: Membership of ``KEYS[1]`` (a sorted set scored by Redis server time): adds ``ARGV[1]`` now unless it is empty,
+#: forgets members older than ``ARGV[3]`` seconds, and returns those heard from in the last ``ARGV[2]`` seconds.
+#: The server's clock, not each host's, decides who is live (no clock skew between hosts). One key.
+MEMBERS_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now, ARGV[1]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[3]))
+return redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[2]), '+inf')
 """
 
 
