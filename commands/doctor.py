@@ -23,6 +23,38 @@ def register(sub: Any) -> None:
     o.set_defaults(func=run, extra=None)
 
 
+#: The newest runs whose losses doctor reports.
+DATA_RUNS = 50
+
+
+def data_lines(client: Any, newest: int = DATA_RUNS) -> list[str]:
+    """One line per run, among the ``newest`` registered (by start time), whose figures rest on less than every
+    record (:func:`trainhealth.coverage.data_lost_text` of its ``ledger:latest`` snapshot); one line saying
+    nothing was lost otherwise. Informational: losses do not fail the check (nothing is down)."""
+    import json
+
+    from trainhealth.coverage import data_lost_text
+    from trainhealth.keys import RUNS, run_keys
+
+    runs = [r.decode() if isinstance(r, bytes) else r for r in client.zrevrange(RUNS, 0, newest - 1)]
+    pipe = client.pipeline(transaction=False)
+    for run in runs:
+        pipe.get(run_keys(run).ledger_latest)
+    lines = []
+    for run, raw in zip(runs, pipe.execute() if runs else [], strict=True):
+        try:
+            snap = json.loads(raw) if raw else None
+        except ValueError:
+            snap = None
+        text = data_lost_text(snap) if isinstance(snap, dict) else None
+        if text:
+            lines.append(f"Data lost: run {run}: {text}")
+    if not lines:
+        lines.append(f"Data: nothing lost in the {len(runs)} newest run{'s' if len(runs) != 1 else ''}"
+                     if runs else "Data: no runs yet")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     """Print one line per component; returns 0 when all are up, else 1."""
     import redis
@@ -51,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"Detector service: NOT RUNNING (no heartbeat in the last {SERVICE_STALE_S:.0f} s): "
               "start `trainhealth serve`")
     print(f"Runs: {client.zcard(RUNS)}")
+    print("\n".join(data_lines(client)))
     alert_lines, alerts_ok = doctor_report(client)
     print("\n".join(alert_lines))
     return 0 if live and alerts_ok else 1

@@ -689,35 +689,6 @@ def clean_snapshot(snap: Mapping[str, Any], bad: list[str]) -> dict[str, Any]:
     return out
 
 
-def history_lost_before(snap: Mapping[str, Any]) -> int | None:
-    """The step before which the run's history is gone (the snapshot's ``history_lost.before_step``), or None."""
-    lost = snap.get("history_lost")
-    step = lost.get("before_step") if isinstance(lost, Mapping) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def data_quality(snap: Mapping[str, Any]) -> tuple[dict[str, int], list[int], int, float | None]:
-    """What a ledger snapshot rests on: ``(records dropped by cause, ranks that dropped some, steps closed
-    without every rank's record, coverage in % of rank-steps or None)``, from its ``records_dropped``,
-    ``steps_partial`` and ``coverage_pct``; a value of the wrong type reads as none (snapshots before these
-    fields had none)."""
-    raw = snap.get("records_dropped")
-    drops: dict[str, int] = {}
-    ranks: list[int] = []
-    if isinstance(raw, Mapping):
-        for cause, n in raw.items():
-            if cause not in ("total", "by_rank") and isinstance(n, int) and not isinstance(n, bool) and n > 0:
-                drops[str(cause)] = n
-        by_rank = raw.get("by_rank")
-        if isinstance(by_rank, Mapping):
-            ranks = sorted(int(r) for r, n in by_rank.items() if str(r).isdigit() and isinstance(n, int) and n > 0)
-    partial = snap.get("steps_partial")
-    cov = snap.get("coverage_pct")
-    return (drops, ranks, partial if isinstance(partial, int) and not isinstance(partial, bool) else 0,
-            float(cov) if isinstance(cov, (int, float)) and not isinstance(cov, bool) and math.isfinite(cov)
-            else None)
-
-
 def ledger_latest(client: redis.Redis, run: str, problems: list[str] | None = None) -> dict[str, Any] | None:
     """The newest goodput ledger snapshot (``ledger:latest``) as a dict, or None if none yet.
 

@@ -166,17 +166,22 @@ class GoodputLedger:
         self._pending[key] = (max(old_s, secs), max(old_t, ev.t))
         self._last_t = max(self._last_t, ev.t)
 
-    def note_lost_history(self, step: int, t: float, ranks: list[int]) -> None:
+    def note_lost_history(self, step: int, t: float, ranks: list[int], cause: str = "redis") -> None:
         """The records before ``step`` (of ``ranks``, first seen at unix time ``t``) are gone: Redis lost them
-        (restarted without its data) or trimmed them. The ledger then starts at the first step seen — the time
-        before it is not booked as start-up, which it was not — and its snapshots say so (``history_lost``)."""
+        (restarted without its data) or trimmed them (``cause`` ``"redis"``), or the collectors dropped them and
+        said so (``"collector"``). The ledger then starts at the first step seen — the time before it is not
+        booked as start-up, which it was not — and its snapshots say so (``history_lost``)."""
         if self.history_lost is not None:
             return
-        self.history_lost = {"before_step": step, "first_seen_t": t, "ranks": sorted(ranks)}
+        self.history_lost = {"before_step": step, "first_seen_t": t, "ranks": sorted(ranks), "cause": cause}
         if self._last_end is not None and self._first_startup > 0 and self._start is not None:
             self._sec["program_startup"] -= self._first_startup
             self._start += self._first_startup
             self._first_startup = 0.0
+
+    def drops_of(self, rank: int) -> int:
+        """Records the collector of ``rank`` reported dropped so far (``collector_drops`` events)."""
+        return self._drops_by_rank.get(rank, 0)
 
     def _note_drops(self, ev: Event) -> None:
         """A collector's ``collector_drops`` event: records it lost, in total and by cause (events of collectors

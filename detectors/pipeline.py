@@ -230,6 +230,11 @@ class RunPipeline:
             return out
         ranks = sorted({r for r, _ in lost})
         t = min(t for _, t in lost.values())
+        if all(self.ledger.drops_of(r) for r in ranks):
+            # Those ranks' collectors reported drops (sent with the records that survived): they lost the start
+            # themselves, and the drops are shown as such. Not a Redis data loss.
+            self.ledger.note_lost_history(step, t, ranks, cause="collector")
+            return out
         self.ledger.note_lost_history(step, t, ranks)
         a = Anomaly(kind="data_loss", severity="info", step=step, end_step=step, status=RESOLVED,
                     gen=self.aggregator.generation, ranks=tuple(ranks),

@@ -752,11 +752,11 @@ def test_goodput_page_says_what_data_was_lost(r: redis.Redis, seeded: dict) -> N
     [warning] = [w.value for w in goodput_page().warning if "Data lost" in w.value]
     assert warning == ("**Data lost**: the collectors dropped 1,234 records on ranks 3, 5 (1,200 in the full "
                        "in-memory buffer, 34 not encodable); 12 steps closed without every rank's record. The figures "
-                       "here rest on 97.5% of the rank-steps.")
+                       "rest on 97.5% of the rank-steps.")
     snap.update(records_dropped={"total": 0, "by_rank": {}}, steps_partial=0, coverage_pct=100.0,
                 history_lost={"before_step": 3729, "first_seen_t": T0, "ranks": [0, 1]})
     r.set(k.ledger_latest, json.dumps(snap))
     [warning] = [w.value for w in goodput_page().warning if "Data lost" in w.value]
     assert warning == ("**Data lost**: the run's history before step 3,729 is not in Redis (it restarted without its "
-                       "data, or trimmed it): the figures cover the run from there. The figures here rest on 100% of "
+                       "data, or trimmed it): the figures cover the run from there. The figures rest on 100% of "
                        "the rank-steps.")

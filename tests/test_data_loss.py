@@ -4,6 +4,9 @@ Goodput page and its numbers (issue 15)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import redis
@@ -54,6 +57,16 @@ def test_records_a_full_buffer_dropped_reach_the_ledger(own_redis) -> None:
     assert (snap["steps_done"], snap["records_dropped"], snap["steps_partial"]) == (
         50, {"total": 71, "buffer": 71, "by_rank": {"0": 71}}, 0)
     assert snap["coverage_pct"] == round(100 * 50 / 121, 3)
+    # ... and `trainhealth doctor` says so (informational: its exit code is about what is down)
+    out = subprocess.run([sys.executable, "-m", "trainhealth", "doctor"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "TRAINHEALTH_REDIS_URL": own_redis.url})
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("Data")]
+    assert lines == ["Data lost: run run-drop: the run's history before step 70 was dropped by the collectors: the "
+                     "figures cover the run from there; the collectors dropped 71 records on rank 0 (71 in the full "
+                     "in-memory buffer). The figures rest on 41.3% of the rank-steps."]
+    assert snap["history_lost"] == {"before_step": 70, "first_seen_t": snap["history_lost"]["first_seen_t"],
+                                    "ranks": [0], "cause": "collector"}
+    assert not [a for a in client.hvals("th:{run-drop}:anomalies") if b"data_loss" in a]  # not a Redis loss
 
 
 def test_a_redis_restarted_without_its_data_is_a_data_loss_not_start_up(own_redis) -> None:

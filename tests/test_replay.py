@@ -112,6 +112,7 @@ def test_doctor_reports_redis_and_missing_service(redis_url: str) -> None:
     assert out.returncode == 1
     assert f"Redis: {redis_url} ok" in out.stdout
     assert "Detector service: NOT RUNNING" in out.stdout
+    assert "Data: no runs yet" in out.stdout.splitlines()
 
 
 def test_cli_replay_of_a_generic_csv_with_a_column_mapping(r: redis.Redis, redis_url: str) -> None:

@@ -16,6 +16,7 @@ import pandas as pd
 import redis
 import streamlit as st
 
+from trainhealth.coverage import data_lost_text
 from trainhealth.dashboard import cards, charts, data
 from trainhealth.dashboard.common import (
     GOODPUT_TIME,
@@ -35,8 +36,7 @@ from trainhealth.dashboard.common import (
 )
 from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S
-from trainhealth.text import fmt_duration, fmt_gpu_hours, fmt_int, fmt_pct, fmt_rate, fmt_usd, plural
-from trainhealth.wire import DROP_CAUSES
+from trainhealth.text import fmt_duration, fmt_gpu_hours, fmt_pct, fmt_rate, fmt_usd, plural
 
 #: History windows offered (label → ledger snapshots read: one per 2 s) and how long a read is
 #: reused (s): the charts' history is one ``XREVRANGE … COUNT`` per period, the KPIs stay live.
@@ -145,31 +145,6 @@ def closed_recommendations(recs: list[dict[str, Any]], tz: str) -> pd.DataFrame:
     return frame[CLOSED_COLUMNS]
 
 
-def data_lost_text(snap: dict) -> str | None:
-    """A warning when the figures rest on less than every record: records the collectors dropped (by cause and
-    rank), steps closed without every rank's record, the share of rank-steps the ledger saw; None when nothing
-    was lost."""
-    drops, ranks, partial, coverage = data.data_quality(snap)
-    before = data.history_lost_before(snap)
-    if not drops and not partial and before is None:
-        return None
-    parts = []
-    if before is not None:
-        parts.append(f"the run's history before step {fmt_int(before)} is not in Redis (it restarted without its "
-                     "data, or trimmed it): the figures cover the run from there")
-    if drops:
-        total = sum(drops.values())
-        how = ", ".join(f"{fmt_int(n)} {DROP_CAUSES.get(c, 'for a cause not reported')}" for c, n in drops.items())
-        who = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:16]))}" if ranks else ""
-        parts.append(f"the collectors dropped {plural(total, 'record')}{who} ({how})")
-    if partial:
-        parts.append(f"{plural(partial, 'step')} closed without every rank's record")
-    text = "**Data lost**: " + "; ".join(parts)
-    if coverage is not None:
-        text += f". The figures here rest on {fmt_pct(coverage)} of the rank-steps."
-    return text
-
-
 def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str) -> None:
     """Breakdown over time (full width), then throughput vs goodput and the cost per cause side by side."""
     if hist.empty:
@@ -230,7 +205,7 @@ def live(run: str) -> None:
     st.caption(summary_line(snap, meta, time.time()))
     lost = data_lost_text(snap)
     if lost:
-        st.warning(lost, icon=":material/database_off:")
+        st.warning(f"**Data lost**: {lost}", icon=":material/database_off:")
     kpis(snap, meta)
     if data.has_token_counts(snap):
         rates = rates_table(snap)
