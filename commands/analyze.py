@@ -17,7 +17,9 @@ def register(sub: Any) -> None:
     """Add ``analyze`` to the ``trainhealth`` sub-parsers."""
     n = command(sub, "analyze", "Post-mortem of training logs, offline (no Redis): the live detectors, goodput ledger "
                                 "and rollback advisor run over each file. Exit 0 when nothing is critical, 1 when an "
-                                "anomaly is critical, 2 when a file cannot be read. Formats as for replay.")
+                                "anomaly is critical, 2 when a file cannot be read. A file cut short (truncated, "
+                                "ending mid-line) is analysed up to the cut with a warning naming where; it does "
+                                "not change the exit status. Formats as for replay.")
     log_options(n)
     n.add_argument("--json", action="store_true", help="print the JSON report (docs/analyze.md) instead of the text")
     n.add_argument("--json-file", metavar="FILE", help="also write the JSON report to FILE")

@@ -9,7 +9,7 @@ import logging
 import math
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -312,6 +312,10 @@ def finite_positive(x: float | None) -> bool:
     return x is not None and math.isfinite(x) and x > 0
 
 
+def _fold(name: str) -> str:
+    return "".join(name.split()).lower()
+
+
 #: ``BadLines.finish(last=…)`` not given: the reader does not say which line it read last.
 _UNTRACKED = -1
 
@@ -327,7 +331,10 @@ class BadLines:
     is not counted as malformed: it gets a warning of its own, "ends mid-line … truncated?", naming its
     line and byte offset — the file was cut, the lines before it stand. It does not parse when it was
     :meth:`add` ed, or, if the reader passes ``finish(good, last=…)`` (the line of the last record it
-    read, None for none), when it is not that line.
+    read, None for none), when it is not that line. A torn last line that parses but is cut short — it
+    lacks the last field of the complete record before it, see :meth:`cut_short` — is left out the same
+    way, with a warning naming the missing fields and the step it would have booked: a record read
+    up to the cut would be a step with missing values (a "missing" loss reads as a NaN one).
     """
 
     def __init__(self, path: Path, what: str, place: str = "line {}: ", unit: str = "line",
@@ -340,6 +347,8 @@ class BadLines:
         self.count = 0
         self.first: tuple[int, str] | None = None
         self.torn: tuple[int, str | None] | None = None
+        self.cut: str | None = None  # the torn line parses but is cut short: why, for the warning
+        self.whole: tuple[int, Sequence[str]] | None = None  # the last complete record: its line, its fields
 
     def add(self, line: int, reason: str) -> None:
         if self.lines is not None and line == self.lines.torn:
@@ -349,11 +358,41 @@ class BadLines:
         if self.first is None:
             self.first = (line, reason)
 
+    def cut_short(self, line: int, fields: Sequence[str], end: int | None = None, step: int | None = None) -> bool:
+        """Whether a record that parsed is the torn last line cut short; if so it is held for :meth:`finish`'s warning.
+
+        ``fields``: the record's field names in line order, as written (the message shows them with each run of
+        whitespace made one space); ``line``/``end``: its first/last line (``end`` defaults to ``line``);
+        ``step``: its step, for the message. Cut short means: its last line is the file's torn last line (no
+        line end) and it lacks the field the complete record before it ended with (a log prints its fields in
+        a fixed order and a cut removes the last ones; a field missing mid-line is what the log chose to print,
+        as Megatron leaves out a NaN loss). Names are compared ignoring case and whitespace (a hard-wrapped
+        excerpt loses or adds spaces). The first record has nothing to compare with, so it is never cut short;
+        a cut inside the last field's value is not seen either (the digits left read as a number).
+        Call it for every record that parsed, in file order; when it returns True, do not book the record.
+        """
+        end = line if end is None else end
+        if self.lines is None or end != self.lines.torn:
+            self.whole = (line, fields)
+            return False
+        have = {_fold(f) for f in fields}
+        if self.whole is None or not self.whole[1] or _fold(self.whole[1][-1]) in have:
+            return False
+        ref, ref_fields = self.whole
+        missing = ", ".join(repr(" ".join(f.split())) for f in ref_fields if _fold(f) not in have)
+        self.torn = (end, None)
+        self.cut = (f"is cut short (no {missing}, which line {ref} has); truncated? "
+                    + ("Its record" if step is None else f"Step {step} on it") + " is incomplete and left out")
+        return True
+
     def finish(self, good: int, last: int | None = _UNTRACKED) -> None:
         if (self.torn is None and last != _UNTRACKED and self.lines is not None and self.lines.torn is not None
                 and last != self.lines.torn):
             self.torn = (self.lines.torn, None)
-        if self.torn is not None and self.lines is not None:
+        if self.cut is not None and self.lines is not None:
+            log.warning("%s: ends mid-line: %s has no line end and %s, the lines before it are read",
+                        self.path, self.lines.where_torn(), self.cut)
+        elif self.torn is not None and self.lines is not None:
             why = "" if self.torn[1] is None else f" ({self.torn[1]})"
             where = self.lines.where_torn()
             if good == 0 and self.first is None:

@@ -40,6 +40,12 @@ is re-joined (its keys are matched ignoring whitespace, so ``number of skipped i
 ``ns: 0`` reads right); ``#`` comment lines, ``...``/``[...]`` elisions, blank lines and any other
 output are ignored. A Megatron line that still does not end with ``|`` (torn by a crash) or whose
 known field is not a number is skipped, with one warning for all of them naming the first.
+
+A file cut mid-line (a crash, a copy of a log being written): a last line without its line end that
+does not end with ``|``, or that does but lacks the key the iteration line before it ends with (cut
+right after a ``|``: ``number of nan iterations``, ``TFLOPs``), is left out with a warning naming its
+line, its byte offset and the missing keys; booked, it would be a step with fields missing (a loss
+"left out by Megatron" where the cut took it). A complete last line without a line end is read.
 """
 
 from __future__ import annotations
@@ -91,21 +97,23 @@ def sniff_line(line: str) -> bool:
 COUNTS = ("consumed_samples", "tokens_total", "skipped", "nan")
 
 
-def _parse(text: str, nemo: bool) -> tuple[dict[str, float], int, str | None]:
-    """Fields and step of one (re-joined) record, or the reason it is malformed."""
+def _parse(text: str, nemo: bool) -> tuple[dict[str, float], int, str | None, list[str]]:
+    """Fields and step of one (re-joined) record, or the reason it is malformed; and every key on it, in order."""
     if not nemo and not text.rstrip().endswith("|"):
-        return {}, 0, "the line ends before its closing '|' (torn or wrapped beyond repair)"
+        return {}, 0, "the line ends before its closing '|' (torn or wrapped beyond repair)", []
     m = START.search(text)
     assert m is not None
     try:
         step = step_of(m.group(1))  # 400 digits would overflow the timeline
     except ValueError as exc:
-        return {}, 0, f"field 'iteration' is {exc}: {show(m.group(1))}"
+        return {}, 0, f"field 'iteration' is {exc}: {show(m.group(1))}", []
     fields: dict[str, float] = {}
+    keys: list[str] = []  # known or not: a line cut after a '|' lacks the last ones (BadLines.cut_short)
     for seg in text[m.end():].split("|"):
         key, sep, value = seg.rpartition(":")
         if not sep:
             continue
+        keys.append(key)
         known = KEYS.get(re.sub(r"\s+", "", key).lower())
         if known is None:
             continue
@@ -120,13 +128,13 @@ def _parse(text: str, nemo: bool) -> tuple[dict[str, float], int, str | None]:
             if x is None:
                 raise ValueError(NOT_A_NUMBER)
         except ValueError as exc:
-            return {}, 0, f"field {shown!r} is {reason(exc)}: {show(v)}"
+            return {}, 0, f"field {shown!r} is {reason(exc)}: {show(v)}", []
         if name in COUNTS and not math.isfinite(x):
-            return {}, 0, f"field {shown!r} is not a finite count: {show(v)}"
+            return {}, 0, f"field {shown!r} is not a finite count: {show(v)}", []
         fields[name] = x * scale
     if not any(k in fields for k in ("loss", "grad_norm", "lr")):
-        return {}, 0, "no loss, grad norm or learning rate on the line"
-    return fields, step, None
+        return {}, 0, "no loss, grad norm or learning rate on the line", []
+    return fields, step, None, keys
 
 
 def read(path: str | Path) -> Iterator[LogPoint]:
@@ -183,9 +191,11 @@ def read(path: str | Path) -> Iterator[LogPoint]:
                 break
             parts.append(peek[1])
             end = peek[0]
-        fields, step, err = _parse("".join(parts), nemo)
+        fields, step, err, keys = _parse("".join(parts), nemo)
         if err is not None:
             bad.add(end if end == source.torn else lineno, err)  # a record cut by the file's end: truncated
+            continue
+        if bad.cut_short(lineno, keys, end, step):  # cut right after a '|': it parses, its last fields missing
             continue
         last = end
         skipped = fields.get("skipped")

@@ -30,7 +30,9 @@ Found by name, case and ``_``/``-``/space ignored (``grad_norm`` = ``grad norm``
 not a step; save lines (``The checkpoint has been created.``, ``Saving checkpoint …``, ``saved
 checkpoint``) are ``checkpoint_save`` events at the last step logged before them. A step line whose
 loss, grad norm or learning rate after ``:``/``=`` is not a number, or whose step is out of range,
-is skipped with one warning for all of them.
+is skipped with one warning for all of them. A last line without its line end that lacks the metric
+the step line before it ends with (``step 13001 \\t loss = 0.86`` after ``… (1.0 sec/step)``) was cut
+mid-write: it is left out with a warning naming its line and byte offset, as a line that does not parse.
 """
 
 from __future__ import annotations
@@ -117,9 +119,13 @@ def _seconds(value: str, unit: str | None, scale: float) -> float | None:
     return x / 1000.0 if u in ("ms", "msec") else x if u else x * scale
 
 
+#: The fields as a warning names them.
+SHOWN = {"loss": "loss", "grad_norm": "grad norm", "lr": "learning rate", "time": "step time", "clock": "elapsed time"}
+
+
 def _parse(text: str) -> tuple[dict[str, float | None], str | None]:
-    """The metrics on a step line, or the reason it is malformed."""
-    best: dict[str, tuple[float, float | None]] = {}  # field → (name priority, value)
+    """The metrics on a step line, in the order they are on it, or the reason it is malformed."""
+    best: dict[str, tuple[float, float | None, int]] = {}  # field → (name priority, value, where on the line)
     for m in KEY.finditer(text):
         field, rank = _FIELD_OF[_norm(m.group("key"))]
         pre = PRE.search(text, max(0, m.start() - 24), m.start())
@@ -156,18 +162,17 @@ def _parse(text: str) -> tuple[dict[str, float | None], str | None]:
             if x is None or not math.isfinite(x) or x < 0:
                 continue
         if field not in best or rank < best[field][0]:
-            best[field] = (rank, x)
-    out = {f: v for f, (_, v) in best.items()}
+            best[field] = (rank, x, m.start())
     r = RATE.search(text)
     if r is not None:
         x = float(r.group("v"))
         if r.group("inv"):
-            out["time"] = 1.0 / x if x > 0 else None
+            best["time"] = (0, 1.0 / x if x > 0 else None, r.start())
         else:
-            out["time"] = x / 1000.0 if r.group("u").lower() in ("ms", "msec") else x
-    elif "time" not in out and "|" in text and (b := BARE.search(text)) is not None:
-        out["time"] = float(b.group(1)) / (1000.0 if b.group(2) == "ms" else 1.0)
-    return out, None
+            best["time"] = (0, x / 1000.0 if r.group("u").lower() in ("ms", "msec") else x, r.start())
+    elif "time" not in best and "|" in text and (b := BARE.search(text)) is not None:
+        best["time"] = (0, float(b.group(1)) / (1000.0 if b.group(2) == "ms" else 1.0), b.start())
+    return {f: v for f, (_, v, _) in sorted(best.items(), key=lambda kv: kv[1][2])}, None
 
 
 def read(path: str | Path) -> Iterator[LogPoint | LogEvent]:
@@ -214,6 +219,8 @@ def read(path: str | Path) -> Iterator[LogPoint | LogEvent]:
                     err = f"field {m.group('key')!r} is {exc}: {show(m.group('n'))}"
             if err is not None:
                 bad.add(lineno, err)
+                continue
+            if bad.cut_short(lineno, [SHOWN[f] for f in vals], step=this):  # its last metrics cut off
                 continue
         if m is None:
             event = checkpoints.event(text, lineno, step)
