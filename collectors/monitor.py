@@ -358,7 +358,8 @@ class Monitor:
             batch=batch_records, flush_interval=flush_interval, heartbeat_interval=heartbeat_interval,
             retention=retention or config.retention_records(), spill=spill,
         )
-        self._put = self._sender.put  # the hot path's one call: bound once, no lookup per record
+        self._put = self._sender.put  # events
+        self._put_rec = self._sender.put_step  # the hot path's one call: bound once, no lookup per record
         self._event("run_start", host=self.host, pid=os.getpid(), world_size=self.world_size,
                     local_rank=self.local_rank, config=config_json, t=self.inc)
         self._sender.start()
@@ -370,11 +371,11 @@ class Monitor:
     def _put_step(self, rec: dict[str, Any]) -> None:
         gpu = self._gpu
         if gpu is None:
-            self._put("steps", rec)
+            self._put_rec(rec)
             return
         # Records wait, in order, until the CUDA events of their sections have completed.
         for ready in gpu.submit(rec, rec.pop("_gpu", None) or []):
-            self._put("steps", ready)
+            self._put_rec(ready)
 
     def step(self, step: int, data_from: float | None = None) -> _Step:
         """Context manager timing one training step on this rank.
@@ -560,7 +561,7 @@ class Monitor:
         if self._gpu is not None:
             try:
                 for rec in self._gpu.drain():
-                    self._put("steps", rec)
+                    self._put_rec(rec)
             except Exception:
                 self._internal_error()
 

@@ -9,6 +9,19 @@ thread only appends to a ``collections.deque(maxlen=N)`` (an atomic, bounded, lo
 append; the oldest record is dropped when full and the drop counted by the caller).
 On a Redis error the current batch is kept and retried after a capped exponential
 back-off, so nothing is lost unless the buffer itself overflows.
+
+The training thread must never wait on this one (issue 15), and in CPython it does whenever this thread holds the
+GIL: a thread that wants it back gets it when the holder blocks, or after the 5 ms switch interval, and not at all
+inside one long C call (``json.dumps`` of a whole batch, a garbage collection). So the sender
+
+- encodes, spills and reads the spill one record at a time, and every :data:`SLICE_S` of that work sleeps
+  :data:`PAUSE_S`, long enough for a waiting thread to take the GIL (a ``sleep(0)`` lets this thread take it
+  straight back); no single C call handles more than one record;
+- keeps no object the garbage collector tracks per record: a step record waits as its dict alone (a dict of
+  numbers is untracked; a ``(stream, fields)`` tuple holding it is always tracked), and is sent, and spilled, as its
+  JSON text. A backlog of 100,000 tracked tuples made each full collection take tens of ms, paid by whichever
+  thread triggered it: during an outage, the training loop;
+- never touches ``sys.setswitchinterval`` or ``gc``'s settings: both belong to the training program.
 """
 
 from __future__ import annotations
@@ -21,12 +34,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 import redis
 
 from trainhealth import defaults
-from trainhealth.collectors.spill import Spill
+from trainhealth.collectors.spill import STEP_LINE_PREFIX, Spill, record_line
 from trainhealth.keys import RUNS, RunKeys
 from trainhealth.loop import Backoff
 from trainhealth.text import show
@@ -35,8 +49,21 @@ from trainhealth.wire import DROP_CAUSES, encode_value
 
 log = logging.getLogger(__name__)
 
-#: A queued record: (stream, fields). ``stream`` is "steps" or "events".
+#: A record: (stream, fields). ``stream`` is "steps" or "events".
 Record = tuple[str, dict[str, Any]]
+#: A buffered record: a step record's fields dict alone (see :meth:`Sender.put_step`), anything else a Record.
+Item = dict[str, Any] | Record
+#: A record ready to send: a step record as its JSON text, an event as ("events", fields of str and int).
+Encoded = str | Record
+
+#: Longest stretch (s) of the sender's per-record work (encoding, spilling, reading the spill) between two pauses.
+SLICE_S = 0.0002
+#: Each pause (s): a real sleep, so that a thread waiting for the GIL wakes and takes it (Linux adds its 50 µs
+#: timer slack). Costs the sender about a third of its speed while it works through a backlog.
+PAUSE_S = 0.00005
+_STEP_LINE_START = len(STEP_LINE_PREFIX)
+#: Encodes a step record as the sender sends it: the same bytes as one element of ``json.dumps(list)``.
+_dumps = json.JSONEncoder(separators=(",", ":")).encode  # NaN/Infinity kept as JSON5-style tokens
 
 
 _PLAIN = frozenset({int, float, bool, type(None)})
@@ -164,7 +191,7 @@ class Sender(threading.Thread):
         super().__init__(name=f"trainhealth-sender-{keys.run}", daemon=True)
         self._connect = connect
         self._keys = keys
-        self._buffer: deque[Record] = deque(maxlen=buffer_records)
+        self._buffer: deque[Item] = deque(maxlen=buffer_records)
         #: Records the buffer dropped, oldest first, because it was full.
         self.overflowed = 0
         self._heartbeat = heartbeat
@@ -174,8 +201,12 @@ class Sender(threading.Thread):
         self.heartbeat_interval = heartbeat_interval
         self._maxlen = {"steps": retention, "events": events_retention}
         self._client: redis.Redis | None = None
-        self._inflight: list[Record] = []
-        self._inflight_spilled = False  # the in-flight batch came from the spill (commit it once sent)
+        self._inflight: list[Encoded] = []
+        self._inflight_from_spill = 0  # lines of the spill the in-flight batch came from (committed once sent)
+        #: Records taken from the buffer or the spill and not yet in the in-flight batch or the spill: counted as
+        #: pending, so that a flush() never sees them nowhere.
+        self._moving = 0
+        self._slice_end = 0.0  # perf_counter() at which the current stretch of work must pause
         self._spill = spill
         self._next_attempt = 0.0
         self._wake = threading.Event()
@@ -192,6 +223,11 @@ class Sender(threading.Thread):
         self._warn_once = WarnOnce(log, "trainhealth collector: ")  # values the wire format cannot carry
         #: Records delivered to Redis, and whether the last attempt reached it.
         self.sent = 0
+        # Step records this sender has written to Redis (acknowledged), and the count as the pipeline being built
+        # will leave it: each steps entry carries the first as ``seq``, so the service can tell records Redis
+        # trimmed before it read them (a gap in one sender's seq) from records never sent.
+        self._seq = 0
+        self._seq_build = 0
         self.connected = False
         #: CPU seconds this thread has used, and those it had used once first connected (start-up).
         self.cpu_s = 0.0
@@ -203,15 +239,29 @@ class Sender(threading.Thread):
         self._wake.set()
 
     def put(self, stream: str, fields: dict[str, Any]) -> None:
-        """Queue one record for ``stream`` (``steps`` or ``events``): the training thread's only call.
+        """Queue one record for ``stream`` (``steps`` or ``events``), from the training thread.
 
         O(1) and lock-free (``deque.append``); when the buffer is full the oldest record is dropped and
         counted, never raised.
         """
+        if stream == "steps" and type(fields) is dict:
+            self.put_step(fields)
+            return
         buf = self._buffer
         if len(buf) == buf.maxlen:
             self.overflowed += 1  # deque drops the oldest on append
         buf.append((stream, fields))
+
+    def put_step(self, fields: dict[str, Any]) -> None:
+        """Queue one step record (a dict): the training thread's call per step, as :meth:`put`.
+
+        The dict is queued alone: one of plain numbers is not tracked by the garbage collector, so a backlog of
+        them adds nothing to the collections the training thread pays for.
+        """
+        buf = self._buffer
+        if len(buf) == buf.maxlen:
+            self.overflowed += 1  # deque drops the oldest on append
+        buf.append(fields)
 
     def start(self) -> None:
         """Start the thread; never raises: a thread that cannot start (at interpreter shutdown, or out of
@@ -225,7 +275,7 @@ class Sender(threading.Thread):
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until everything queued so far is sent; True if it was."""
         deadline = time.monotonic() + timeout
-        while (self._buffer or self._inflight or (self._spill is not None and len(self._spill))
+        while (self._buffer or self._inflight or self._moving or (self._spill is not None and len(self._spill))
                or (self.connected and self.dropped_total > self._reported_drops)):  # the drops are reported too
             self._idle.clear()
             self._wake.set()
@@ -240,7 +290,7 @@ class Sender(threading.Thread):
         """Records not delivered yet: the buffer, the batch in flight and the spill (a batch in flight
         that was read from the spill is counted once)."""
         spill = self._spill
-        n = len(self._buffer) + len(self._inflight)
+        n = len(self._buffer) + len(self._inflight) + self._moving
         return n + len(spill) - spill.peeked if spill is not None else n
 
     def stop(self, timeout: float) -> bool:
@@ -255,6 +305,7 @@ class Sender(threading.Thread):
     # -- the thread ----------------------------------------------------------------------------
     def run(self) -> None:
         while not self._stopping.is_set():
+            self._pause()
             if self.connected or time.monotonic() >= self._next_attempt:
                 try:
                     self._cycle()
@@ -265,6 +316,7 @@ class Sender(threading.Thread):
                     if not self._salvage():
                         log.exception("trainhealth collector: unexpected error in sender (records kept)")
                         self._stopping.wait(1.0)
+                        self._slice_end = perf_counter() + SLICE_S
             if not self.connected:
                 try:
                     self._spill_overflow()
@@ -279,22 +331,47 @@ class Sender(threading.Thread):
                 # While disconnected keep waking at the flush interval: the buffer may need spilling.
                 self._wake.wait(self.flush_interval)
                 self._wake.clear()
+                self._slice_end = perf_counter() + SLICE_S  # the GIL was free while this thread waited
         if self._spill is not None:
             self._spill.close()  # only this thread touches the spill: close it here, once stopped
 
+    def _pause(self) -> None:
+        """Called between records of the sender's long loops: once :data:`SLICE_S` of work is done, sleep
+        :data:`PAUSE_S` so that a thread waiting for the GIL (the training loop) takes it within that time, not
+        after the interpreter's 5 ms switch interval."""
+        if perf_counter() >= self._slice_end:
+            time.sleep(PAUSE_S)
+            self._slice_end = perf_counter() + SLICE_S
+
     def _spill_overflow(self) -> None:
-        """Redis is away: move the buffer to disk once it is half full, oldest first, in order."""
+        """Redis is away: move the buffer to disk once it is half full, oldest first, in order, a batch of
+        records at a time (what the training loop appends meanwhile waits for the next time)."""
         spill, buf = self._spill, self._buffer
         if spill is None or len(buf) < (buf.maxlen or 0) // 2:
             return
-        popleft = buf.popleft
-        encoded = self._encode([popleft() for _ in range(len(buf))])
-        try:
-            spill.write(encoded)
-        except OSError as exc:
-            log.warning("trainhealth collector: cannot spill to %s (%s); dropping %d records",
-                        spill.directory, exc, len(encoded))
-            self._spill_failed += len(encoded)
+        popleft, prepare, pause = buf.popleft, self._prepare, self._pause
+        left = len(buf)  # only this thread takes from the buffer: these many are there to take
+        while left:
+            n = min(left, self.batch)
+            left -= n
+            self._moving += n  # before taking them: a flush() must always see them somewhere
+            lines: list[str] = []
+            for _ in range(n):
+                item = prepare(popleft())
+                if item is not None:
+                    lines.append(_line_of(item))
+                pause()
+            try:
+                spill.append(lines, pause)
+            except OSError as exc:
+                for _ in range(left):  # the rest of this move goes too, as one loss (one warning)
+                    popleft()
+                self._spill_failed += len(lines) + left
+                self._moving = 0
+                log.warning("trainhealth collector: cannot spill to %s (%s); dropping %d records",
+                            spill.directory, exc, len(lines) + left)
+                return
+            self._moving -= n
 
     def _on_error(self, exc: BaseException) -> None:
         if self.connected or self._backoff.delay == 0.0:
@@ -336,6 +413,7 @@ class Sender(threading.Thread):
             # One MULTI/EXEC per batch: a batch lands whole or not at all, so a retry after a
             # dropped connection does not write part of it twice.
             pipe = client.pipeline(transaction=True)
+            self._seq_build = self._seq
             self._add_batch(pipe, batch)
             if drops > 0:
                 ev = self._clean("events", {"kind": "collector_drops", "count": drops,
@@ -352,8 +430,10 @@ class Sender(threading.Thread):
             if len(pipe):
                 pipe.execute()
             self.sent += len(batch)
-            if self._inflight_spilled:
-                self._spill.commit(len(batch))  # type: ignore[union-attr]
+            self._seq = self._seq_build
+            if self._inflight_from_spill:
+                self._spill.commit(self._inflight_from_spill)  # type: ignore[union-attr]
+                self._inflight_from_spill = 0
             self._inflight = []
             if drops > 0:
                 self._reported_drops += drops
@@ -366,72 +446,131 @@ class Sender(threading.Thread):
             if not batch:
                 return
             first = False
+            self._pause()
 
     def _next_batch(self) -> None:
-        """Take the next batch to send, oldest first: from the spill (already encoded), else from the
-        buffer, encoded now, once (a batch retried after a Redis error is not encoded again)."""
-        spill, buf = self._spill, self._buffer
-        while not self._inflight:
-            if spill is not None and len(spill):
-                self._inflight = spill.peek(self.batch)
-                self._inflight_spilled = True
-                return
-            if not buf:
-                return
-            popleft = buf.popleft
-            self._inflight = self._encode([popleft() for _ in range(min(self.batch, len(buf)))])
-            self._inflight_spilled = False
+        """Take the next batch to send, oldest first: from the spill (already encoded: a step record's line
+        holds its JSON, passed on as it is), else from the buffer, encoded now, once (a batch retried after a
+        Redis error is not encoded again). Pauses between records (:meth:`_pause`)."""
+        spill, buf, pause = self._spill, self._buffer, self._pause
+        if self._inflight:
+            return
+        items: list[Encoded] = []
+        if spill is not None and len(spill):
+            lines = spill.peek_lines(self.batch, pause)
+            self._moving = len(lines)  # peeked: no longer counted in the spill's share of pending
+            for line in lines:
+                if line.startswith(STEP_LINE_PREFIX):
+                    items.append(line[_STEP_LINE_START:-2])  # '["steps",' + JSON + ']\n'
+                else:
+                    item = self._event_of_line(line)
+                    if item is not None:
+                        items.append(item)
+                pause()
+            self._inflight, self._inflight_from_spill = items, len(lines)
+            self._moving = 0
+            return
+        popleft, prepare = buf.popleft, self._prepare
+        n = min(self.batch, len(buf))
+        self._moving = n  # before taking them: a flush() must always see them somewhere
+        for _ in range(n):
+            item = prepare(popleft())
+            if item is not None:
+                items.append(item)
+            pause()
+        self._inflight, self._inflight_from_spill = items, 0
+        self._moving = 0
 
-    def _encode(self, records: list[Record]) -> list[Record]:
-        """``records`` ready to send (see :meth:`_clean`); one that cannot be is dropped and counted."""
-        out: list[Record] = []
-        for stream, fields in records:
-            try:
-                rec = self._clean(stream, fields)
-            except Exception:  # a value nothing can encode must not jam the sender: drop that record only
-                self._log_once("encode", "trainhealth collector: a %s record cannot be encoded; dropped "
-                               "(further ones counted as dropped)", stream, exc_info=True)
-                rec = None
-            if rec is None:
-                self._unsendable += 1
+    def _event_of_line(self, line: str) -> Record | None:
+        """A spilled event's line as a Record, or None (dropped and counted) for a line that is not one."""
+        try:
+            stream, fields = json.loads(line)
+            if type(stream) is not str or type(fields) is not dict:
+                raise ValueError(f"not a [stream, fields] record: {show(line)}")
+        except Exception:
+            self._log_once("spill_line", "trainhealth collector: a spilled record cannot be read; dropped "
+                           "(further ones counted as dropped)", exc_info=True)
+            self._unsendable += 1
+            return None
+        return stream, fields
+
+    def _prepare(self, item: Item) -> Encoded | None:
+        """A buffered record ready to send (see :meth:`_clean`): a step record as its JSON text, an event as
+        ``("events", fields)``; None, dropped and counted, for one that cannot be."""
+        stream = "steps"
+        try:
+            if type(item) is dict:
+                rec = self._clean(stream, item)
             else:
-                out.append((stream, rec))
+                stream, fields = item
+                rec = self._clean(stream, fields)
+        except Exception:  # a value nothing can encode must not jam the sender: drop that record only
+            self._log_once("encode", "trainhealth collector: a %s record cannot be encoded; dropped "
+                           "(further ones counted as dropped)", stream, exc_info=True)
+            rec = None
+        if rec is None:
+            self._unsendable += 1
+            return None
+        if stream != "steps":
+            return stream, rec
+        try:
+            return _dumps(rec)
+        except Exception:  # a key JSON cannot carry (not a str): the record cannot go on the wire
+            self._log_once("salvage", "trainhealth collector: a %s record cannot be sent; dropped "
+                           "(further ones counted as dropped)", stream, exc_info=True)
+            self._unsendable += 1
+            return None
+
+    def _encode(self, records: list[Item]) -> list[Encoded]:
+        """``records`` ready to send (see :meth:`_prepare`); one that cannot be is dropped and counted."""
+        out: list[Encoded] = []
+        for item in records:
+            enc = self._prepare(item)
+            if enc is not None:
+                out.append(enc)
         return out
 
     def _salvage(self) -> bool:
         """After an unexpected error sending the batch in flight: drop the records in it that cannot be
         sent (counted, logged once) and keep the rest; True when some were dropped (worth a retry now)."""
-        good: list[Record] = []
-        for stream, rec in self._inflight:
-            try:
-                json.dumps(rec, separators=(",", ":"))
-                if stream != "steps" and not all(type(k) is str and type(v) in (str, int) for k, v in rec.items()):
-                    raise TypeError(f"event field values must be str or int: {show(rec)}")
-            except Exception:
-                self._log_once("salvage", "trainhealth collector: a %s record cannot be sent; dropped "
-                               "(further ones counted as dropped)", stream, exc_info=True)
-                continue
-            good.append((stream, rec))
+        good: list[Encoded] = []
+        for item in self._inflight:
+            if type(item) is not str:  # a step record's JSON text was made once and for all: it goes as it is
+                stream, rec = item
+                try:
+                    json.dumps(rec, separators=(",", ":"))
+                    if stream != "steps" and not all(type(k) is str and type(v) in (str, int)
+                                                     for k, v in rec.items()):
+                        raise TypeError(f"event field values must be str or int: {show(rec)}")
+                except Exception:
+                    self._log_once("salvage", "trainhealth collector: a %s record cannot be sent; dropped "
+                                   "(further ones counted as dropped)", stream, exc_info=True)
+                    continue
+            good.append(item)
         bad = len(self._inflight) - len(good)
         if not bad:
             return False
-        if self._inflight_spilled:  # gone from the spill: sent from memory, as a batch whose segment was dropped
-            self._spill.commit(len(self._inflight))  # type: ignore[union-attr]
-            self._inflight_spilled = False
+        if self._inflight_from_spill:  # gone from the spill: sent from memory, as a batch whose segment was dropped
+            self._spill.commit(self._inflight_from_spill)  # type: ignore[union-attr]
+            self._inflight_from_spill = 0
         self._inflight = good
         self._unsendable += bad
         return True
 
-    def _add_batch(self, pipe: Any, records: list[Record], clean: bool = False) -> None:
+    def _add_batch(self, pipe: Any, records: list[Encoded] | list[Item], clean: bool = False) -> None:
         """Queue encoded ``records`` (with ``clean``, raw ones, encoded first) on ``pipe``: each run of
         consecutive step records becomes one entry (``rank``, ``n``, ``recs`` = JSON list), each event
         its own entry, so entry ids keep the order."""
         if clean:
-            records = self._encode(records)
-        steps: list[dict[str, Any]] = []
-        for stream, rec in records:
-            if stream == "steps":
-                steps.append(rec)
+            records = self._encode(records)  # type: ignore[arg-type]
+        steps: list[str] = []
+        for item in records:
+            if type(item) is str:
+                steps.append(item)
+                continue
+            stream, rec = item  # type: ignore[misc]
+            if stream == "steps":  # a cleaned step record given as a Record
+                steps.append(_dumps(rec))
                 continue
             if steps:
                 self._xadd_steps(pipe, steps)
@@ -441,13 +580,14 @@ class Sender(threading.Thread):
         if steps:
             self._xadd_steps(pipe, steps)
 
-    def _xadd_steps(self, pipe: Any, steps: list[dict[str, Any]]) -> None:
-        body = json.dumps(steps, separators=(",", ":"))  # NaN/Infinity kept as JSON5-style tokens
+    def _xadd_steps(self, pipe: Any, steps: list[str]) -> None:
+        body = "[" + ",".join(steps) + "]"  # the records' JSON texts: what json.dumps(list) would give
         # The retention is in records: this entry's share of it in entries. Approximate trimming (whole radix-tree
         # nodes of 100 entries) overshoots by up to a node: exact up to 10 nodes, where that would be 10 % or more.
         maxlen = max(1, self._maxlen["steps"] // len(steps))
         pipe.execute_command("XADD", self._keys.steps, "MAXLEN", "~" if maxlen > 1000 else "=", maxlen, "*",
-                             "rank", self._registry["_rank"], "n", len(steps), "recs", body)
+                             "rank", self._registry["_rank"], "n", len(steps), "seq", self._seq_build, "recs", body)
+        self._seq_build += len(steps)
 
     def drops_by_cause(self) -> dict[str, int]:
         """Records lost so far by cause (the keys of :data:`DROP_CAUSES`); they sum to :attr:`dropped_total`."""
@@ -515,3 +655,11 @@ class Sender(threading.Thread):
         if fields:
             pipe.hset(self._keys.meta, mapping=fields)
         pipe.execute()
+
+
+def _line_of(item: Encoded) -> str:
+    """A record ready to send as its spill line (see :func:`~trainhealth.collectors.spill.record_line`): a step
+    record's JSON text wrapped as is, without encoding it again."""
+    if type(item) is str:
+        return STEP_LINE_PREFIX + item + "]\n"
+    return record_line(*item)  # type: ignore[misc]

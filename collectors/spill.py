@@ -3,6 +3,10 @@
 Segments of JSON lines, oldest first; the total is bounded in bytes, and beyond it the
 oldest segment is deleted and its records counted as dropped. Only the collector's sender
 thread touches it, never the training loop.
+
+Each line is one record, ``[stream, fields]`` as ``json.dumps`` writes it (ASCII: it escapes the rest, so a
+line's length is its size in bytes). The oldest segment is read a line at a time as it is sent, never whole:
+the sender can pause between lines (``pause``), and holds only the lines it is about to send.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,13 @@ log = logging.getLogger(__name__)
 #: After the first "spill over" warning, at most one per this many seconds (with the running total):
 #: while Redis stays away a small spill drops its oldest segment on nearly every write.
 DROP_WARN_INTERVAL_S = 60.0
+#: How a step record's line starts; the rest is the record's JSON and ``]`` (the sender passes it through).
+STEP_LINE_PREFIX = '["steps",'
+
+
+def record_line(stream: str, fields: dict[str, Any]) -> str:
+    """One record's line: ``[stream, fields]`` in compact JSON and a newline."""
+    return json.dumps([stream, fields], separators=(",", ":")) + "\n"
 
 
 class Spill:
@@ -58,8 +70,12 @@ class Spill:
         self._segments: deque[list[Any]] = deque()
         self._n = 0
         self._file: Any = None
-        self._head: list[tuple[str, dict[str, Any]]] = []  # oldest segment, loaded for sending
+        # The oldest segment as it is read for sending: its records (and bytes) committed, its file open for
+        # reading after them, and the lines read from it and not yet committed (the next ones to send).
         self._head_pos = 0
+        self._head_off = 0
+        self._reader: Any = None
+        self._ahead: list[str] = []
         #: Records the last :meth:`peek` handed out and not yet committed (still counted in ``len``).
         self.peeked = 0
         # Records handed out by peek whose segment was then dropped for the bound: the sender holds
@@ -82,18 +98,24 @@ class Spill:
 
     def write(self, records: list[tuple[str, dict[str, Any]]]) -> None:
         """Append encoded records (stream, fields) after everything already spilled."""
-        for stream, fields in records:
+        self.append([record_line(stream, fields) for stream, fields in records])
+
+    def append(self, lines: list[str], pause: Callable[[], None] | None = None) -> None:
+        """Append records already made lines (see :func:`record_line`) after everything already spilled;
+        ``pause()`` is called after each line."""
+        for line in lines:
             seg = self._segments[-1] if self._segments else None
             # Segments hold at most an eighth of the bound, so dropping the oldest keeps the bound.
             if self._file is None or seg[1] >= self.segment_records or seg[2] >= self.max_bytes // 8:
                 self._rotate()
-            line = json.dumps([stream, fields], separators=(",", ":")) + "\n"
             self._file.write(line)
             seg = self._segments[-1]
             seg[1] += 1
             seg[2] += len(line)
             self._records += 1
             self._bytes += len(line)
+            if pause is not None:
+                pause()
         if self._file is not None:
             self._file.flush()
         while self._bytes > self.max_bytes and len(self._segments) > 1:
@@ -104,18 +126,18 @@ class Spill:
             self._file.close()
         path = self.directory / f"{self.prefix}-{self._n:08d}.jsonl"
         self._n += 1
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open across calls)
+        # newline="\n": the reader counts bytes, which a platform's "\r\n" would change.
+        self._file = open(path, "a", encoding="utf-8", newline="\n")  # noqa: SIM115 (kept open across calls)
         self._segments.append([path, 0, 0])
 
     def _drop_oldest(self) -> None:
         path, n, size = self._segments.popleft()
-        # The head (when loaded) is this segment: its committed records are gone already, its peeked
-        # ones are in the sender's hands (orphans: delivered from there, not dropped).
-        sent = taken = 0
-        if self._head:
-            sent, taken = self._head_pos, self.peeked
+        # The head is this segment: its committed records are gone already, its peeked ones are in the
+        # sender's hands (orphans: delivered from there, not dropped).
+        sent, taken = self._head_pos, self.peeked
+        if taken:
             self._orphans, self.peeked = taken, 0
-        self._head, self._head_pos = [], 0
+        self._reset_head()
         path.unlink(missing_ok=True)
         self.dropped += n - sent - taken
         self._records -= n - sent
@@ -135,13 +157,29 @@ class Spill:
 
     def peek(self, n: int) -> list[tuple[str, dict[str, Any]]]:
         """Up to ``n`` oldest records, without removing them (see :meth:`commit`)."""
+        return [tuple(json.loads(line)) for line in self.peek_lines(n)]  # type: ignore[misc]
+
+    def peek_lines(self, n: int, pause: Callable[[], None] | None = None) -> list[str]:
+        """Up to ``n`` oldest records as their lines, without removing them (see :meth:`commit`); reads only
+        as many lines of the oldest segment as that, calling ``pause()`` after each."""
         if not self._segments:
             return []
-        if self._head_pos >= len(self._head):
-            # (Re)load the oldest segment; it may have grown if it is also the one being appended to.
-            with open(self._segments[0][0], encoding="utf-8") as f:
-                self._head = [tuple(json.loads(line)) for line in f]  # type: ignore[misc]
-        batch = self._head[self._head_pos:self._head_pos + n]
+        ahead = self._ahead
+        if len(ahead) < n:
+            f = self._reader
+            if f is None:
+                f = self._reader = open(self._segments[0][0], "rb")  # noqa: SIM115 (kept open across calls)
+                f.seek(self._head_off)
+            while len(ahead) < n:
+                raw = f.readline()
+                if not raw.endswith(b"\n"):  # the end (the oldest segment may also be the one appended to)
+                    if raw:
+                        f.seek(-len(raw), os.SEEK_CUR)
+                    break
+                ahead.append(raw.decode())
+                if pause is not None:
+                    pause()
+        batch = ahead[:n]
         self.peeked = len(batch)
         return batch
 
@@ -151,6 +189,9 @@ class Spill:
         if self._orphans:  # their segment was dropped meanwhile: nothing left on disk to forget
             self._orphans = 0
             return
+        done = self._ahead[:n]
+        del self._ahead[:n]
+        self._head_off += sum(map(len, done))
         self._head_pos += n
         self._records -= n
         seg = self._segments[0]
@@ -159,9 +200,16 @@ class Spill:
             if not self._segments and self._file is not None:
                 self._file.close()
                 self._file = None
+            self._reset_head()
             seg[0].unlink(missing_ok=True)
             self._bytes -= seg[2]
-            self._head, self._head_pos = [], 0
+
+    def _reset_head(self) -> None:
+        """The oldest segment is gone (sent or dropped): the next one is read from its start."""
+        if self._reader is not None:
+            with contextlib.suppress(OSError):
+                self._reader.close()
+        self._reader, self._ahead, self._head_pos, self._head_off = None, [], 0, 0
 
     def close(self) -> None:
         """Close the open segment and delete the segments that hold nothing undelivered.
@@ -173,13 +221,20 @@ class Spill:
             with contextlib.suppress(OSError):
                 self._file.close()
             self._file = None
+        if self._reader is not None:  # read again from the last commit if peeked again
+            with contextlib.suppress(OSError):
+                self._reader.close()
+            self._reader, self._ahead = None, []
         self._warn_drops(final=True)
         keep = {seg[0] for seg in self._segments if seg[1] > 0} if self._records > 0 else set()
         for path in self.directory.glob(f"{self.prefix}-*.jsonl"):
             if path not in keep:
                 with contextlib.suppress(OSError):
                     path.unlink()
+        head = self._segments[0][0] if self._segments else None
         self._segments = deque(seg for seg in self._segments if seg[0] in keep)
+        if not self._segments or self._segments[0][0] != head:
+            self._reset_head()
 
 
 def default_directory() -> Path:
