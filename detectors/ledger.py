@@ -15,7 +15,7 @@ from typing import Any
 from trainhealth import defaults
 from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.detectors.progress import ProgressTimeout
-from trainhealth.wire import Event
+from trainhealth.wire import DROP_CAUSES, Event
 
 #: Ledger categories; their seconds sum to the wall time exactly.
 CATEGORIES = (
@@ -72,7 +72,7 @@ class GoodputLedger:
     (1 s) and redoes steps 4-5:
 
     >>> from trainhealth.detectors.aggregate import StepAggregate
-    >>> from trainhealth.wire import Event
+    >>> from trainhealth.wire import DROP_CAUSES, Event
     >>> led = GoodputLedger(world_size=8)
     >>> led.note_start(0.0)
     >>> def step(s, gen, inc, end):
@@ -128,6 +128,7 @@ class GoodputLedger:
         # Records the collectors reported lost, by cause and by rank; rank records the steps were built from.
         self._drops: dict[str, int] = {}
         self._drops_by_rank: dict[int, int] = {}
+        self._collector_drops: dict[int, int] = {}  # of those, reported by the rank's collector itself
         self._rank_steps = 0
         self._partial_steps = 0
         #: Set by :meth:`note_lost_history`: the run's history before its first step seen is gone.
@@ -180,8 +181,9 @@ class GoodputLedger:
             self._first_startup = 0.0
 
     def drops_of(self, rank: int) -> int:
-        """Records the collector of ``rank`` reported dropped so far (``collector_drops`` events)."""
-        return self._drops_by_rank.get(rank, 0)
+        """Records the collector of ``rank`` reported dropped so far (its ``collector_drops`` events; not the
+        records the service found trimmed)."""
+        return self._collector_drops.get(rank, 0)
 
     def _note_drops(self, ev: Event) -> None:
         """A collector's ``collector_drops`` event: records it lost, in total and by cause (events of collectors
@@ -191,7 +193,7 @@ class GoodputLedger:
         except ValueError:
             return
         causes = {}
-        for cause in ("buffer", "spill", "unencodable"):
+        for cause in DROP_CAUSES:
             try:
                 causes[cause] = max(0, int(ev.extra.get(cause, "0")))
             except ValueError:
@@ -200,6 +202,8 @@ class GoodputLedger:
         for cause, n in causes.items():
             self._drops[cause] = self._drops.get(cause, 0) + n
         self._drops_by_rank[ev.rank] = self._drops_by_rank.get(ev.rank, 0) + max(total, 0)
+        if ev.extra.get("by") != "service":
+            self._collector_drops[ev.rank] = self._collector_drops.get(ev.rank, 0) + max(total, 0)
 
     def _take(self, kind: str, limit: float, before: float) -> float:
         """Consume the pending seconds of ``kind`` that ended before ``before`` (unix s), at most
@@ -468,7 +472,8 @@ class GoodputLedger:
 
     def _data_quality(self) -> dict[str, Any]:
         """What the figures rest on: ``records_dropped`` (``total`` and by cause — ``buffer``, ``spill``,
-        ``unencodable``, ``unknown`` — and ``by_rank``, from the collectors' ``collector_drops`` events),
+        ``unencodable``, ``trimmed``, ``unknown`` — and ``by_rank``, from the ``collector_drops`` events of the
+        collectors and, for ``trimmed``, of the service),
         ``steps_partial`` (steps closed without every rank's record) and ``coverage_pct``: the rank records the
         steps were built from, per cent of those there should have been — world size x steps, or the records seen
         plus the records dropped when more (a dropped record may be one a partial step misses: not counted twice).

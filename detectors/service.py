@@ -39,7 +39,7 @@ from trainhealth.keys import RUNS, SERVICES, RunKeys, run_keys, run_of, service_
 from trainhealth.loop import LEASE_LUA, MEMBERS_LUA, RELEASE_LUA, RENEW_LUA, Backoff, stop_on_signals
 from trainhealth.recommendations import Recommendation
 from trainhealth.warn_once import WarnOnce
-from trainhealth.wire import MAX_RANKS, Event, decode_event, decode_step_rows
+from trainhealth.wire import MAX_RANKS, ROW_FIELDS, Event, decode_event, decode_step_rows
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ def _gc_paused() -> Iterator[None]:
 
 #: Entries decoded and fed at a time (more when they share a millisecond; see ``_process``).
 _CHUNK_ENTRIES = 64
+_ROW_RANK, _ROW_INC = ROW_FIELDS.index("rank"), ROW_FIELDS.index("inc")
 
 
 @dataclass
@@ -136,6 +137,8 @@ class _Run:
     #: The newest read of the run's events stream got all there was (so a record's run_start, if any, was fed);
     #: False from the rebuild until the first live read says so.
     events_caught_up: bool = False
+    #: Per (rank, incarnation) of a sender: the ``seq`` its next steps entry should carry (see :meth:`_note_seq`).
+    seq_next: dict[tuple[int, Any], int] = field(default_factory=dict)
 
 
 def fair_share(runs: int, services: list[str], me: str) -> int:
@@ -516,6 +519,8 @@ class DetectorService:
             if stream == keys.steps:
                 step_entries += 1
                 step_records += len(recs)
+                if recs:
+                    self._note_seq(run, fields, recs, pipe, collect is None)
             if group and sid[0] != group_ms:
                 ordered += _time_order(group)
                 group = []
@@ -533,6 +538,42 @@ class DetectorService:
                 collect.recommendations.update(out.recommendations)
                 out.anomalies, out.recommendations = [], {}
             self._write(run, out, pipe)
+
+    def _note_seq(self, run: _Run, fields: dict, rows: list[tuple], pipe: Any, live: bool) -> None:
+        """Records Redis trimmed before this service read them: a gap in one sender's ``seq``.
+
+        A collector's sender numbers the step records it has written (acknowledged by Redis): each entry's
+        ``seq`` is the count before its first record, ``n`` its records. An entry whose ``seq`` is beyond the
+        previous entry's ``seq + n`` follows records that were written and are gone — trimmed by the
+        retention bound while this service lagged (the stream is trimmed from its head only, so such a gap is
+        seen once, live, never by a rebuild). They are reported as a ``collector_drops`` event with cause
+        ``trimmed``, written with the read's acknowledgement, so the ledger counts them once and a rebuild
+        reads the count back. The first entry seen of a sender is not judged: what came before it is the run's
+        history (:meth:`~trainhealth.detectors.pipeline.RunPipeline.check_history`). A ``seq`` below the
+        expected one is a batch written twice (its reply lost), not a loss. Entries without ``seq`` (older
+        collectors, hand-written) are not judged.
+        """
+        raw = fields.get(b"seq")
+        if raw is None:
+            return
+        try:
+            seq = int(raw)
+            n = int(fields.get(b"n", len(rows)))
+        except (TypeError, ValueError):
+            return
+        first = rows[0]
+        key = (first[_ROW_RANK], first[_ROW_INC])
+        expected = run.seq_next.get(key)
+        run.seq_next[key] = max(expected or 0, seq + n)
+        if expected is None or seq <= expected or not live:
+            return
+        gap = seq - expected
+        log.warning("run %s: %d step records of rank %s were trimmed from Redis before this service read them "
+                    "(the collectors' retention, $%s); counted as dropped", run.keys.run, gap, key[0],
+                    defaults.RETENTION_ENV)
+        pipe.xadd(run.keys.events, {"kind": "collector_drops", "count": gap, "trimmed": gap, "rank": key[0],
+                                    "t": repr(self.clock()), "inc": repr(key[1]), "by": "service"},
+                  maxlen=defaults.EVENTS_RETENTION_ENTRIES, approximate=True)
 
     def _bad_record(self, run: str, sid: tuple[int, int], stream: str, count: bool, index: int | None,
                     exc: Exception) -> None:

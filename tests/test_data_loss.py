@@ -12,10 +12,12 @@ import time
 import redis
 
 from trainhealth.collectors import Monitor
+from trainhealth.coverage import data_lost_text
 from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.ledger import GoodputLedger
 from trainhealth.detectors.service import DetectorService
+from trainhealth.text import fmt_pct
 from trainhealth.wire import Event
 
 T0 = 1_796_000_000.0
@@ -147,3 +149,42 @@ def _rec(step: int, t: float, inc: float, rank: int = 0):
     from trainhealth.wire import StepRecord
 
     return StepRecord(rank=rank, step=step, inc=inc, t=t, dur=1.0, loss=2.0, tokens=10)
+
+
+def test_records_redis_trimmed_before_the_service_read_them_are_counted_once(r: redis.Redis, redis_url: str,
+                                                                           caplog) -> None:
+    # One record per entry (a flush per step), retention 100 records: the stream keeps the newest 100 entries.
+    mon = Monitor("run-trim", redis_url=redis_url, rank=0, world_size=1, flush_interval=0.01, spill_dir=False,
+                  retention=100)
+    svc = DetectorService(r, consumer="t", snapshot_interval=0.0, hang_factory=lambda: HangDetector(floor_s=1e9))
+    for s in range(350):
+        mon.log_step(s, loss=2.0 - s / 400 + 0.01 * (s % 7), tokens=10)
+        assert mon.flush(5)
+        if s == 49:  # the service reads steps 0-49, then lags while steps 50-249 are written and trimmed
+            for _ in range(3):
+                svc.run_once(block_ms=10)
+    mon.close()
+    entries = r.xrange("th:{run-trim}:steps")
+    assert [(f[b"seq"], f[b"n"]) for _, f in entries[:2]] == [(b"250", b"1"), (b"251", b"1")]
+    assert len(entries) == 100
+    with caplog.at_level("WARNING", logger="trainhealth.detectors.service"):
+        for _ in range(5):
+            svc.run_once(block_ms=10)
+    assert [m for m in caplog.messages if "trimmed" in m] == [
+        "run run-trim: 200 step records of rank 0 were trimmed from Redis before this service read them (the "
+        "collectors' retention, $TRAINHEALTH_RETENTION); counted as dropped"]
+    snap = json.loads(r.get("th:{run-trim}:ledger:latest"))
+    assert snap["records_dropped"] == {"total": 200, "trimmed": 200, "by_rank": {"0": 200}}
+    assert snap["history_lost"] is None  # the run's start was read: only the middle is gone
+    assert data_lost_text(snap) == ("200 records were lost on rank 0 (200 trimmed from Redis by the retention bound "
+                                    "before the service read them). The figures rest on "
+                                    f"{fmt_pct(snap['coverage_pct'])} of the rank-steps.")
+    assert snap["coverage_pct"] == round(100 * 150 / 350, 3)
+    # A rebuild (a restarted service) reads the count back from the events stream and reports nothing twice.
+    svc2 = DetectorService(r, consumer="t", snapshot_interval=0.0, hang_factory=lambda: HangDetector(floor_s=1e9))
+    for _ in range(3):
+        svc2.run_once(block_ms=10)
+    assert json.loads(r.get("th:{run-trim}:ledger:latest"))["records_dropped"] == snap["records_dropped"]
+    service_events = [f for _, f in r.xrange("th:{run-trim}:events") if f.get(b"by") == b"service"]
+    assert [(f[b"kind"], f[b"count"], f[b"trimmed"], f[b"rank"]) for f in service_events] == [
+        (b"collector_drops", b"200", b"200", b"0")]

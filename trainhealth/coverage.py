@@ -74,7 +74,9 @@ def data_lost_text(snap: dict) -> str | None:
         total = sum(drops.values())
         how = ", ".join(f"{fmt_int(n)} {DROP_CAUSES.get(c, 'for a cause not reported')}" for c, n in drops.items())
         who = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:16]))}" if ranks else ""
-        parts.append(f"the collectors dropped {plural(total, 'record')}{who} ({how})")
+        lead = (f"the collectors dropped {plural(total, 'record')}" if "trimmed" not in drops else
+                f"{plural(total, 'record')} {'was' if total == 1 else 'were'} lost")
+        parts.append(f"{lead}{who} ({how})")
     if partial:
         parts.append(f"{plural(partial, 'step')} closed without every rank's record")
     text = "; ".join(parts)

@@ -31,11 +31,13 @@ EVENT_KINDS = (
     "rank_exit",        # a rank's interpreter exited without close(): reason, error, exit_code, step, phase
 )
 
-#: Where a collector loses records, as a ``collector_drops`` event names them: the in-memory buffer was full (the
-#: sender could not keep up with the training loop, or Redis was away and no spill took the rest), the on-disk
-#: spill reached its bound or could not be written, or the record could not be encoded.
+#: Where records are lost, as a ``collector_drops`` event names them: the collector's in-memory buffer was full (the
+#: sender could not keep up with the training loop, or Redis was away and no spill took the rest), its on-disk
+#: spill reached its bound or could not be written, the record could not be encoded; or, reported by the detector
+#: service (``by`` = ``service``), Redis trimmed the records (the stream's retention bound) before it read them.
 DROP_CAUSES = {"buffer": "in the full in-memory buffer", "spill": "at the on-disk spill (bound reached or write "
-               "failed)", "unencodable": "not encodable"}
+               "failed)", "unencodable": "not encodable",
+               "trimmed": "trimmed from Redis by the retention bound before the service read them"}
 
 
 def encode_value(v: Any) -> str | int | None:
