@@ -454,6 +454,11 @@ def test_redact_url() -> None:
     assert redact_url("redis://:s3cret@db.example:6380/2") == "redis://:***@db.example:6380/2"
     assert redact_url("rediss://ops:pw@h/0") == "rediss://ops:***@h/0"
     assert redact_url("redis://127.0.0.1:6390/0") == "redis://127.0.0.1:6390/0"
+    # malformed ones keep no secret either: no "://", a port out of range, a password query parameter
+    assert redact_url("rediss//:hunter2@db:6379") == "***@db:6379"
+    assert redact_url("redis://:hunter2@db:99999/0") == "redis://***@db:99999/0"
+    assert redact_url("redis://db:6379/0?password=hunter2&ssl_cert_reqs=none") == (
+        "redis://db:6379/0?password=***&ssl_cert_reqs=none")
 
 
 # --- pages, rendered with AppTest ------------------------------------------------------------

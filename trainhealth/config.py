@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -26,18 +27,22 @@ def home_dir() -> Path:
 def redact_url(url: Any) -> str:
     """A URL for display, its password hidden: ``redis://user:secret@host:6379/0`` → ``redis://user:***@host:6379/0``.
 
-    Never raises: a URL that does not parse (a port that is no number) keeps only its scheme and host part
-    without the credentials; anything else is shown as its type.
+    Never raises: a URL that does not parse (a port that is no number, no ``://``) keeps only what follows its
+    last ``@``; a ``password=`` query parameter (redis-py reads one) is hidden too; anything else is shown as
+    its type.
 
     >>> redact_url("redis://:s3cret@db.example:6380/2"), redact_url("redis://u:pw@h:99999999/0")
     ('redis://:***@db.example:6380/2', 'redis://***@h:99999999/0')
-    >>> redact_url("redis://127.0.0.1:6390/0")
-    'redis://127.0.0.1:6390/0'
+    >>> redact_url("redis://127.0.0.1:6390/0"), redact_url("rediss//:pw@h"), redact_url("redis://h/0?password=pw")
+    ('redis://127.0.0.1:6390/0', '***@h', 'redis://h/0?password=***')
     """
     if not isinstance(url, str):
         return f"<{type(url).__name__}>"
+    url = _PASSWORD_PARAM.sub(r"\1***", url)
     try:
         parts = urlsplit(url)
+        if "://" not in url:
+            raise ValueError("no scheme")
         if parts.password is None and "@" not in parts.netloc:
             return url
         host = parts.hostname or ""
@@ -45,9 +50,12 @@ def redact_url(url: Any) -> str:
             host = f"{host}:{parts.port}"
         return urlunsplit((parts.scheme, f"{parts.username or ''}:***@{host}", parts.path, parts.query,
                            parts.fragment))
-    except ValueError:  # e.g. a port out of range: keep what follows the credentials
-        scheme, sep, rest = url.partition("://")
+    except ValueError:  # a port out of range, no scheme: keep what follows the credentials
+        scheme, sep, rest = url.rpartition("://") if "://" in url else ("", "", url)
         return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
+_PASSWORD_PARAM = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 def validate_url(url: str, field: str = "redis_url") -> str:
