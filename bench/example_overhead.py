@@ -28,7 +28,8 @@ from trainhealth.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
 
 def run_once(env: dict[str, str], steps: int, monitor: bool, run: str) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-           str(ROOT / "examples" / "torchrun_gpt.py"), "--run-id", run, "--steps", str(steps), "--log-every", "100000"]
+           str(ROOT / "examples" / "torchrun_gpt.py"), "--run-id", run, "--steps", str(steps), "--log-every", "100000",
+           "--print-timing"]
     if not monitor:
         cmd.append("--no-monitor")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=1800).stdout

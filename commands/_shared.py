@@ -69,10 +69,11 @@ def child_env(url: str) -> dict[str, str]:
 
 
 def dashboard_command(url: str, port: int, headless: bool = True) -> list[str]:
-    """The streamlit command line of the dashboard (usage statistics off: no calls home)."""
+    """The streamlit command line of the dashboard (usage statistics off: no calls home; Streamlit's own
+    "You can now view…" lines hidden: the command prints the one address to open, with its ``?run=``)."""
     return [sys.executable, "-m", "streamlit", "run", str(DASHBOARD_APP), "--server.port", str(port),
             "--server.headless", "true" if headless else "false", "--browser.gatherUsageStats", "false",
-            "--server.address", "127.0.0.1", "--theme.base", "light"]
+            "--server.address", "127.0.0.1", "--theme.base", "light", "--logger.hideWelcomeMessage", "true"]
 
 
 def interrupt_on_signals() -> None:

@@ -722,8 +722,9 @@ def format_file(rep: FileReport) -> list[str]:
             else "format unknown")
     out = [" + ".join(rep.paths) if rep.paths else f"{rep.path}",
            f"  format     {desc} ({rep.format})" if rep.format else "  format     —"]
-    if rep.error:
-        out.append(f"  ERROR      {rep.error}")
+    if rep.error:  # the reason itself went to stderr, as the file was read: said once
+        out.append("  ERROR      not readable (the reason is on stderr)" if not rep.steps and not rep.events else
+                   "  ERROR      partly read (the reason is on stderr)")
         if not rep.steps and not rep.events:
             return out
     events = ", ".join(f"{k.replace('_', ' ')} {_n(v)}" for k, v in rep.events.items())

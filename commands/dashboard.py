@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from trainhealth import defaults
 from trainhealth.commands._shared import (
@@ -30,6 +31,7 @@ from trainhealth.commands._shared import (
     with_url,
 )
 from trainhealth.exceptions import ConfigError
+from trainhealth.keys import validate_run_id
 
 #: The default ``--host``: this machine only.
 DEFAULT_HOST = "127.0.0.1"
@@ -48,6 +50,7 @@ def register(sub: Any) -> None:
     b.add_argument("--read-only", action="store_true",
                    help="no buttons that change anything: silences, dead-letter resends and recommendation "
                         "decisions are left to the CLI")
+    b.add_argument("--run", help="open on this run: the address printed ends in ?run=RUN")
     b.set_defaults(func=run, extra="server")
 
 
@@ -196,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
 
     from trainhealth.dashboard.common import READ_ONLY_ENV, read_only
 
+    run_id = validate_run_id(args.run) if args.run is not None else None
     host = args.host.strip()
     check_listen(host, args.port)
     auth, auth_path = auth_section(secrets_files())
@@ -207,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
     env = child_env(url)
     if locked:
         env[READ_ONLY_ENV] = "1"
-    print(f"Dashboard: {browse_url(host, args.port)}", flush=True)
+    link = browse_url(host, args.port) + (f"?run={quote(run_id)}" if run_id else "")
+    print(f"Dashboard: {link}", flush=True)
     print(access_line(locked, auth_path), flush=True)
     warning = exposure_warning(host, args.port, locked, auth_path is not None)
     if warning:

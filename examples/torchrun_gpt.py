@@ -176,6 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoints (and resume) directory")
     p.add_argument("--ckpt-every", type=int, default=50, help="save after every N steps (0: never)")
     p.add_argument("--log-every", type=int, default=20, help="rank 0 prints every N steps")
+    p.add_argument("--print-timing", action="store_true",
+                   help="rank 0 prints a machine-readable 'RESULT loop_s=...' line at the end (for bench/)")
     p.add_argument("--no-monitor", action="store_true",
                    help="run without trainhealth (the baseline of bench/example_overhead.py)")
     return p.parse_args(argv)
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     loop_s = time.perf_counter() - t_loop
     mon.close()
-    if rank == 0:
+    if rank == 0 and args.print_timing:
         sender = getattr(mon, "_sender", None)
         print(f"RESULT loop_s={loop_s:.6f} steps={args.steps - start} "
               f"sender_cpu_s={sender.cpu_s - (sender.cpu_startup_s or 0.0) if sender else 0.0:.6f} "

@@ -270,6 +270,18 @@ def test_default_host_is_loopback(fake_run: list, redis_url: str, capsys: pytest
     assert READ_ONLY_ENV not in call["env"]
 
 
+def test_run_option_prints_the_link_and_streamlit_prints_no_second_address(fake_run: list, redis_url: str,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    port = free_port()
+    assert main(["dashboard", "--port", str(port), "--redis-url", redis_url, "--run", "gpt-demo"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == f"Dashboard: http://127.0.0.1:{port}/?run=gpt-demo"
+    cmd = fake_run[0]["cmd"]
+    assert cmd[cmd.index("--logger.hideWelcomeMessage") + 1] == "true"
+    fake_run.clear()
+    assert main(["dashboard", "--port", str(port), "--redis-url", redis_url, "--run", "bad run"]) == 2
+    assert "run='bad run' is not a valid run id" in capsys.readouterr().err and fake_run == []
+
+
 def test_host_0000_prints_the_warning(fake_run: list, redis_url: str, capsys: pytest.CaptureFixture) -> None:
     port = free_port()
     assert main(["dashboard", "--host", "0.0.0.0", "--port", str(port), "--redis-url", redis_url]) == 0
