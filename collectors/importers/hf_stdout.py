@@ -40,6 +40,15 @@ so it counts one skipped step (``LogPoint.skipped``) on the next counter the bar
 that prints such lines, the other points have ``skipped`` 0; in one that does not, None (unknown).
 Checkpoint saves (``Saving model checkpoint to …``) are ``checkpoint_save`` events at the current
 step. A dict that does not parse, or whose field is not a number, is skipped with one warning for all.
+
+A file cut mid-line (a crash, a copy of a log being written): a last line without its line end that
+does not parse is left out with a warning naming its line and byte offset — a dict cut anywhere
+before its closing ``}`` is one (``{'loss': 1.89, 'learning_rate': 0.0002, 'epo``). A training bar
+on it that lacks what the training bar before it ends with — its rate (``6/30 [00:13<00:52,
+2.19s/``), when its elapsed clock does not time the step (under a minute since the previous
+counter; a cut clock reads short, ``[9:32:3`` as 9:32), or a postfix metric — is left out the same
+way: booked, its step would have no time, or its postfix loss missing. A bar cut in its remaining
+time or rate whose clock times the step (``259/2724 [9:34:48<90:54:``, 132 s after 258) is read.
 A log with training-bar or dict lines among other text is this format; one whose metrics are printed
 by other lines beside a bar is read with ``fmt="text_kv"``.
 """
@@ -249,7 +258,8 @@ def read(path: str | Path) -> Iterator[LogPoint | LogEvent]:
         bar = parse_bar(text)
         if bar is not None:
             last = lineno
-            if step_bar is not None and (bar.desc, bar.total) == step_bar and bar.unit == "it":
+            if step_bar is not None and (bar.desc, bar.total) == step_bar and (
+                    bar.unit == "it" or (bar.unit == "i" and lineno == lines.torn)):  # "132.68s/i": its unit cut
                 try:
                     n = step_of(bar.n)
                 except ValueError as exc:
@@ -261,11 +271,15 @@ def read(path: str | Path) -> Iterator[LogPoint | LogEvent]:
                     per = bar.seconds_per_unit
                     if clock is not None and n > clock[0] and bar.elapsed - clock[1] >= MIN_CLOCK_SPAN:
                         per = (bar.elapsed - clock[1]) / (n - clock[0])
-                    if pending is not None:
-                        yield pending.point(tokens)
-                    pending = _Point(n, lineno, per, skipped(), _postfix(text))
-                    good += 1
-                    cur, clock = n, (n, bar.elapsed)
+                    post, keys = _postfix(text)
+                    # The file's torn last line, cut before its rate (and its clock does not time the step) or in
+                    # its postfix: a step without its time or metrics. A rate the clock makes up for is not missed.
+                    if not bad.cut_short(lineno, ["rate", *keys] if per is not None else keys, step=n):
+                        if pending is not None:
+                            yield pending.point(tokens)
+                        pending = _Point(n, lineno, per, skipped(), post)
+                        good += 1
+                        cur, clock = n, (n, bar.elapsed)
         if overflows.add(text):
             last = lineno
             continue
@@ -352,20 +366,30 @@ def _kind(d: dict[str, Any]) -> tuple[str | None, dict[str, float | None]]:
     return "train", vals
 
 
-def _postfix(text: str) -> dict[str, float | None]:
-    """Metrics in the bar's postfix (``…, 2.50it/s, loss=0.5, lr=1e-4]``); unreadable values are left out."""
-    end = text.rfind("]")
+def _postfix(text: str) -> tuple[dict[str, float | None], list[str]]:
+    """Metrics in the bar's postfix (``…, 2.50it/s, loss=0.5, lr=1e-4]``), unreadable values left out; and its keys.
+
+    The postfix ends at the bar's closing ``]``, or at the line's end when it has none after the rate (a bar cut
+    mid-line). The keys are in line order, all but those of a metric whose value is unreadable: a bar cut in
+    ``lr=1e-`` lacks its ``lr`` (``BadLines.cut_short``).
+    """
     start = text.find("/s,") if "/s," in text else text.find("/it,")
-    if start < 0 or end < start:
-        return {}
+    if start < 0:
+        return {}, []
+    end = text.rfind("]")
+    if end < start:
+        end = len(text)
     out: dict[str, float | None] = {}
+    keys: list[str] = []
     for key, value in POSTFIX.findall(text[text.index(",", start):end]):
         name = POSTFIX_KEYS.get(key)
         if name is None or name in out:
+            keys.append(key)
             continue
         try:
             out[name] = to_float(value.strip())
         except ValueError:
             continue
-    return out
+        keys.append(key)
+    return out, keys
 

@@ -21,6 +21,13 @@ The lines ``logger_log_train``, ``logger_log_val`` and ``logger_log_eval`` write
 
 A ``s:N`` line of another shape, or whose value is not a number, is skipped, with one warning for
 all of them naming the first.
+
+A file cut mid-line (a crash, a copy of a log being written): a last line without its line end is
+left out with a warning naming its line and byte offset, when it does not parse (``s:19552 te``) or
+when it is a training line lacking the field the training line before it ends with (``s:19551
+trl:3.2813 lr:0.000000 no``: no ``norm``); booked, it would be a step with its gradient norm
+missing. A cut inside the last value is not seen (the digits left read as a number); a complete
+last line without a line end is read.
 """
 
 from __future__ import annotations
@@ -99,6 +106,8 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         if err is not None:
             bad.add(lineno, err)
             continue
+        if "trl" in fields and bad.cut_short(lineno, list(fields), step=step):
+            continue  # the file's torn last line, its last fields cut off (compared with the training line before)
         t_ms = vals.get("train_time")
         per = None if t_ms is None else clock.per_step(step, t_ms / 1000.0)
         good += 1

@@ -26,6 +26,13 @@ the mean ``time`` (else 0.0: not timed); the progress lines within a validation 
 ``Saving checkpoint at 1 epochs`` / ``… at 5000 iterations`` (CheckpointHook) is a ``checkpoint_save``
 event at the last training step logged. A training line whose value is not a number, or with no
 loss, grad norm or learning rate, is skipped with one warning for all.
+
+A file cut mid-line (a crash, a copy of a log being written): a last line without its line end is
+left out with a warning naming its line and byte offset, when it does not parse, or when it is a
+training line lacking the key the training line before it ends with (``… loss: 2.6000  decode.loss_c``:
+no ``decode.loss_ce``); booked, it would be a step with the cut fields missing. A cut inside the last
+value is not seen, nor is a cut first training line (nothing to compare it with) or a cut validation
+line; a complete last line without a line end is read.
 """
 
 from __future__ import annotations
@@ -152,6 +159,8 @@ def read(path: str | Path) -> Iterator[LogPoint | LogEvent]:
         if err is not None:
             bad.add(lineno, err)
             continue
+        if bad.cut_short(lineno, list(fields), step=this):
+            continue  # the file's torn last line, its last keys cut off (compared with the training line before)
         good += 1
         last = lineno
         step = this

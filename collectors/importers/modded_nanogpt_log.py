@@ -11,6 +11,13 @@ those give steps with a duration and no loss.
 
 Source code lines never match (the f-strings in it hold ``{step}``, not digits). A
 ``step:N/M`` line that does not parse is skipped, with one warning for all.
+
+A file cut mid-line (a crash, a copy of a log being written): a last line without its line end
+that lacks the field the ``step:N/M`` line before it ends with (``step:5999/6000 train_loss:3.0936
+train_time:2176134ms step_av``: no ``step_avg``) is left out with a warning naming its line, its
+byte offset and the missing fields, as one that does not parse; booked, its step time or loss
+would be missing where the cut took them. A cut inside the last value is not seen (the digits
+left read as a number); a complete last line without a line end is read.
 """
 
 from __future__ import annotations
@@ -79,6 +86,8 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         if t_ms is None and loss is None and "val_loss" not in fields:
             bad.add(lineno, f"no train_loss, val_loss or train_time: {text[:80]!r}")
             continue
+        if bad.cut_short(lineno, list(fields), step=None if "val_loss" in fields else step):
+            continue  # the file's torn last line, its last fields cut off
         per = None if t_ms is None else clock.per_step(step, t_ms / 1000.0)
         last = lineno
         if "val_loss" in fields:

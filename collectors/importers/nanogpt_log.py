@@ -5,6 +5,12 @@ step; ``mfu -100.00%`` on the first iterations is nanoGPT's "not measured yet". 
 ``loss.item() * gradient_accumulation_steps`` of the last micro-batch, as printed (``nan`` kept).
 Evaluation lines (``step N: train loss X, val loss Y``) carry no duration and are not steps.
 A line that starts with ``iter N:`` but does not parse is skipped, with one warning for all.
+
+A file cut mid-line (a crash, a copy of a log being written): a last line without its line end is
+left out with a warning naming its line and byte offset, when it does not parse (cut anywhere but
+right after a field: ``iter 30: loss 7.43, time 409.75ms, mf``) or when it parses but lacks the
+field the ``iter`` line before it ends with (cut right before ``, mfu``: no ``mfu``). A cut inside
+the last value is not seen; a complete last line without a line end is read.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from trainhealth.logpoint import LogPoint
 
 START = re.compile(r"^iter (\d+):")
 LINE = re.compile(r"^iter (\d+): loss (\S+?)(?:, lr (\S+?))?, time (\S+?)ms(?:, mfu (\S+?)%)?\s*$")
+#: The fields on a line, in line order, by (has its lr, has its mfu): for BadLines.cut_short.
+FIELDS = {(False, False): ("loss", "time"), (False, True): ("loss", "time", "mfu"),
+          (True, False): ("loss", "lr", "time"), (True, True): ("loss", "lr", "time", "mfu")}
 
 
 def sniff_line(line: str) -> bool:
@@ -65,6 +74,8 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         if err is not None:
             bad.add(lineno, err)
             continue
+        if bad.cut_short(lineno, FIELDS[m.group(3) is not None, m.group(5) is not None], step=step):
+            continue  # the file's torn last line, cut right before its ", mfu"
         ms = vals["time"]
         good += 1
         last = lineno

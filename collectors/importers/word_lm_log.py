@@ -5,6 +5,12 @@ is its batch count); ``ms/batch`` (the mean over the log interval) gives the sec
 ``loss`` is the mean over the interval, ``nan`` kept. ``| end of epoch …`` (validation) and
 ``| End of training …`` lines carry no step and are ignored. A line that starts with
 ``| epoch`` but does not parse is skipped, with one warning for all.
+
+A file cut mid-line (a crash, a copy of a log being written): a last line without its line end
+that lacks the field the ``| epoch`` line before it ends with (``… | loss   nan | pp``: no ``ppl``)
+is left out with a warning naming its line, its byte offset and the missing fields, as one that
+does not parse (cut before its loss). A cut inside the last value is not seen (the digits left
+read as a number); a complete last line without a line end is read.
 """
 
 from __future__ import annotations
@@ -58,16 +64,20 @@ def read(path: str | Path) -> Iterator[LogPoint]:
             bad.add(lineno, f"field 'epoch'/'batches' is {exc}: {show(m.group(0)[:60])}")
             continue
         vals: dict[str, float] = {}
+        keys: list[str] = []  # known or not, in line order: a line cut short lacks the last ones
         err = None
         for seg in m.group(4).split("|"):
-            key, _, value = seg.strip().rpartition(" ")
-            name = KEYS.get(key.strip())
+            key, sep, value = seg.strip().rpartition(" ")
+            key = key.strip()
+            if sep:
+                keys.append(key)
+            name = KEYS.get(key)
             if name is None:
                 continue
             try:
                 x = to_float(value)
             except ValueError as exc:
-                err = f"field {key.strip()!r} is {reason(exc)}: {show(value)}"
+                err = f"field {key!r} is {reason(exc)}: {show(value)}"
                 break
             if x is not None:
                 vals[name] = x
@@ -76,6 +86,8 @@ def read(path: str | Path) -> Iterator[LogPoint]:
         if err is not None:
             bad.add(lineno, err)
             continue
+        if bad.cut_short(lineno, keys, step=step):
+            continue  # the file's torn last line, its last fields cut off
         good += 1
         last = lineno
         ms = vals.get("ms")
