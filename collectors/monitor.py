@@ -231,6 +231,9 @@ class Monitor:
     retention : int
         Step records kept in the run's step stream, about (``XADD MAXLEN`` of this many records divided by the
         records in each entry added; ``$TRAINHEALTH_RETENTION``, default 1,000,000).
+    retention_bytes : int
+        And at most about this many bytes of records (their JSON text; ``$TRAINHEALTH_RETENTION_BYTES``, default
+        512 MiB): the trim keeps the fewer entries of the two bounds.
     started_at : float, optional
         Unix time this process started (default now); for replaying old logs.
     spill_dir : path or False, optional
@@ -264,6 +267,7 @@ class Monitor:
         flush_interval: float = defaults.COLLECTOR_FLUSH_INTERVAL_S,
         heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL_S,
         retention: int | None = None,
+        retention_bytes: int | None = None,
         close_timeout: float = defaults.CLOSE_TIMEOUT_S,
         started_at: float | None = None,
         spill_dir: str | os.PathLike[str] | bool | None = None,
@@ -283,12 +287,13 @@ class Monitor:
         if client is not None and not callable(getattr(client, "pipeline", None)):
             raise ConfigError(f"client={show(client)} is not a redis-py client")
         for name, value, low in (("buffer_records", buffer_records, 1), ("batch_records", batch_records, 1),
-                                 ("spill_bytes", spill_bytes, 1), ("retention", retention, 1)):
-            if value is None and name == "retention":
+                                 ("spill_bytes", spill_bytes, 1), ("retention", retention, 1),
+                                 ("retention_bytes", retention_bytes, 1)):
+            if value is None and name in ("retention", "retention_bytes"):
                 continue
             if type(value) is not int or not low <= value <= sys.maxsize:  # not bool; within a C size
                 raise ConfigError(f"{name}={show(value)} must be an integer >= {low}"
-                                  + (" (bytes)" if name == "spill_bytes" else ""))
+                                  + (" (bytes)" if name.endswith("_bytes") else ""))
         for name, value in (("flush_interval", flush_interval), ("heartbeat_interval", heartbeat_interval),
                             ("close_timeout", close_timeout)):
             # Finite and within what threading's waits take: inf or 1e300 would kill the sender thread.
@@ -356,7 +361,8 @@ class Monitor:
         self._sender = Sender(
             connect, self.keys, buffer_records, self._heartbeat_body, registry,
             batch=batch_records, flush_interval=flush_interval, heartbeat_interval=heartbeat_interval,
-            retention=retention or config.retention_records(), spill=spill,
+            retention=retention or config.retention_records(),
+            retention_bytes=retention_bytes or config.retention_bytes(), spill=spill,
         )
         self._put = self._sender.put  # events
         self._put_rec = self._sender.put_step  # the hot path's one call: bound once, no lookup per record

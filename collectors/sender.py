@@ -185,6 +185,7 @@ class Sender(threading.Thread):
         flush_interval: float = defaults.COLLECTOR_FLUSH_INTERVAL_S,
         heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL_S,
         retention: int = defaults.STEPS_RETENTION_RECORDS,
+        retention_bytes: int = defaults.STEPS_RETENTION_BYTES,
         events_retention: int = defaults.EVENTS_RETENTION_ENTRIES,
         spill: Spill | None = None,
     ) -> None:
@@ -200,6 +201,7 @@ class Sender(threading.Thread):
         self.flush_interval = flush_interval
         self.heartbeat_interval = heartbeat_interval
         self._maxlen = {"steps": retention, "events": events_retention}
+        self._max_bytes = retention_bytes
         self._client: redis.Redis | None = None
         self._inflight: list[Encoded] = []
         self._inflight_from_spill = 0  # lines of the spill the in-flight batch came from (committed once sent)
@@ -584,7 +586,8 @@ class Sender(threading.Thread):
         body = "[" + ",".join(steps) + "]"  # the records' JSON texts: what json.dumps(list) would give
         # The retention is in records: this entry's share of it in entries. Approximate trimming (whole radix-tree
         # nodes of 100 entries) overshoots by up to a node: exact up to 10 nodes, where that would be 10 % or more.
-        maxlen = max(1, self._maxlen["steps"] // len(steps))
+        # And in bytes: the entries like this one that fit the byte bound, when fewer.
+        maxlen = max(1, min(self._maxlen["steps"] // len(steps), self._max_bytes // len(body)))
         pipe.execute_command("XADD", self._keys.steps, "MAXLEN", "~" if maxlen > 1000 else "=", maxlen, "*",
                              "rank", self._registry["_rank"], "n", len(steps), "seq", self._seq_build, "recs", body)
         self._seq_build += len(steps)

@@ -103,5 +103,19 @@ def retention_records() -> int:
     except ValueError:
         n = 0
     if n < 1000:
-        raise ConfigError(f"{defaults.RETENTION_ENV}={raw!r} must be an integer >= 1000 (stream entries)")
+        raise ConfigError(f"{defaults.RETENTION_ENV}={raw!r} must be an integer >= 1000 (records)")
+    return n
+
+
+def retention_bytes() -> int:
+    """Step-stream retention (bytes of records): ``$TRAINHEALTH_RETENTION_BYTES`` or the default."""
+    raw = os.environ.get(defaults.RETENTION_BYTES_ENV)
+    if not raw:
+        return defaults.STEPS_RETENTION_BYTES
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 2**20:
+        raise ConfigError(f"{defaults.RETENTION_BYTES_ENV}={raw!r} must be an integer >= 1048576 (bytes)")
     return n

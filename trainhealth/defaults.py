@@ -24,12 +24,19 @@ EMBEDDED_START_TIMEOUT_S = 10.0
 #: 1,000-record entries, 366 B at one record an entry (``bench/stream_memory.py``, BENCHMARKS.md): 1,000,000 records
 #: ≈ 300-370 MB per run.
 STEPS_RETENTION_RECORDS = 1_000_000
+#: And in bytes of records (their JSON text, which is what Redis stores, plus its ~5-20 % of overhead): each
+#: collector's trim also keeps at most this many bytes of entries like the one it adds, so fat records (many
+#: sections or metrics) cannot take the stream past it whatever their count. 512 MiB binds only above ~540 B a
+#: record; the measured timed record is 250-300 B of JSON.
+STEPS_RETENTION_BYTES = 512 * 2**20
 #: Approximate maximum entries kept in the events, per-step aggregate and ledger streams.
 EVENTS_RETENTION_ENTRIES = 100_000
 AGG_RETENTION_ENTRIES = 200_000
 LEDGER_RETENTION_ENTRIES = 20_000
 #: Environment variable overriding ``STEPS_RETENTION_RECORDS``.
 RETENTION_ENV = "TRAINHEALTH_RETENTION"
+#: Environment variable overriding ``STEPS_RETENTION_BYTES``.
+RETENTION_BYTES_ENV = "TRAINHEALTH_RETENTION_BYTES"
 
 # --- Collectors -----------------------------------------------------------------
 #: Bounded in-memory buffer of records waiting to be sent (oldest dropped, counted, beyond it).
