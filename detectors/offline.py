@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from trainhealth.anomaly import Anomaly
+from trainhealth.detectors.incidents import Incident
 from trainhealth.detectors.pipeline import Output, RunPipeline
 from trainhealth.logpoint import LogEvent, LogPoint
 from trainhealth.timeline import Arranged, TimedPoint, arrange, check_step_seconds
@@ -62,6 +63,9 @@ class OfflineRun:
     ----------
     anomalies : dict[str, Anomaly]
         Latest state of every anomaly by id, in onset order.
+    incidents : dict[str, Incident]
+        Latest state of every incident (one per root cause: :mod:`trainhealth.detectors.incidents`) by id, in the
+        order they opened.
     steps, evals : int
         Train points and evaluations fed.
     events : dict[str, int]
@@ -81,6 +85,7 @@ class OfflineRun:
         self.pipeline = pipeline or RunPipeline(1, run=run)
         self.pipeline.ledger.note_start(start)
         self.anomalies: dict[str, Anomaly] = {}
+        self.incidents: dict[str, Incident] = {}
         self.steps = self.evals = self.timed_steps = 0
         self.events: dict[str, int] = {}
         self.ranks: tuple[int, ...] = ()
@@ -130,4 +135,9 @@ class OfflineRun:
     def _keep(self, out: Output) -> Output:
         for a in out.anomalies:
             self.anomalies[a.id] = a
+        for iid, inc in out.incidents.items():
+            if inc is None:
+                self.incidents.pop(iid, None)
+            else:
+                self.incidents[iid] = inc
         return out

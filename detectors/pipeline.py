@@ -1,4 +1,4 @@
-"""One run's detection pipeline, without I/O: records in, aggregates, anomalies and ledger out.
+"""One run's detection pipeline, without I/O: records in, aggregates, anomalies, incidents and ledger out.
 
 The service (:mod:`trainhealth.detectors.service`) feeds it from Redis; ``trainhealth replay`` and the
 tests feed it directly. Everything here is deterministic given the same input order, which
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,7 @@ from trainhealth.detectors.divergence import DivergenceDetector
 from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector
 from trainhealth.detectors.grad_norm_spike import GradNormSpikeDetector
 from trainhealth.detectors.hang import HangDetector, read_beats
+from trainhealth.detectors.incidents import INCIDENT_KINDS, JOB_KINDS, Incident, IncidentGrouper
 from trainhealth.detectors.job_state import JobStateTracker
 from trainhealth.detectors.ledger import GoodputLedger
 from trainhealth.detectors.loss_collapse import LossCollapseDetector
@@ -50,14 +52,13 @@ log = logging.getLogger(__name__)
 
 #: A failing detector's traceback is logged on its first error and then on every this-many-th.
 ERROR_LOG_EVERY = 1000
-#: Kinds that describe the model's training signal: anomalies of these kinds whose onsets are close are one
-#: incident (:meth:`RunPipeline._incident`).
-INCIDENT_KINDS = frozenset({"loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion", "nan_inf",
-                            "skipped_steps", "loss_collapse"})
-#: Of those, the ones showing the loss itself moved (a grad-norm spike in their incident is a warning, not info).
+#: Of the loss family (:data:`~trainhealth.detectors.incidents.INCIDENT_KINDS`: anomalies whose onsets are close are
+#: one incident, :meth:`RunPipeline._incident`), the ones showing the loss itself moved (a grad-norm spike in their
+#: incident is a warning, not info).
 LOSS_MOVED_KINDS = frozenset({"loss_spike", "divergence", "loss_collapse"})
-#: Kinds of a stop of the job, one incident per stop (:meth:`RunPipeline._in_job_incident`).
-JOB_KINDS = frozenset({"hang", "dead_rank", "restart", "collective_timeout"})
+#: Steps whose end time is kept (an incident's onset time, :class:`StepTimes`): an onset is found at most a few
+#: hundred steps back (a divergence's rise, a throughput drop's change point).
+STEP_TIMES = 4096
 #: Events that declare a pause in training (a checkpoint save or load, an evaluation or other badput): the
 #: first step after the step they name is a pause step (:attr:`StepAggregate.pause`).
 PAUSE_EVENTS = ("checkpoint_save", "checkpoint_load", "badput")
@@ -71,15 +72,43 @@ class Output:
 
     aggs: list[StepAggregate] = field(default_factory=list)
     anomalies: list[Anomaly] = field(default_factory=list)
-    #: Recommendations (re)computed, by anomaly id.
+    #: Recommendations (re)computed, by anomaly id: only each incident's one (:attr:`Incident.recommendation`).
     recommendations: dict[str, Recommendation] = field(default_factory=dict)
     #: The job's new state, when a heartbeat check changed it.
     job: JobState | None = None
+    #: Incidents that changed, by id (:mod:`trainhealth.detectors.incidents`); None for one removed (a throughput
+    #: drop that moved into the incident of the slow rank that caused it).
+    incidents: dict[str, Incident | None] = field(default_factory=dict)
 
     def extend(self, other: Output) -> None:
         self.aggs += other.aggs
         self.anomalies += other.anomalies
         self.recommendations.update(other.recommendations)
+        self.incidents.update(other.incidents)
+
+
+class StepTimes:
+    """When each of the newest ``size`` step numbers ended (unix s), in a fixed ring: 12 bytes a step.
+
+    >>> times = StepTimes(4)
+    >>> for step in range(10):
+    ...     times.note(step, 100.0 + step)
+    >>> times.get(9), times.get(6), times.get(5), times.get(-1)
+    (109.0, 106.0, None, None)
+    """
+
+    def __init__(self, size: int = STEP_TIMES) -> None:
+        self._steps = array("q", [-1]) * size
+        self._t = array("d", [0.0]) * size
+
+    def note(self, step: int, t: float) -> None:
+        if step >= 0:
+            i = step % len(self._steps)
+            self._steps[i], self._t[i] = step, t
+
+    def get(self, step: int) -> float | None:
+        i = step % len(self._steps)
+        return self._t[i] if step >= 0 and self._steps[i] == step else None
 
 
 class RunPipeline:
@@ -158,6 +187,9 @@ class RunPipeline:
         #: not stop the others, the ledger, or the service (which would crash again on the same entry
         #: when it replays the stream after a restart): the step is skipped for that detector only.
         self.detector_errors: dict[str, int] = {}
+        #: When the newest steps ended, and the run's incidents (:mod:`trainhealth.detectors.incidents`).
+        self.step_times = StepTimes()
+        self.incidents = IncidentGrouper(self.step_times.get)
 
     @property
     def world_size(self) -> int:
@@ -171,7 +203,7 @@ class RunPipeline:
 
     def feed_step(self, rec: StepRecord) -> Output:
         """Feed one rank's step record."""
-        return self._steps(self._add(rec))
+        return self._with_incidents(self._steps(self._add(rec)))
 
     def _add(self, rec: StepRecord | tuple) -> list[StepAggregate]:
         # Per-record work goes here: :meth:`feed` (the service) calls this, not feed_step.
@@ -245,7 +277,7 @@ class RunPipeline:
                              "trimmed it; the figures cover the run from there"))
         self.anomalies[a.id] = a
         out.anomalies.append(a)
-        return out
+        return self._with_incidents(out)
 
     def feed(self, items: Iterable[StepRecord | tuple | Event]) -> Iterator[Output]:
         """Feed records (or their rows, :func:`trainhealth.wire.decode_step_rows`) and events in order;
@@ -260,14 +292,17 @@ class RunPipeline:
             if type(item) is tuple or isinstance(item, StepRecord):
                 aggs = add(item)
                 if aggs:
-                    yield self._steps(aggs)
+                    yield self._with_incidents(self._steps(aggs))
             else:
                 out = self.feed_event(item)
-                if out.aggs or out.anomalies or out.recommendations or out.job is not None:
+                if out.aggs or out.anomalies or out.recommendations or out.job is not None or out.incidents:
                     yield out
 
     def feed_event(self, ev: Event) -> Output:
         """Feed one event (run start/end, checkpoints, custom badput, a collective timeout, a worker restart)."""
+        return self._with_incidents(self._event(ev))
+
+    def _event(self, ev: Event) -> Output:
         if ev.kind in ("collective_timeout", "worker_restart"):
             det = self.collective_timeout if ev.kind == "collective_timeout" else self.worker_restart
             try:
@@ -394,11 +429,11 @@ class RunPipeline:
 
     def flush_stale(self, now: float) -> Output:
         """Close steps still missing ranks after the aggregator's stale timeout."""
-        return self._steps(self.aggregator.flush_stale(now))
+        return self._with_incidents(self._steps(self.aggregator.flush_stale(now)))
 
     def flush(self) -> Output:
         """Close every pending step (end of a replayed file)."""
-        return self._steps(self.aggregator.flush())
+        return self._with_incidents(self._steps(self.aggregator.flush()))
 
     def check_heartbeats(self, now: float, heartbeats: Mapping[int, Mapping[str, Any]]) -> Output:
         """Hang, dead-rank and job-state checks at unix time ``now``; ranks that ended cleanly are left out.
@@ -462,6 +497,20 @@ class RunPipeline:
                 rec = self._advise_recovery(a, now)
                 if rec is not None:
                     out.recommendations[a.id] = rec
+        return self._with_incidents(out)
+
+    def _with_incidents(self, out: Output) -> Output:
+        """``out`` with the incidents its anomalies and recommendations changed, and without the recommendations
+        an incident does not give: one per incident, its latest stage's (the divergence's rollback, not the
+        spike's before it), so the earlier one is neither refreshed nor proposed again."""
+        if not out.anomalies and not out.recommendations:
+            return out
+        t = self._prev_end[1] if self._prev_end is not None else None
+        out.incidents.update(self.incidents.update(out.anomalies, out.recommendations.values(), t))
+        for aid, rec in list(out.recommendations.items()):
+            inc = self.incidents.incident_of(aid)
+            if inc is not None and inc.recommendation != rec.id:
+                del out.recommendations[aid]
         return out
 
     def _in_job_incident(self, a: Anomaly) -> Anomaly:
@@ -538,6 +587,7 @@ class RunPipeline:
                 agg = self._paused(agg)
             out.aggs.append(agg)
             self.ledger.add_step(agg)
+            self.step_times.note(agg.step, agg.t_end)
             # The step's own time (timed by the ranks, else the job's own step_s), the one the timing
             # detectors judge; an untimed step without one lasted since the previous step ended, per step
             # (a log written every N steps must not make the hang timeout and advice costs N times too long).

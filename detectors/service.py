@@ -32,18 +32,21 @@ from trainhealth import defaults
 from trainhealth.anomaly import Anomaly
 from trainhealth.detectors.advisor import RollbackAdvisor
 from trainhealth.detectors.hang import HangDetector
+from trainhealth.detectors.incidents import LABELS, Incident
 from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
 from trainhealth.job import JobState
 from trainhealth.keys import RUNS, SERVICES, RunKeys, run_keys, run_of, service_heartbeat
 from trainhealth.loop import LEASE_LUA, MEMBERS_LUA, RELEASE_LUA, RENEW_LUA, Backoff, stop_on_signals
-from trainhealth.recommendations import Recommendation
+from trainhealth.recommendations import OPEN_STATUSES, Recommendation
 from trainhealth.warn_once import WarnOnce
 from trainhealth.wire import MAX_RANKS, ROW_FIELDS, Event, decode_event, decode_step_rows
 
 log = logging.getLogger(__name__)
 
 _VOLATILE = ("first_seen", "last_seen")
+#: Meta statuses of a run still going: any other (finished, failed, stopped, interrupted) is an ended run.
+LIVE_STATUSES = ("running", "crashed")
 #: Modules detectors import on first use, imported when the service starts (see run_forever).
 _LAZY_IMPORTS = ("sklearn.ensemble",)
 #: A run whose newest heartbeat or step is older than this is not watched for hangs any more.
@@ -125,6 +128,7 @@ class _Run:
     pipeline: RunPipeline
     stored: dict[str, dict[str, Any]] = field(default_factory=dict)
     stored_recs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stored_incidents: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_agg: tuple[int, int] = (0, 0)
     last_snapshot: float = 0.0
     status: str = "running"
@@ -374,7 +378,8 @@ class DetectorService:
         if started is not None:
             pipeline.ledger.note_start(started)
         # What is stored is compared with what the replay recomputes: an unreadable entry is rewritten.
-        for store, key in ((run.stored, keys.anomalies), (run.stored_recs, keys.recommendations)):
+        for store, key in ((run.stored, keys.anomalies), (run.stored_recs, keys.recommendations),
+                           (run.stored_incidents, keys.incidents)):
             for field_, raw in self.client.hgetall(key).items():
                 try:
                     value = json.loads(raw)
@@ -536,7 +541,8 @@ class DetectorService:
             if collect is not None:
                 collect.anomalies += out.anomalies
                 collect.recommendations.update(out.recommendations)
-                out.anomalies, out.recommendations = [], {}
+                collect.incidents.update(out.incidents)
+                out.anomalies, out.recommendations, out.incidents = [], {}, {}
             self._write(run, out, pipe)
 
     def _note_seq(self, run: _Run, fields: dict, rows: list[tuple], pipe: Any, live: bool) -> None:
@@ -603,25 +609,82 @@ class DetectorService:
             if a.id not in out.recommendations and not RollbackAdvisor.concerns(a) and not RecoveryAdvisor.concerns(a):
                 self._close_recommendation(run, a, pipe)
             self._write_anomaly(run, a, pipe)
+        for iid, inc in out.incidents.items():
+            self._write_incident(run, iid, inc, pipe)
 
     def _close_recommendation(self, run: _Run, a: Anomaly, pipe: Any) -> None:
         """The anomaly needs no action any more (the spike recovered, the loss came back): an open
         recommendation for it is dismissed, saying why, so no stale advice stays on the dashboard."""
-        rid = f"rec:{a.id}"
-        if rid not in run.stored_recs:
-            return
-        raw = self.client.hget(run.keys.recommendations, rid)  # a person may have moved it meanwhile
-        d = json.loads(raw) if raw else dict(run.stored_recs[rid])  # else written in this very batch
-        if d.get("status") not in ("proposed", "acknowledged"):
-            return
-        why = ("the loss recovered by itself" if a.evidence.get("recovered") else
-               "training rolled back" if a.evidence.get("rolled_back") else f"the {a.kind} is over")
-        d["status"] = "dismissed"
-        d.setdefault("history", []).append({"t": self.clock(), "status": "dismissed", "by": "trainhealth",
-                                            "note": f"{why} (step {a.end_step})"})
-        d["updated_at"] = self.clock()
+        ev = a.evidence
+        why = ("the loss recovered by itself" if ev.get("recovered") else
+               "training rolled back" if ev.get("rolled_back") else
+               "the run ended" if ev.get("run_ended") else
+               "the job recovered" if ev.get("resumed_t") is not None or ev.get("resumed") else f"the {a.kind} is over")
+        self._move_recommendation(run, f"rec:{a.id}", OPEN_STATUSES, "dismissed", f"{why} (step {a.end_step})", pipe)
+
+    def _move_recommendation(self, run: _Run, rid: str, when: tuple[str, ...], status: str, note: str,
+                             pipe: Any) -> bool:
+        """Move the service's recommendation ``rid`` to ``status`` (history: ``by`` trainhealth, ``note``) if its
+        status is one of ``when``; whether it did.
+
+        The figures are the newest the service wrote (in this very batch, maybe); the lifecycle is the stored one
+        (a person may have moved it meanwhile) unless the advice changed since, which started it again at
+        ``proposed``."""
+        mine = run.stored_recs.get(rid)
+        if mine is None or mine.get("status") not in when:
+            return False  # not the service's, or decided already (kept in step with Redis below)
+        raw = self.client.hget(run.keys.recommendations, rid)
+        stored = json.loads(raw) if raw else None
+        d = dict(mine)
+        if isinstance(stored, dict) and all(stored.get(k) == mine.get(k)
+                                            for k in ("action", "checkpoint_step", "skip_steps")):
+            d["status"], d["history"] = stored.get("status"), list(stored.get("history") or [])
+        if d.get("status") not in when:
+            run.stored_recs[rid] = d  # a person decided: not read again
+            return False
+        now = self.clock()
+        d["status"] = status
+        d["history"] = [*(d.get("history") or []), {"t": now, "status": status, "by": "trainhealth", "note": note}]
+        d["updated_at"] = now
         run.stored_recs[rid] = d
         pipe.hset(run.keys.recommendations, rid, json.dumps(d, sort_keys=True))
+        return True
+
+    def _write_incident(self, run: _Run, iid: str, inc: Incident | None, pipe: Any) -> None:
+        """Store an incident's new state where it differs from the stored one (``None``: it moved into another and
+        is deleted); the other recommendations of its members still ``proposed`` are ``superseded`` by its one."""
+        if inc is None:
+            if run.stored_incidents.pop(iid, None) is not None:
+                pipe.hdel(run.keys.incidents, iid)
+            return
+        d = inc.to_dict()
+        old = run.stored_incidents.get(iid)
+        if old is not None and {k: v for k, v in old.items() if k not in _VOLATILE} == d:
+            return
+        now = self.clock()
+        d["first_seen"] = old["first_seen"] if old and "first_seen" in old else now
+        d["last_seen"] = now
+        run.stored_incidents[iid] = d
+        pipe.hset(run.keys.incidents, iid, json.dumps(d, sort_keys=True))
+        if inc.recommendation is None:
+            return
+        chosen = inc.recommendation.removeprefix("rec:")
+        by = run.pipeline.anomalies.get(chosen)
+        stage = f" (the {LABELS.get(by.kind, by.kind).lower()} at step {by.step})" if by is not None else ""
+        for aid in inc.anomalies:
+            rid = f"rec:{aid}"
+            if rid != inc.recommendation:
+                self._move_recommendation(run, rid, ("proposed",), "superseded",
+                                          f"superseded by {inc.recommendation}{stage}, the one recommendation of "
+                                          f"incident {iid}", pipe)
+
+    def _withdraw_advice(self, run: _Run, pipe: Any) -> None:
+        """The run ended: no advice stays open (``proposed`` or ``acknowledged``) on the dashboard; each is
+        dismissed, saying so."""
+        note = f"the run ended at step {run.pipeline.current_step} ({run.status})"
+        for rid, d in list(run.stored_recs.items()):
+            if d.get("status") in OPEN_STATUSES:
+                self._move_recommendation(run, rid, OPEN_STATUSES, "dismissed", note, pipe)
 
     def _write_recommendation(self, run: _Run, rec: Recommendation, pipe: Any) -> None:
         d = rec.to_dict()
@@ -759,6 +822,8 @@ class DetectorService:
                 self._write(run, out, pipe)
                 if out.job is not None:
                     run.last_snapshot = 0.0  # the ledger follows the job's state now (a crash stops it)
+        if run.status not in LIVE_STATUSES:
+            self._withdraw_advice(run, pipe)
         if (run.dirty or run.status == "running") and now - run.last_snapshot >= self.snapshot_interval:
             self._snapshot(run, now, pipe)
         pipe.execute()

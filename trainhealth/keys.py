@@ -97,6 +97,12 @@ class RunKeys:
         return f"{self._p}:recommendations"
 
     @property
+    def incidents(self) -> str:
+        """Hash: incident id (``inc:<root anomaly id>``) -> JSON of the incident's current state: one per root
+        cause, its member anomalies and its one recommendation."""
+        return f"{self._p}:incidents"
+
+    @property
     def anomaly_log(self) -> str:
         """Stream: anomaly transitions (opened, updated, resolved), the alerting outbox's source."""
         return f"{self._p}:anomaly_log"

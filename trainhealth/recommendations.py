@@ -2,7 +2,11 @@
 
 The detector service writes them; people move them: ``proposed`` → ``acknowledged`` →
 ``applied`` or ``dismissed`` (from ``trainhealth advise`` or the dashboard). A change of
-advice (another checkpoint or skip range) starts again at ``proposed``.
+advice (another checkpoint or skip range) starts again at ``proposed``. The service closes
+advice nobody needs any more, saying why in the history (``by`` = ``trainhealth``): ``dismissed``
+when its anomaly is over or the run ended, ``superseded`` when a later stage of the same
+incident got the incident's one recommendation (a divergence's rollback after the spike's wait;
+:mod:`trainhealth.detectors.incidents`).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import redis
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import run_keys
 
-#: Lifecycle of a recommendation, in order.
-STATUSES = ("proposed", "acknowledged", "applied", "dismissed")
+#: Lifecycle of a recommendation, in order; ``superseded``: replaced by a later stage's of its incident.
+STATUSES = ("proposed", "acknowledged", "applied", "dismissed", "superseded")
+#: The statuses of advice still waiting for a decision.
+OPEN_STATUSES = ("proposed", "acknowledged")
 
 
 @dataclass(frozen=True)
