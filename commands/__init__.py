@@ -38,7 +38,7 @@ __all__ = ["EXTRAS", "build_parser", "main"]
 #: The third-party modules of each optional extra (pyproject.toml), checked before a command that needs the
 #: extra runs, and used to name the extra when one of them is missing.
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "server": ("numpy", "pandas", "sklearn", "streamlit", "plotly", "msgspec", "httpx", "tqdm"),
+    "server": ("numpy", "pandas", "sklearn", "streamlit", "plotly", "tsdownsample", "msgspec", "httpx", "tqdm"),
     "logs": ("tensorboard",),
     "torch": ("torch",),
     "hf": ("transformers",),

@@ -49,6 +49,16 @@ _LANES = ["anomaly", "checkpoint", "restart"]
 #: Event-lane markers besides anomalies (triangles in the severity colour): symbol and colour.
 _LANE_STYLE = {"restart": ("x", SEVERITY_COLORS["warning"]), "checkpoint save": ("square", "#2ca02c"),
                "checkpoint load": ("diamond", "#17becf")}
+#: Points drawn per step curve at most (a longer series is reduced by :func:`reduce_line`): about one per pixel
+#: column of a full-width chart on a 1,920 px screen (~1,800 px of plot in the wide layout), so the reduced curve
+#: draws as the full one would; 2,000 points are ~40 kB of chart JSON a curve, sent on every 2 s refresh.
+MAX_POINTS = 2_000
+#: MinMaxLTTB preselects the min and max of ``MAX_POINTS * ratio / 2`` bins before LTTB picks one point per
+#: bucket among them (tsdownsample's default; the paper's recommendation, arXiv:2305.00332).
+MINMAX_RATIO = 4
+#: The NaN/inf loss markers, and the two runs of :func:`run_comparison`.
+NONFINITE_COLOR = "#d62728"
+COMPARE_COLORS = ("#1f77b4", "#ff7f0e")
 
 
 def label(category: str) -> str:
@@ -67,7 +77,79 @@ def _anomaly_span(a: Any, last_step: float) -> tuple[float, float]:
     return start - 0.5, max(end, start) + 0.5
 
 
-def training_curves(steps: pd.DataFrame, anomalies: pd.DataFrame, checkpoints: pd.DataFrame) -> go.Figure:
+def nonfinite_runs(x: np.ndarray, nonfinite: np.ndarray, max_points: int | None = None) -> np.ndarray:
+    """Indices where a run of consecutive True ``nonfinite`` points starts (over ascending ``x``), at most one per
+    ``1 / max_points`` of the ``x`` span (one per pixel column: a run a million steps long is one marker)."""
+    starts = np.flatnonzero(nonfinite & ~np.concatenate(([False], nonfinite[:-1])))
+    if max_points is None or len(starts) <= max_points or x[-1] <= x[0]:
+        return starts
+    column = np.floor((x[starts] - x[0]) / (x[-1] - x[0]) * (max_points - 1)).astype(np.int64)
+    return starts[np.unique(column, return_index=True)[1]]
+
+
+def reduce_line(x: np.ndarray, y: np.ndarray, max_points: int, nonfinite: np.ndarray | None = None) -> np.ndarray:
+    """Indices (ascending) of the points of a curve to draw: ``y`` over ascending ``x``.
+
+    The finite points: all when they are at most ``max_points``, else the ``max_points`` that tsdownsample's
+    MinMaxLTTB selects (the first, the last, and per bucket the point of largest triangle area among each bin's
+    min and max), so a one-step spike is kept; when spikes crowd (hundreds in 2,000 buckets) LTTB drops some,
+    each measured within two buckets (two pixel columns) of a kept one. Then the first point of each run of
+    points stored as NaN/±inf (``nonfinite``; by default every non-finite ``y``), so the line keeps its gap there
+    at any reduction; the other non-finite points (absent values) are left out, the line joins across them.
+    """
+    finite = np.isfinite(y)
+    nonfinite = ~finite if nonfinite is None else np.asarray(nonfinite, dtype=bool) & ~finite
+    keep = np.flatnonzero(finite)
+    if len(keep) > max(max_points, 3):  # LTTB needs at least 3 points out
+        from tsdownsample import MinMaxLTTBDownsampler  # imported here: analyze's HTML report never reduces
+
+        xs = np.ascontiguousarray(x[keep])
+        picked = MinMaxLTTBDownsampler().downsample(xs, np.ascontiguousarray(y[keep], dtype=np.float64),
+                                                    n_out=max(max_points, 3), minmax_ratio=MINMAX_RATIO)
+        keep = keep[picked.astype(np.int64)]
+    considered = finite | nonfinite
+    idx = np.flatnonzero(considered)
+    gaps = idx[nonfinite_runs(x[idx], nonfinite[idx], max_points)] if idx.size else idx
+    return np.union1d(keep, gaps)
+
+
+def _sorted_by_step(part: pd.DataFrame) -> pd.DataFrame:
+    steps = part["step"].to_numpy("float64")
+    return part if (np.diff(steps) >= 0).all() else part.sort_values("step", kind="stable")
+
+
+def _nonfinite_markers(parts: list[pd.DataFrame], max_points: int | None) -> go.Scatter | None:
+    """One marker per run of steps whose loss was stored as NaN/±inf (``loss_nonfinite``), on the loss panel at
+    the last finite loss before it (else the next one): the loss of a diverged step has no y of its own."""
+    xs: list[int] = []
+    ys: list[float] = []
+    texts: list[str] = []
+    for part in parts:
+        if "loss_nonfinite" not in part or not part["loss_nonfinite"].any():
+            continue
+        x = part["step"].to_numpy("int64")
+        raw = part["loss"].to_numpy("float64")
+        bad = part["loss_nonfinite"].to_numpy(bool)
+        known = np.isfinite(raw) | bad
+        idx = np.flatnonzero(known)
+        x, raw, bad = x[idx], raw[idx], bad[idx]
+        near = pd.Series(np.where(np.isfinite(raw), raw, np.nan)).ffill().bfill().fillna(0.0).to_numpy()
+        ends = np.flatnonzero(bad & ~np.concatenate((bad[1:], [False])))
+        for i in nonfinite_runs(x, bad, max_points):
+            last = ends[np.searchsorted(ends, i)]
+            what = "NaN" if np.isnan(raw[i]) else f"{raw[i]:+g}".replace("+", "")
+            span = f"step {x[i]}" if last == i else f"steps {x[i]}–{x[last]}"
+            xs.append(int(x[i]))
+            ys.append(float(near[i]))
+            texts.append(f"<b>loss {what}</b> at {span}")
+    if not xs:
+        return None
+    return go.Scatter(x=xs, y=ys, mode="markers", name="loss NaN/inf", hovertext=texts, hoverinfo="text",
+                      marker={"symbol": "x", "size": 10, "color": NONFINITE_COLOR, "line": {"width": 1}})
+
+
+def training_curves(steps: pd.DataFrame, anomalies: pd.DataFrame, checkpoints: pd.DataFrame,
+                    max_points: int | None = None) -> go.Figure:
     """Loss and grad norm (log) vs step, with anomaly, checkpoint and restart markers.
 
     Three stacked panels sharing the step axis: loss; grad norm on a log axis; an event lane
@@ -76,6 +158,10 @@ def training_curves(steps: pd.DataFrame, anomalies: pd.DataFrame, checkpoints: p
     spike, divergence) also shade their range on the curves; restarts draw a dashed line.
     One line per restart generation, so replayed steps after a rollback show as a second
     curve over the first. NaN/inf values leave gaps (the ``nan_inf`` anomaly marks them).
+
+    With ``max_points``, each curve longer than that is reduced by :func:`reduce_line` (the title says
+    so), and a frame with ``loss_nonfinite`` (a :class:`trainhealth.dashboard.data.StepSeries` frame) gets a
+    ``loss NaN/inf`` marker per run of such steps, after the curves.
     """
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.04,
                         row_heights=[0.52, 0.34, 0.14])
@@ -83,23 +169,38 @@ def training_curves(steps: pd.DataFrame, anomalies: pd.DataFrame, checkpoints: p
         steps = steps.assign(gen=steps["gen"].fillna(0))  # an entry without gen counts as the first launch
     gens = sorted(int(g) for g in steps["gen"].unique()) if not steps.empty else []
     palette = ["#1f77b4", "#9467bd", "#2ca02c", "#8c564b", "#e377c2", "#17becf"]
+    parts = []
+    reduced = False
     for i, gen in enumerate(gens):
-        part = steps[steps["gen"] == gen]
+        part = _sorted_by_step(steps[steps["gen"] == gen])
+        parts.append(part)
         # Group a generation's two curves only when there are several (a group stacks its legend items).
         group = f"g{gen}" if len(gens) > 1 else None
         name = f"gen {gen}" if len(gens) > 1 else "loss"
         color = palette[i % len(palette)]
-        fig.add_trace(go.Scatter(x=part["step"].astype("int64"), y=_finite(part["loss"]), mode="lines",
+        x = part["step"].to_numpy("int64")
+        loss = _finite(part["loss"]).to_numpy()
+        gn = _finite(part["grad_norm"])
+        gn = gn.where(gn > 0).to_numpy()
+        lx, ly, gx, gy = x, loss, x, gn
+        if max_points is not None:
+            li = reduce_line(x, loss, max_points, part.get("loss_nonfinite"))
+            gi = reduce_line(x, gn, max_points, part.get("grad_norm_nonfinite"))
+            reduced = reduced or len(li) < len(x) or len(gi) < len(x)
+            lx, ly, gx, gy = x[li], loss[li], x[gi], gn[gi]
+        fig.add_trace(go.Scatter(x=lx, y=ly, mode="lines",
                                  name=name, legendgroup=group, line={"color": color, "width": 1.5},
                                  hovertemplate="step %{x}<br>loss %{y:.4g}<extra>" + name + "</extra>"),
                       row=1, col=1)
-        gn = _finite(part["grad_norm"])
-        fig.add_trace(go.Scatter(x=part["step"].astype("int64"), y=gn.where(gn > 0), mode="lines",
+        fig.add_trace(go.Scatter(x=gx, y=gy, mode="lines",
                                  name=f"grad norm · {name}" if len(gens) > 1 else "grad norm",
                                  legendgroup=group, showlegend=len(gens) == 1,
                                  line={"color": color if len(gens) > 1 else "#ff7f0e", "width": 1},
                                  hovertemplate="step %{x}<br>grad norm %{y:.4g}<extra>" + name + "</extra>"),
                       row=2, col=1)
+    markers = _nonfinite_markers(parts, max_points)
+    if markers is not None:
+        fig.add_trace(markers, row=1, col=1)
     first = float(steps["step"].min()) if not steps.empty else -math.inf
     last = float(steps["step"].max()) if not steps.empty else math.inf
     if not steps.empty:
@@ -173,7 +274,46 @@ def training_curves(steps: pd.DataFrame, anomalies: pd.DataFrame, checkpoints: p
                               "title": {"text": "restart generation:" if len(gens) > 1 else "", "side": "left"}},
                       # The event lane's markers get their own legend, top right.
                       legend2={"orientation": "h", "yanchor": "bottom", "y": 1.01, "x": 1, "xanchor": "right"},
-                      title={"text": "Loss and grad norm per step", "x": 0, "y": 0.995, "font": {"size": 14}})
+                      title={"text": "Loss and grad norm per step" + (
+                          f" ({len(steps):,} steps, each curve reduced to {max_points:,} points keeping its extremes)"
+                          if reduced else ""), "x": 0, "y": 0.995, "font": {"size": 14}})
+    return fig
+
+
+#: x axis of :func:`run_comparison` per alignment: the column of a ``progress`` frame, its title, its hover.
+ALIGNMENTS = {"step": ("step", "step", "step %{x}"),
+              "tokens": ("tokens_seen", "tokens trained (kept steps)", "%{x:,.0f} tokens")}
+
+
+def run_comparison(runs: list[tuple[str, pd.DataFrame]], align: str = "step",
+                   max_points: int | None = MAX_POINTS) -> go.Figure:
+    """Loss and throughput of runs overlaid, aligned by step or by tokens trained.
+
+    ``runs`` are ``(name, frame)`` with :func:`trainhealth.dashboard.data.progress` frames (one row per kept
+    step). Two panels sharing the x axis: loss, and tokens/s per step. ``align`` ``"step"`` puts each point at
+    its step, ``"tokens"`` at the tokens the run had trained on through that step (``tokens_seen``; steps
+    without a token count are left out), so runs of different batch sizes line up by data seen. Each curve is
+    reduced to ``max_points`` as :func:`reduce_line` does; NaN losses leave gaps.
+    """
+    column, title, hover_x = ALIGNMENTS[align]
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.06, row_heights=[0.55, 0.45])
+    for i, (name, prog) in enumerate(runs):
+        color = COMPARE_COLORS[i % len(COMPARE_COLORS)]
+        part = prog[np.isfinite(prog[column].to_numpy("float64"))]
+        x = part[column].to_numpy("int64" if column == "step" else "float64")
+        for row, value, unit in ((1, "loss", "loss %{y:.4g}"), (2, "tok_s", "%{y:,.0f} tokens/s")):
+            y = _finite(part[value]).to_numpy()
+            idx = reduce_line(x, y, max_points) if max_points is not None else np.arange(len(x))
+            fig.add_trace(go.Scatter(x=x[idx], y=y[idx], mode="lines", name=name, legendgroup=name,
+                                     showlegend=row == 1, line={"color": color, "width": 1.5 if row == 1 else 1},
+                                     hovertemplate=f"{hover_x}<br>{unit}<extra>{name}</extra>"), row=row, col=1)
+    fig.update_yaxes(title_text="loss", row=1, col=1)
+    fig.update_yaxes(title_text="tokens/s", rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(title_text=title, row=2, col=1)
+    fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 40, "b": 10}, hovermode="closest",
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.01, "x": 1, "xanchor": "right"},
+                      title={"text": f"Loss and throughput by {'step' if align == 'step' else 'tokens trained'}",
+                             "x": 0, "font": {"size": 14}})
     return fig
 
 

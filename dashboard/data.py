@@ -380,7 +380,7 @@ def recent_steps(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_
                 row[c] = _get_num(d, c, bad)
         if math.isnan(row["step"]):
             # Every chart and matrix is indexed by step: an entry without one cannot be placed.
-            skipped.append(f"entry {_s(entry_id)}: " + ("no step" if "step" not in d else bad[0]))
+            skipped.append(f"entry {_s(entry_id)}: " + (bad[0] if bad and bad[0].startswith("step ") else "no step"))
             continue
         row["busy"] = []
         if with_busy and "busy" in d:
@@ -773,11 +773,15 @@ def ledger_history(client: redis.Redis, run: str, count: int = LEDGER_HISTORY_EN
     key = run_keys(run).ledger
     entries = client.xrevrange(key, count=count)
     entries.reverse()
+    return _ledger_frame(key, [entries[i] for i in _thin(len(entries), max_points)], problems)
+
+
+def _ledger_frame(key: str, entries: list[tuple[Any, Any]], problems: list[str] | None) -> pd.DataFrame:
+    """The :func:`ledger_history` frame of ledger stream ``entries`` (oldest first)."""
     rows = []
     skipped: list[str] = []
     partly: list[str] = []
-    for i in _thin(len(entries), max_points):
-        entry_id, fields = entries[i]
+    for entry_id, fields in entries:
         d = {_s(k): v for k, v in fields.items()}
         where = f"entry {_s(entry_id)}"
         if "json" not in d:
@@ -1140,3 +1144,326 @@ def replay_info(client: redis.Redis, run: str) -> dict[str, Any] | None:
             "speed": pace if pace is not None and math.isfinite(pace) and pace >= 0 else 0.0,
             "timeline": timeline if timeline in REPLAY_TIMELINES else None,
             "assumed_step_s": _opt_num(step_s)}
+
+
+# --- the charts' step series: the whole run, read once, then only the new entries ---------------
+# The Overview draws every step of the run (reduced to the plot's width in charts.py), so it cannot re-read a
+# 100,000-entry stream every 2 s, nor ship each entry's per-rank ``busy`` list to draw a loss curve. A
+# :class:`StepSeries` holds the drawn fields of the entries read so far; :meth:`StepSeries.refresh` reads the
+# newest entry (one small call) and, when it is new, only the entries after the last one read.
+
+#: Fields of an ``agg`` entry the step charts draw. :data:`PROJECT_SCRIPT` returns only these, so an entry's
+#: ``busy`` list (about 9 kB at 1,024 ranks: nearly all of the entry) never leaves Redis.
+SERIES_FIELDS = ("step", "gen", "loss", "grad_norm", "tokens", "dur", "step_s")
+_SERIES_INTS = ("step", "gen", "tokens")
+#: Columns of :attr:`StepSeries.frame`: the fields, and whether ``loss``/``grad_norm`` was stored as NaN or ±inf
+#: (a gap and a marker on the chart), which the float columns alone cannot tell from a value never logged.
+SERIES_COLUMNS = [*SERIES_FIELDS, "loss_nonfinite", "grad_norm_nonfinite"]
+#: Fields of the newest entry, for the status line (read on every refresh).
+TAIL_FIELDS = ("step", "gen", "t_end", "n_ranks")
+#: Entries per script call: bounds what one call holds in Redis (1,000 entries of a 1,024-rank run are ~9 MB
+#: inside the script, a few ms) and in one reply.
+SERIES_CHUNK = 1_000
+#: A step range is read with one ``XRANGE`` per restart generation (entry ids are ``<gen + 1>-<step>``); a
+#: stream whose ids are not (more generations than this) is read whole and filtered instead.
+MAX_RANGE_GENERATIONS = 1_000
+_MAX_SEQ = 2**64 - 1
+
+#: ``XRANGE``/``XREVRANGE KEYS[1] ARGV[2] ARGV[3] COUNT ARGV[4]``, each entry returned as its id and the values
+#: of the fields ARGV[5…] (nil where the entry lacks one), one flat array. Read-only.
+PROJECT_SCRIPT = """
+local cmd = ARGV[1]
+if cmd ~= 'XRANGE' and cmd ~= 'XREVRANGE' then return redis.error_reply('XRANGE or XREVRANGE only') end
+local entries = redis.call(cmd, KEYS[1], ARGV[2], ARGV[3], 'COUNT', ARGV[4])
+local slot, n = {}, #ARGV - 4
+for i = 1, n do slot[ARGV[4 + i]] = i end
+local out, base = {}, 0
+for _, e in ipairs(entries) do
+  out[base + 1] = e[1]
+  for i = 2, n + 1 do out[base + i] = false end
+  local f = e[2]
+  for j = 1, #f, 2 do
+    local i = slot[f[j]]
+    if i then out[base + 1 + i] = f[j + 1] end
+  end
+  base = base + n + 1
+end
+return out
+"""
+
+
+def _entry_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+#: Entries as read by :func:`project`: their ids, and per field the stored values (None where absent).
+Entries = tuple[list[str], list[list[Any]]]
+
+
+def project(client: redis.Redis, run: str, fields: Iterable[str], start: str = "-", end: str = "+",
+            count: int = SERIES_CHUNK, newest_first: bool = False) -> Entries:
+    """The ``agg`` entries from ``start`` to ``end`` (ids; ``(`` for exclusive; swapped with ``newest_first``), at
+    most ``count``, with only ``fields``: one :data:`PROJECT_SCRIPT` call."""
+    fields = list(fields)
+    script = client.register_script(PROJECT_SCRIPT)
+    command, lo, hi = ("XREVRANGE", end, start) if newest_first else ("XRANGE", start, end)
+    flat = script(keys=[run_keys(run).agg], args=[command, lo, hi, count, *fields])
+    width = len(fields) + 1
+    return [_s(i) for i in flat[::width]], [flat[j::width] for j in range(1, width)]
+
+
+def _take(entries: Entries, keep: Iterable[int]) -> Entries:
+    ids, cols = entries
+    keep = list(keep)
+    return [ids[i] for i in keep], [[col[i] for i in keep] for col in cols]
+
+
+def _extend(entries: Entries, more: Entries) -> Entries:
+    """``entries`` with ``more`` appended (in place)."""
+    entries[0].extend(more[0])
+    for col, add in zip(entries[1], more[1], strict=True):
+        col.extend(add)
+    return entries
+
+
+def _empty_series() -> pd.DataFrame:
+    frame = pd.DataFrame({c: pd.Series(dtype="float64") for c in SERIES_FIELDS})
+    for c in _SERIES_INTS:
+        frame[c] = frame[c].astype("Int64")
+    return frame.assign(loss_nonfinite=pd.Series(dtype=bool), grad_norm_nonfinite=pd.Series(dtype=bool))
+
+
+def _number_column(name: str, values: list[Any], integral: bool, bad: dict[int, list[str]]) -> np.ndarray:
+    """``values`` (stored strings, None where absent) as floats, as :func:`_get_num` reads each; the messages of
+    those that are no such number go to ``bad[row]``."""
+    try:  # the fast path: numbers, "nan", "inf" and absent values, as the service writes them
+        out = np.array(values, dtype=np.float64)
+        if not integral:
+            return out
+        with np.errstate(invalid="ignore"):
+            wrong = ~np.isfinite(out) | (out != np.round(out)) | (np.abs(out) > MAX_INT)
+        suspect = np.flatnonzero(wrong & np.array([v is not None for v in values], dtype=bool)).tolist()
+    except (TypeError, ValueError):
+        out = np.full(len(values), math.nan)
+        suspect = range(len(values))
+    for i in suspect:
+        msgs: list[str] = []
+        out[i] = _get_num({name: values[i]}, name, msgs, bound=MAX_INT if integral else math.inf, integral=integral)
+        if msgs:
+            bad.setdefault(i, []).extend(msgs)
+    return out
+
+
+def _stored_nonfinite(values: list[Any], numbers: np.ndarray) -> np.ndarray:
+    """True where a value was stored as NaN or ±inf (not where it is absent, empty or unreadable)."""
+    out = np.zeros(len(values), dtype=bool)
+    for i in np.flatnonzero(~np.isfinite(numbers)):
+        try:
+            x = float(values[i])
+        except (TypeError, ValueError):  # absent (None), empty or unreadable
+            continue
+        out[i] = not math.isfinite(x)
+    return out
+
+
+def _series_rows(entries: Entries, skipped: list[str], partly: list[str]) -> pd.DataFrame:
+    """The :data:`SERIES_COLUMNS` frame of :data:`SERIES_FIELDS` ``entries``; entries without a readable step are
+    left out (reported in ``skipped``), unreadable values are NaN (reported in ``partly``)."""
+    ids, values = entries
+    if not ids:
+        return _empty_series()
+    bad: dict[int, list[str]] = {}
+    cols: dict[str, Any] = {}
+    for name, column in zip(SERIES_FIELDS, values, strict=True):
+        cols[name] = _number_column(name, column, name in _SERIES_INTS, bad)
+        if name in ("loss", "grad_norm"):
+            cols[f"{name}_nonfinite"] = _stored_nonfinite(column, cols[name])
+    has_step = np.isfinite(cols["step"])
+    for i in np.flatnonzero(~has_step):
+        why = bad.get(i, [""])[0]
+        skipped.append(f"entry {ids[i]}: " + (why if why.startswith("step ") else "no step"))
+    for i in sorted(bad):
+        if has_step[i]:
+            partly.append(f"entry {ids[i]}: {'; '.join(bad[i])}")
+    frame = pd.DataFrame(cols, columns=SERIES_COLUMNS)[has_step].reset_index(drop=True)
+    for c in _SERIES_INTS:
+        frame[c] = frame[c].where(np.isfinite(frame[c])).round().astype("Int64")
+    return frame
+
+
+class StepSeries:
+    """The drawn fields (:data:`SERIES_FIELDS`) of a run's ``agg`` entries in one step range, read so far.
+
+    ``step_from``/``step_to`` bound the steps (inclusive; None: the run's first/newest step). :meth:`refresh`
+    reads what is new; a page keeps the object between refreshes (``st.session_state``).
+
+    Attributes
+    ----------
+    frame : pandas.DataFrame
+        :data:`SERIES_COLUMNS`, stream order (a step replayed after a restart appears once per generation):
+        ``step``, ``gen``, ``tokens`` nullable ints; ``loss``, ``grad_norm``, ``dur``, ``step_s`` (s) floats
+        with NaN/±inf kept; ``loss_nonfinite``/``grad_norm_nonfinite`` True where the value was stored as NaN/±inf.
+    tail : dict or None
+        The stream's newest entry (of any step): ``id``, ``step``, ``gen``, ``n_ranks`` (int or None) and
+        ``t_end`` (unix s, NaN when unreadable); None while the stream is empty.
+    last_id : str or None
+        The newest entry id covered (read, or outside the range); None before the first read.
+    reads : list of (str, str, int)
+        ``(start, end, entries returned)`` of each ``XRANGE`` of the last :meth:`refresh` (none when nothing
+        was new: that refresh read the newest entry only).
+    """
+
+    def __init__(self, run: str, step_from: int | None = None, step_to: int | None = None) -> None:
+        self.run, self.step_from, self.step_to = run, step_from, step_to
+        self.key = run_keys(run).agg
+        self._reset()
+
+    def _reset(self) -> None:
+        self.frame = _empty_series()
+        self.tail: dict[str, Any] | None = None
+        self.last_id: str | None = None
+        self.reads: list[tuple[str, str, int]] = []
+        self._skipped: list[str] = []
+        self._partly: list[str] = []
+        self._tail_bad: list[str] = []
+
+    @property
+    def whole_run(self) -> bool:
+        return self.step_from is None and self.step_to is None
+
+    def refresh(self, client: redis.Redis, problems: list[str] | None = None) -> StepSeries:
+        """Read the entries added since the last call (all of the range on the first) and append them.
+
+        One call for the newest entry; when it is newer than :attr:`last_id`, ``XRANGE (last_id newest`` in
+        chunks of :data:`SERIES_CHUNK` (the first time, the range: ``- newest`` for the whole run, else one
+        ``XRANGE <gen + 1>-<step_from> <gen + 1>-<step_to>`` per generation). A stream whose newest id went back
+        (deleted and written again) is read afresh. Unreadable entries are reported in ``problems`` as
+        :func:`recent_steps` reports them, on every call.
+        """
+        self.reads = []
+        newest_ids, newest_values = project(client, self.run, TAIL_FIELDS, count=1, newest_first=True)
+        if not newest_ids:
+            if self.last_id is not None:
+                self._reset()
+            self._report(problems)
+            return self
+        tail_id = newest_ids[0]
+        if self.last_id is not None and _entry_id(tail_id) < _entry_id(self.last_id):
+            self._reset()
+        if self.last_id is None:
+            entries = self._read_range(client, tail_id)
+        elif tail_id != self.last_id:
+            entries = self._in_range(self._read(client, "(" + self.last_id, tail_id))
+        else:
+            entries = ([], [])
+        self.last_id = tail_id
+        self._set_tail(tail_id, [col[0] for col in newest_values])
+        if entries[0]:
+            new = _series_rows(entries, self._skipped, self._partly)
+            self.frame = new if self.frame.empty else pd.concat([self.frame, new], ignore_index=True)
+        self._report(problems)
+        return self
+
+    def _read(self, client: redis.Redis, start: str, end: str) -> Entries:
+        entries: Entries = ([], [[] for _ in SERIES_FIELDS])
+        while True:
+            got = project(client, self.run, SERIES_FIELDS, start, end)
+            self.reads.append((start, end, len(got[0])))
+            _extend(entries, got)
+            if len(got[0]) < SERIES_CHUNK:
+                return entries
+            start = "(" + got[0][-1]
+
+    def _read_range(self, client: redis.Redis, tail_id: str) -> Entries:
+        if self.whole_run:
+            return self._read(client, "-", tail_id)
+        newest_gen, newest_step = _entry_id(tail_id)
+        if newest_gen > MAX_RANGE_GENERATIONS:
+            return self._in_range(self._read(client, "-", tail_id))
+        lo = max(self.step_from or 0, 0)
+        hi = _MAX_SEQ if self.step_to is None else self.step_to
+        entries: Entries = ([], [[] for _ in SERIES_FIELDS])
+        for g in range(1, newest_gen + 1) if lo <= hi else ():
+            end = tail_id if g == newest_gen and newest_step < hi else f"{g}-{hi}"
+            _extend(entries, self._in_range(self._read(client, f"{g}-{lo}", end)))
+        return entries
+
+    def _in_range(self, entries: Entries) -> Entries:
+        """The entries whose step is in the range, by the ``step`` field (the ids of another writer may not say
+        it); those whose step is unreadable are kept, to be reported."""
+        if self.whole_run:
+            return entries
+        lo = -math.inf if self.step_from is None else self.step_from
+        hi = math.inf if self.step_to is None else self.step_to
+        steps = [_num(v) for v in entries[1][0]]
+        return _take(entries, (i for i, x in enumerate(steps) if math.isnan(x) or lo <= x <= hi))
+
+    def _set_tail(self, tail_id: str, values: list[Any]) -> None:
+        d = dict(zip(TAIL_FIELDS, values, strict=True))
+        bad: list[str] = []
+        step = _get_num(d, "step", bad, bound=MAX_INT, integral=True)
+        gen = _get_num(d, "gen", bad, bound=MAX_INT, integral=True)
+        n_ranks = _get_num(d, "n_ranks", bad, bound=MAX_RANKS, integral=True)
+        t_end = _get_num(d, "t_end", bad, finite=True, bound=MAX_TIME)
+        self._tail_bad = [f"entry {tail_id}: {'; '.join(bad)}"] if bad else []
+        as_int = lambda x: None if math.isnan(x) else int(x)  # noqa: E731
+        self.tail = {"id": tail_id, "step": as_int(step), "gen": as_int(gen), "n_ranks": as_int(n_ranks),
+                     "t_end": t_end}
+
+    def _report(self, problems: list[str] | None) -> None:
+        if self._skipped:
+            _report(problems, unreadable(self.key, "entry", "entries", self._skipped))
+        partly = self._partly + [b for b in self._tail_bad if b not in self._partly]
+        if partly:
+            _report(problems, unreadable(self.key, "entry", "entries", partly, partly=True))
+
+
+def progress(frame: pd.DataFrame) -> pd.DataFrame:
+    """The run's kept trajectory from a :attr:`StepSeries.frame`: one row per step, ascending.
+
+    A step replayed after a restart keeps its newest entry (the generation that counted, as
+    :func:`busy_matrix` does). Columns ``step`` (int64), ``loss``, ``tokens_seen`` (tokens of the kept steps up to
+    and including this one; NaN where the step has no token count), ``tok_s`` (the step's tokens / its
+    seconds: the job's own ``step_s`` when it reported one, else ``dur``; NaN without both).
+    """
+    cols = ["step", "loss", "tokens_seen", "tok_s"]
+    if frame.empty:
+        return pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else "float64") for c in cols})
+    kept = frame.drop_duplicates("step", keep="last").sort_values("step", kind="stable")
+    tokens = kept["tokens"].astype("float64")
+    secs = kept["step_s"].where(kept["step_s"] > 0, kept["dur"]).astype("float64")
+    with np.errstate(all="ignore"):
+        tok_s = (tokens / secs.where(secs > 0)).where(np.isfinite(tokens))
+    return pd.DataFrame({"step": kept["step"].astype("int64").to_numpy(), "loss": kept["loss"].to_numpy("float64"),
+                         "tokens_seen": tokens.cumsum().where(tokens.notna()).to_numpy("float64"),
+                         "tok_s": tok_s.to_numpy("float64")})
+
+
+def ledger_history_whole(client: redis.Redis, run: str, max_points: int = 600,
+                         problems: list[str] | None = None) -> pd.DataFrame:
+    """The whole retained ledger stream as at most ``max_points`` snapshots evenly spaced in time, oldest first.
+
+    A :func:`ledger_history` frame. A stream of at most ``max_points`` entries is read whole (one ``XRANGE``);
+    a longer one is sampled: the first entry at or after each of ``max_points`` evenly spaced times between
+    the oldest and the newest entry id (unix ms), one pipelined ``XRANGE <ms> + COUNT 1`` each, so the bytes
+    read do not grow with the run (the ledger keeps ``LEDGER_RETENTION_ENTRIES`` snapshots, ~11 h at 2 s).
+    Sampling, not reducing by extremes: each snapshot is cumulative since the run started, so the since-start
+    curves move by at most (gap / age) of their range between two samples; the rolling-rate columns are the
+    sampled snapshots' own.
+    """
+    key = run_keys(run).ledger
+    if client.xlen(key) <= max_points:
+        return _ledger_frame(key, client.xrange(key), problems)
+    (first, _), = client.xrange(key, count=1)
+    (last, _), = client.xrevrange(key, count=1)
+    t0, t1 = _entry_id(_s(first))[0], _entry_id(_s(last))[0]
+    pipe = client.pipeline(transaction=False)
+    for i in range(max_points - 1):
+        pipe.xrange(key, min=str(round(t0 + (t1 - t0) * i / max(1, max_points - 1))), count=1)
+    pipe.xrevrange(key, count=1)  # the newest itself (others may share its millisecond)
+    entries: dict[str, tuple[Any, Any]] = {}
+    for got in pipe.execute():
+        for entry_id, fields in got:
+            entries.setdefault(_s(entry_id), (entry_id, fields))
+    return _ledger_frame(key, sorted(entries.values(), key=lambda e: _entry_id(_s(e[0]))), problems)

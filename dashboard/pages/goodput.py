@@ -38,10 +38,15 @@ from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.text import fmt_duration, fmt_gpu_hours, fmt_pct, fmt_rate, fmt_usd, plural
 
-#: History windows offered (label → ledger snapshots read: one per 2 s) and how long a read is
-#: reused (s): the charts' history is one ``XREVRANGE … COUNT`` per period, the KPIs stay live.
-WINDOWS = {"1 h": (1_800, 10), "6 h": (10_800, 60)}
+#: History windows offered (label → ledger snapshots read: one per 2 s, None: the whole retained stream,
+#: sampled evenly in time) and how long a read is reused (s): the charts' history is one read per period,
+#: the KPIs stay live.
+WINDOWS = {"1 h": (1_800, 10), "6 h": (10_800, 60), "whole run": (None, 60)}
+WHOLE_RUN = "whole run"
 DEFAULT_WINDOW = "1 h"
+#: Rolling-rate lines drawn per window: the 1 min rates, or the 1 h ones over the whole run (sampled about a
+#: minute apart on an 11 h ledger, 1 min rates would be noise).
+RATE_WINDOW = {"1 h": "60s", "6 h": "60s", WHOLE_RUN: "3600s"}
 #: Snapshots drawn at most; a longer history is thinned evenly (snapshots are cumulative).
 MAX_POINTS = 600
 #: Rows of the rates table: label → snapshot key.
@@ -50,8 +55,10 @@ MIN_BAR_S = 0.05
 CLOSED_COLUMNS = ["status", "action", "kind", "onset_step", "checkpoint_step", "summary", "by", "decided"]
 
 
-def _read_history(url: str, run: str, count: int) -> tuple[pd.DataFrame, list[str]]:
+def _read_history(url: str, run: str, count: int | None) -> tuple[pd.DataFrame, list[str]]:
     problems: list[str] = []  # cached with the frame: the warnings must outlive the read
+    if count is None:
+        return data.ledger_history_whole(get_client(url), run, MAX_POINTS, problems=problems), problems
     return data.ledger_history(get_client(url), run, count=count, max_points=MAX_POINTS, problems=problems), problems
 
 
@@ -61,7 +68,7 @@ def _history_short(url: str, run: str, count: int) -> tuple[pd.DataFrame, list[s
 
 
 @st.cache_data(ttl=WINDOWS["6 h"][1], show_spinner=False)
-def _history_long(url: str, run: str, count: int) -> tuple[pd.DataFrame, list[str]]:
+def _history_long(url: str, run: str, count: int | None) -> tuple[pd.DataFrame, list[str]]:
     return _read_history(url, run, count)
 
 
@@ -145,7 +152,7 @@ def closed_recommendations(recs: list[dict[str, Any]], tz: str) -> pd.DataFrame:
     return frame[CLOSED_COLUMNS]
 
 
-def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str) -> None:
+def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str, rate_window: str = "60s") -> None:
     """Breakdown over time (full width), then throughput vs goodput and the cost per cause side by side."""
     if hist.empty:
         st.info("No goodput ledger history yet.", icon=":material/hourglass_empty:")
@@ -156,7 +163,7 @@ def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str) -> None:
     left, right = st.columns([3, 2])
     with left:
         if data.has_token_counts(snap):
-            fig = charts.goodput_over_time(hist, tz, rate_window="60s")
+            fig = charts.goodput_over_time(hist, tz, rate_window=rate_window)
             fig.update_layout(uirevision=run)
             st.plotly_chart(fig, config={"displaylogo": False}, key="tokens")
             st.caption(TOKEN_GAP_NOTE)
@@ -214,12 +221,13 @@ def live(run: str) -> None:
             **{c: st.column_config.TextColumn(c, alignment="right", width=96) for c in rates.columns}})
     # The advisor's open recommendations: what a rollback would cost against these numbers.
     cards.render(recs, run, "goodput")
-    head, pick = st.columns([4, 1], vertical_alignment="bottom")
-    head.caption(f"Charts: the last {window} of ledger snapshots (times in {tz}); each snapshot covers the run "
-                 "since it started.")
+    head, pick = st.columns([3, 1.4], vertical_alignment="bottom")
+    span = (f"the whole run (up to {MAX_POINTS} ledger snapshots, evenly spaced in time)" if window == WHOLE_RUN
+            else f"the last {window} of ledger snapshots")
+    head.caption(f"Charts: {span} (times in {tz}); each snapshot covers the run since it started.")
     pick.segmented_control("History", list(WINDOWS), default=DEFAULT_WINDOW, key="goodput_window",
                            label_visibility="collapsed")
-    charts_section(hist, snap, tz, run)
+    charts_section(hist, snap, tz, run, RATE_WINDOW.get(window, "60s"))
     closed = closed_recommendations(recs, tz)
     if not closed.empty:
         with st.expander(f"Closed recommendations ({len(closed)})", icon=":material/history:"):

@@ -3,8 +3,10 @@ loss/grad-norm curves with anomaly markers, goodput over time, badput."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from typing import Any
 
 import pandas as pd
 import redis
@@ -27,13 +29,32 @@ from trainhealth.dashboard.common import (
     viewer_tz,
 )
 from trainhealth.dashboard.frame import page_run
-from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS
+from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.job import JobState
 from trainhealth.text import fmt_duration, fmt_int, fmt_pct, fmt_rate, fmt_usd, plural
 
-#: Slow-moving reads (checkpoint markers, hour-long ledger history) are re-read at most this
+#: Slow-moving reads (checkpoint markers, the sampled ledger history) are re-read at most this
 #: often (s) instead of on every 2 s refresh; the KPIs and loss curve stay fully live.
 SLOW_TTL_S = 10
+#: Ledger snapshots drawn on the goodput chart: the whole run, sampled evenly in time (one per ~1.5 px).
+LEDGER_POINTS = 1_200
+#: Session-state key of the step series read so far: ``{(run, step_from, step_to): data.StepSeries}``, so a
+#: refresh reads only the entries added since the last one.
+SERIES_KEY = "th_series"
+#: Series kept per session, least recently shown dropped first (whole run and a zoomed range, of this run and
+#: of the compared one: 100,000 steps are ~7 MB).
+SERIES_KEPT = 4
+#: Session-state keys of the step range (None: the run's first / newest step), mirrored in the URL as
+#: ``?step_from=&step_to=``; a ``?step=`` link opens :data:`STEP_LINK_STEPS` steps either side of its step.
+FROM_KEY, TO_KEY, RANGE_RUN_KEY = "th_step_from", "th_step_to", "th_range_run"
+STEP_LINK_STEPS = 100
+#: Session-state keys (and URL parameters ``compare``, ``align``) of the run comparison.
+COMPARE_KEY, ALIGN_KEY = "th_compare", "th_align"
+NO_COMPARE = "—"  # no run id looks like this (trainhealth.keys.validate_run_id)
+# These keys hold the choices themselves; each input is drawn from them with a key naming the value it shows
+# (``th_step_from.w:19900``) and copies a change back (:func:`_chosen`). So a drag on the chart or "Whole run"
+# redraws the inputs, and a page whose widgets get new ids between runs keeps the choice.
+ALIGNMENTS = {"step": "step", "tokens": "tokens trained"}
 
 
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
@@ -42,9 +63,14 @@ def _checkpoints(url: str, run: str) -> pd.DataFrame:
 
 
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
+def _run_ids(url: str) -> list[str]:
+    return list(data.list_runs(get_client(url))["run"])
+
+
+@st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
 def _ledger_history(url: str, run: str) -> tuple[pd.DataFrame, list[str]]:
     problems: list[str] = []  # cached with the frame: the warnings must outlive the read
-    return data.ledger_history(get_client(url), run, problems=problems), problems
+    return data.ledger_history_whole(get_client(url), run, LEDGER_POINTS, problems=problems), problems
 
 
 def _at_step(step: int | None) -> str:
@@ -179,20 +205,185 @@ def shown_status(meta: dict, state: JobState | None) -> str:
     return meta.get("status") or "unknown"
 
 
-def status_line(steps: pd.DataFrame, meta: dict, state: JobState | None = None) -> None:
-    """How fresh the data is: an on-call's first question."""
+def status_line(tail: dict[str, Any] | None, meta: dict, state: JobState | None = None) -> None:
+    """How fresh the data is: an on-call's first question. ``tail`` is the newest step (:attr:`StepSeries.tail`)."""
     bits = [f"status **{shown_status(meta, state)}**"]
-    if not steps.empty:
-        last = steps.iloc[-1]
-        if pd.notna(last["t_end"]):
-            bits.append(f"step {fmt_int(last['step'])} ended {fmt_duration(time.time() - float(last['t_end']))} ago")
-        if pd.notna(last["n_ranks"]) and meta.get("world_size"):
-            bits.append(f"{int(last['n_ranks'])}/{plural(meta['world_size'], 'rank')} reported it")
-        if pd.notna(last["gen"]) and int(last["gen"]) > 0:
-            bits.append(f"restart generation {int(last['gen'])}")
+    if tail is not None:
+        if math.isfinite(tail["t_end"]) and tail["step"] is not None:
+            bits.append(f"step {fmt_int(tail['step'])} ended {fmt_duration(time.time() - tail['t_end'])} ago")
+        if tail["n_ranks"] is not None and meta.get("world_size"):
+            bits.append(f"{tail['n_ranks']}/{plural(meta['world_size'], 'rank')} reported it")
+        if tail["gen"]:
+            bits.append(f"restart generation {tail['gen']}")
     if meta.get("gpu_hour_usd"):
         bits.append(f"${meta['gpu_hour_usd']:g}/GPU-hour")
     st.caption(" · ".join(bits) + f" · refreshes every {DASHBOARD_REFRESH_S:g} s")
+
+
+# --- the step range, the series read so far, the comparison -------------------------------------------------
+
+def _link_int(name: str) -> int | None:
+    try:
+        return max(0, int(st.query_params.get(name, "")))
+    except ValueError:
+        return None
+
+
+def init_range(run: str) -> None:
+    """Set the step range and comparison from the link on the session's first view of a run; another run picked
+    later opens whole and alone."""
+    if st.session_state.get(RANGE_RUN_KEY) == run:
+        return
+    first = RANGE_RUN_KEY not in st.session_state
+    st.session_state[RANGE_RUN_KEY] = run
+    lo = hi = None
+    compare, align = NO_COMPARE, "step"
+    if first:
+        lo, hi, step = _link_int("step_from"), _link_int("step_to"), _link_int("step")
+        if lo is None and hi is None and step is not None:
+            lo, hi = max(0, step - STEP_LINK_STEPS), step + STEP_LINK_STEPS
+        if lo is not None and hi is not None and hi < lo:
+            lo, hi = hi, lo
+        compare = st.query_params.get("compare") or NO_COMPARE
+        align = st.query_params.get("align") if st.query_params.get("align") in ALIGNMENTS else "step"
+    st.session_state[FROM_KEY], st.session_state[TO_KEY] = lo, hi
+    st.session_state[COMPARE_KEY], st.session_state[ALIGN_KEY] = compare, align
+
+
+def step_range() -> tuple[int | None, int | None]:
+    """The chosen step range (inclusive; None: open), ordered, and mirrored in the URL."""
+    lo, hi = st.session_state.get(FROM_KEY), st.session_state.get(TO_KEY)
+    lo, hi = (None if v is None else int(v) for v in (lo, hi))
+    if lo is not None and hi is not None and hi < lo:
+        lo, hi = hi, lo
+    for name, v in (("step_from", lo), ("step_to", hi)):
+        if v is None:
+            st.query_params.pop(name, None)
+        else:
+            st.query_params[name] = str(v)
+    st.query_params.pop("step", None)  # now said by the range
+    return lo, hi
+
+
+def step_series(cl: Any, run: str, lo: int | None, hi: int | None, problems: list[str]) -> data.StepSeries:
+    """The run's series of steps ``lo``-``hi``, brought up to date: kept in the session between refreshes, so only
+    entries added since the last refresh are read."""
+    store = st.session_state.setdefault(SERIES_KEY, {})
+    series = store.pop((run, lo, hi), None) or data.StepSeries(run, lo, hi)
+    store[(run, lo, hi)] = series  # newest last
+    while len(store) > SERIES_KEPT:
+        store.pop(next(iter(store)))
+    return series.refresh(cl, problems)
+
+
+def _widget_key(state_key: str) -> str:
+    return f"{state_key}.w:{st.session_state.get(state_key)}"
+
+
+def _chosen(state_key: str, widget_key: str) -> None:
+    """An input changed: its value becomes the choice (a segmented control clicked off keeps the choice)."""
+    value = st.session_state.get(widget_key)
+    if value is not None or state_key in (FROM_KEY, TO_KEY):
+        st.session_state[state_key] = value
+
+
+def _whole_run() -> None:
+    st.session_state[FROM_KEY] = st.session_state[TO_KEY] = None
+
+
+def _zoom_to_selection(chart_key: str) -> None:
+    """A box dragged across the curves: read its steps at full resolution (Streamlit reports selections, not
+    Plotly's zoom)."""
+    event = st.session_state.get(chart_key)
+    boxes = (event or {}).get("selection", {}).get("box") or []
+    xs = [float(x) for x in (boxes[0].get("x") or [])] if boxes else []
+    if len(xs) >= 2:
+        lo, hi = math.ceil(max(0.0, min(xs))), math.floor(max(xs))
+        if hi >= lo:
+            st.session_state[FROM_KEY], st.session_state[TO_KEY] = lo, hi
+
+
+def range_picker(lo: int | None, hi: int | None) -> None:
+    """``from step`` / ``to step`` inputs (empty: the run's first / newest step) and, on a range, "Whole run"."""
+    cols = st.columns([1, 1, 1, 3], vertical_alignment="bottom")
+    help_text = ("Reads these steps at full resolution (reduced again only beyond "
+                 f"{charts.MAX_POINTS:,} points). Or drag across the chart. Empty: the run's {{}} step.")
+    for col, label, state_key, placeholder in ((cols[0], "From step", FROM_KEY, "first"),
+                                               (cols[1], "To step", TO_KEY, "newest")):
+        key = _widget_key(state_key)
+        col.number_input(label, min_value=0, step=1, value=st.session_state.get(state_key), key=key,
+                         placeholder=placeholder, help=help_text.format(placeholder), on_change=_chosen,
+                         args=(state_key, key))
+    if lo is not None or hi is not None:
+        cols[2].button("Whole run", on_click=_whole_run, icon=":material/zoom_out_map:", key="th_whole_run")
+
+
+def curves_caption(series: data.StepSeries, reduced: bool) -> str | None:
+    """What the curves show, when it is not simply every step of the run."""
+    frame = series.frame
+    if frame.empty or (series.whole_run and not reduced):
+        return None
+    first, last = int(frame["step"].min()), int(frame["step"].max())
+    text = f"Steps {fmt_int(first)}–{fmt_int(last)}: {plural(len(frame), 'entry', 'entries')}"
+    if reduced:
+        return text + (f", each curve reduced to {charts.MAX_POINTS:,} points keeping its spikes and dips (MinMaxLTTB)."
+                       " Drag across the chart or set a step range to read that range at full resolution.")
+    return text + ", every one drawn (full resolution)."
+
+
+def curves(run: str, series: data.StepSeries, anomalies: pd.DataFrame, checkpoints: pd.DataFrame,
+           lo: int | None, hi: int | None) -> None:
+    """The loss / grad-norm chart of the series; dragging across it picks a step range."""
+    fig = charts.training_curves(series.frame, anomalies, checkpoints, max_points=charts.MAX_POINTS)
+    reduced = "reduced" in (fig.layout.title.text or "")
+    # Keep the user's zoom across refreshes, not across ranges; dragging selects a step range (horizontal only).
+    fig.update_layout(uirevision=f"{run}:{lo}:{hi}", dragmode="select", selectdirection="h")
+    key = f"curves:{lo}:{hi}"  # a new range starts without the previous range's selection box
+    st.plotly_chart(fig, config={"displaylogo": False}, key=key, on_select=functools.partial(_zoom_to_selection, key),
+                    selection_mode="box")
+    caption = curves_caption(series, reduced)
+    if caption:
+        st.caption(caption)
+
+
+def comparison(cl: Any, url: str, series: data.StepSeries, problems: list[str]) -> None:
+    """Overlay another run's loss and throughput, aligned by step (in the chosen range) or by tokens (whole runs:
+    tokens count from each run's first step)."""
+    run, lo, hi = series.run, series.step_from, series.step_to
+    others = [r for r in _run_ids(url) if r != run]
+    if st.session_state.get(COMPARE_KEY) not in (NO_COMPARE, *others):
+        st.session_state[COMPARE_KEY] = NO_COMPARE
+    if st.session_state.get(ALIGN_KEY) not in ALIGNMENTS:
+        st.session_state[ALIGN_KEY] = "step"
+    left, right = st.columns([2, 1], vertical_alignment="bottom")
+    options = [NO_COMPARE, *others]
+    key = _widget_key(COMPARE_KEY)
+    other = left.selectbox("Compare with", options, index=options.index(st.session_state[COMPARE_KEY]), key=key,
+                           on_change=_chosen, args=(COMPARE_KEY, key),
+                           help="Overlay another run's loss and tokens/s on this one's.")
+    other = None if other == NO_COMPARE else other
+    key = _widget_key(ALIGN_KEY)
+    align = right.segmented_control("Align by", list(ALIGNMENTS), default=st.session_state[ALIGN_KEY], key=key,
+                                    on_change=_chosen, args=(ALIGN_KEY, key), format_func=ALIGNMENTS.get,
+                                    help="Step: each run at its step numbers, in the chosen step range. Tokens "
+                                         "trained: each run at the tokens of its kept steps so far (whole runs), "
+                                         "so runs of different batch sizes line up by data seen.") or "step"
+    for name, v in (("compare", other), ("align", None if align == "step" else align)):
+        if v is None:
+            st.query_params.pop(name, None)
+        else:
+            st.query_params[name] = v
+    if other is None:
+        return
+    if align == "tokens":
+        lo = hi = None
+    own = series if (lo, hi) == (series.step_from, series.step_to) else step_series(cl, run, lo, hi, problems)
+    runs = [(run, data.progress(own.frame)), (other, data.progress(step_series(cl, other, lo, hi, problems).frame))]
+    fig = charts.run_comparison(runs, align)
+    fig.update_layout(uirevision=f"{run}:{other}:{align}:{lo}:{hi}")
+    st.plotly_chart(fig, config={"displaylogo": False}, key="compare")
+    if align == "tokens" and runs[1][1]["tokens_seen"].isna().all():
+        st.info(f"{other} reported no token counts, so it cannot be aligned by tokens.", icon=":material/info:")
 
 
 def ledger_caption(snap: dict) -> str | None:
@@ -225,10 +416,11 @@ def live(run: str) -> None:
     """Everything that updates: re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
     url = st.session_state.get(URL_KEY, "")
     problems: list[str] = []
+    lo, hi = step_range()
     try:
         cl = client()
         meta = data.run_meta(cl, run, problems)
-        steps = data.recent_steps(cl, run, DASHBOARD_STEPS, with_busy=False, problems=problems)
+        series = step_series(cl, run, lo, hi, problems)
         snap = data.ledger_latest(cl, run, problems)
         state = data.job_state(cl, run, problems)
         anomalies = data.anomalies(cl, run, problems)
@@ -238,17 +430,20 @@ def live(run: str) -> None:
         redis_trouble(exc)
         return
 
-    status_line(steps, meta, state)
+    status_line(series.tail, meta, state)
     show_problems([*problems, *history_problems])
     kpis(snap, anomalies, meta, state)
 
-    if steps.empty:
+    if series.tail is None:
         st.info("No aggregated steps yet for this run. The detector service (`trainhealth serve`) writes "
                 "them as the ranks report steps.", icon=":material/hourglass_empty:")
     else:
-        fig = charts.training_curves(steps, anomalies, checkpoints)
-        fig.update_layout(uirevision=run)  # keep the user's zoom across refreshes
-        st.plotly_chart(fig, config={"displaylogo": False}, key="curves")
+        range_picker(lo, hi)
+        if series.frame.empty:
+            st.info(f"No steps between {fmt_int(lo) if lo is not None else 'the first'} and "
+                    f"{fmt_int(hi) if hi is not None else 'the newest'} in this run.", icon=":material/search_off:")
+        else:
+            curves(run, series, anomalies, checkpoints, lo, hi)
 
     left, right = st.columns([3, 2])
     with left:
@@ -280,10 +475,19 @@ def live(run: str) -> None:
             if rest and not shown.empty:
                 st.caption("0.0 s: " + ", ".join(rest))
 
+    if series.tail is not None:
+        compare_problems: list[str] = []
+        try:
+            comparison(cl, url, series, compare_problems)
+        except redis.RedisError as exc:
+            redis_trouble(exc)
+        show_problems(compare_problems)
+
 
 run = page_run()
 if run:
     st.subheader(f"{run} · overview")
     banner(run)
     cards.recommendation_cards(run, "overview")
+    init_range(run)
     live(run)
