@@ -36,6 +36,8 @@ RUNS_LIMIT = 200
 EVENTS_SCAN_ENTRIES = 10_000
 #: Oldest events scanned as well for ``run_start`` hosts (the first launch's are at the head).
 EVENTS_HEAD_ENTRIES = 4_096
+#: Events read per round trip when looking for the ranks' ``run_start`` (newest first, until every rank has one).
+HOSTS_PAGE_ENTRIES = 2_048
 #: Ledger snapshots shown: one per 2 s, so 1,800 ≈ the last hour.
 LEDGER_HISTORY_ENTRIES = 1_800
 
@@ -239,17 +241,7 @@ def list_runs(client: redis.Redis, limit: int = RUNS_LIMIT, problems: list[str] 
     Members that are not valid run ids are skipped (as the detector service does) and, with
     ``problems``, named there.
     """
-    members = client.zrevrange(RUNS, 0, limit - 1, withscores=True)
-    valid, invalid = [], []
-    for m, score in members:
-        try:
-            valid.append((validate_run_id(m.decode() if isinstance(m, bytes) else m), score))
-        except (ConfigError, UnicodeDecodeError):
-            invalid.append(show_value(m))
-    if invalid:
-        _report(problems, f"{RUNS} lists {len(invalid)} invalid run "
-                          f"{'id' if len(invalid) == 1 else 'ids'}, skipped: {', '.join(invalid[:5])}"
-                          + (", …" if len(invalid) > 5 else ""))
+    valid = registry(client, limit, problems)
     if not valid:
         return pd.DataFrame({c: pd.Series(dtype=object) for c in RUN_COLUMNS})
     pipe = client.pipeline(transaction=False)
@@ -453,8 +445,9 @@ def rank_summary(matrix: pd.DataFrame, hosts: pd.DataFrame | None = None) -> pd.
     score = best / med.where(med > 0)
     out = pd.DataFrame({"rank": matrix.index.astype("int64"), "median_busy_s": med.to_numpy(),
                         "ratio": ratio.to_numpy(), "score": score.to_numpy(), "steps": n.to_numpy().astype("int64")})
-    host_map = {} if hosts is None or hosts.empty else dict(zip(hosts["rank"], hosts["host"], strict=True))
-    out["host"] = [host_map.get(int(r)) for r in out["rank"]]
+    by_rank = pd.Series(dtype=object) if hosts is None or hosts.empty else hosts.set_index("rank")["host"]
+    host = out["rank"].map(by_rank).astype(object)
+    out["host"] = host.where(host.notna(), None)
     out = out[out["steps"] > 0]
     out = out.sort_values(["ratio", "rank"], ascending=[False, True], kind="stable").reset_index(drop=True)
     return out[RANK_SUMMARY_COLUMNS]
@@ -504,32 +497,67 @@ def events(client: redis.Redis, run: str, count: int = EVENTS_SCAN_ENTRIES) -> p
 
 
 def rank_hosts(client: redis.Redis, run: str, count: int = EVENTS_SCAN_ENTRIES,
-               head: int = EVENTS_HEAD_ENTRIES) -> pd.DataFrame:
+               head: int = EVENTS_HEAD_ENTRIES, page: int = HOSTS_PAGE_ENTRIES) -> pd.DataFrame:
     """Host of each rank, from its newest ``run_start`` event (``host`` field).
 
-    Scans the newest ``count`` and the oldest ``head`` events (the first launch's
-    ``run_start`` records sit at the head of the stream); ranks without a ``run_start`` in
-    that window fall back to the ``host`` of their heartbeat (``hb`` hash). Columns
-    :data:`HOST_COLUMNS`, sorted by rank.
+    Reads the events newest first, ``page`` at a time, until every rank of the run (``world_size`` of the meta,
+    and the ranks of the ``hb`` hash) has its ``run_start`` or ``count`` events were read; then, for ranks still
+    without one, the oldest ``head`` events (the first launch's ``run_start`` records sit at the head of the
+    stream). Only ``run_start`` entries are decoded (the ``kind`` field is compared as stored). Ranks without a
+    ``run_start`` in that window fall back to the ``host`` of their heartbeat (``hb`` hash). Columns
+    :data:`HOST_COLUMNS`, sorted by rank. The first page, the meta's ``world_size`` and the heartbeats are one
+    pipelined round trip.
     """
-    hosts: dict[int, str] = {}
-    for _id, fields in _read_events(client, run, count, head=head):
-        d = _decode_map(fields)
-        if d.get("kind") != "run_start" or not d.get("host"):
-            continue
-        try:
-            hosts[int(d["rank"])] = d["host"]  # ascending stream order: the newest start wins
-        except (KeyError, ValueError):
-            continue
-    for rank, beat in client.hgetall(run_keys(run).heartbeats).items():
+    keys = run_keys(run)
+    pipe = client.pipeline(transaction=False)
+    pipe.hget(keys.meta, "world_size")
+    pipe.hgetall(keys.heartbeats)
+    pipe.xrevrange(keys.events, count=min(page, count))
+    world, beats, entries = pipe.execute()
+    beat_hosts: dict[int, str] = {}
+    for rank, beat in beats.items():
         try:
             r, info = int(_s(rank)), _json(beat)
         except (TypeError, ValueError):
             continue
-        if r not in hosts and isinstance(info, dict) and info.get("host"):
-            hosts[r] = str(info["host"])
+        if isinstance(info, dict) and info.get("host"):
+            beat_hosts[r] = str(info["host"])
+    ws = _num(world)
+    wanted = set(beat_hosts) | (set(range(int(ws))) if math.isfinite(ws) and 0 < ws <= MAX_RANKS else set())
+    hosts: dict[int, str] = {}
+
+    def take(batch: list[tuple[Any, Any]]) -> None:  # newest first: a rank's first start seen is its newest
+        for _id, fields in batch:
+            if fields.get(b"kind", fields.get("kind")) not in (b"run_start", "run_start"):
+                continue
+            d = _decode_map(fields)
+            try:
+                rank = int(d["rank"])
+            except (KeyError, ValueError):
+                continue
+            if d.get("host") and rank not in hosts:
+                hosts[rank] = d["host"]
+
+    read = len(entries)
+    take(entries)
+    while entries and len(entries) == page and read < count and (not wanted or wanted - hosts.keys()):
+        entries = client.xrevrange(keys.events, max=_before(_s(entries[-1][0])), count=min(page, count - read))
+        read += len(entries)
+        take(entries)
+    if head and (not wanted or wanted - hosts.keys()):
+        take(list(reversed(client.xrange(keys.events, count=head))))
+    for r, host in beat_hosts.items():
+        hosts.setdefault(r, host)
     frame = pd.DataFrame(sorted(hosts.items()), columns=HOST_COLUMNS)
     return frame.astype({"rank": "int64", "host": object})
+
+
+def _before(entry_id: str) -> str:
+    """The stream id right before ``entry_id`` (``XREVRANGE``'s exclusive ``(`` needs Redis 6.2)."""
+    ms, _, seq = entry_id.partition("-")
+    if int(seq or 0) > 0:
+        return f"{ms}-{int(seq) - 1}"
+    return f"{int(ms) - 1}-{2**64 - 1}" if int(ms) > 0 else "0-0"
 
 
 # --- anomalies ---------------------------------------------------------------------------
@@ -1467,3 +1495,374 @@ def ledger_history_whole(client: redis.Redis, run: str, max_points: int = 600,
         for entry_id, fields in got:
             entries.setdefault(_s(entry_id), (entry_id, fields))
     return _ledger_frame(key, sorted(entries.values(), key=lambda e: _entry_id(_s(e[0]))), problems)
+
+
+# --- the Runs page, deep links and the rank drill-down (issue 16) --------------------------------
+
+def registry(client: redis.Redis, limit: int = RUNS_LIMIT,
+             problems: list[str] | None = None) -> list[tuple[str, float]]:
+    """``(run, start time)`` of the ``th:runs`` registry, newest first, at most ``limit``: one ``ZREVRANGE``.
+
+    Members that are not valid run ids are skipped (as the detector service does) and, with ``problems``,
+    named there.
+    """
+    members = client.zrevrange(RUNS, 0, limit - 1, withscores=True)
+    valid, invalid = [], []
+    for m, score in members:
+        try:
+            valid.append((validate_run_id(m.decode() if isinstance(m, bytes) else m), float(score)))
+        except (ConfigError, UnicodeDecodeError):
+            invalid.append(show_value(m))
+    if invalid:
+        _report(problems, f"{RUNS} lists {len(invalid)} invalid run "
+                          f"{'id' if len(invalid) == 1 else 'ids'}, skipped: {', '.join(invalid[:5])}"
+                          + (", …" if len(invalid) > 5 else ""))
+    return valid
+
+
+#: Columns of :func:`run_board`.
+BOARD_COLUMNS = ["run", "status", "step", "throughput_tok_s", "goodput_pct", "active_anomalies", "worst_severity",
+                 "heartbeat_t", "started_at", "world_size", "name"]
+#: Job states (``th:{run}:state``) shown over the meta's ``status``, which says ``running`` through them.
+JUDGED_STATES = ("hung", "crashed", "restarted")
+#: The newest ``t`` of a run's heartbeats (``hb`` hash, KEYS[2]) as a decimal string, nil when none has one. It
+#: runs in Redis so that a 1,024-rank run's heartbeats (~130 kB) are not sent for one number, and only for a
+#: run whose meta (KEYS[1]) says it is live (``running``, ``crashed`` or no status: docs/architecture.md; an
+#: ended run's collectors are gone), so a board of many ended runs costs Redis nothing. Read-only.
+NEWEST_BEAT_SCRIPT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status and status ~= 'running' and status ~= 'crashed' then return false end
+local newest = nil
+for _, beat in ipairs(redis.call('HVALS', KEYS[2])) do
+  local t = tonumber(string.match(beat, '"t"%s*:%s*([-+%d.eE]+)'))
+  if t and (newest == nil or t > newest) then newest = t end
+end
+if newest == nil then return false end
+return string.format('%.17g', newest)
+"""
+_SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+
+
+def _reply(value: Any, key: str, bad: list[str]) -> Any:
+    """A pipeline reply, None (and the error noted in ``bad``) when the command failed (a key of another type)."""
+    if isinstance(value, Exception):
+        bad.append(f"{key}: {value}")
+        return None
+    return value
+
+
+def _board_snapshot(raw: Any, key: str, bad: list[str]) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    try:
+        snap = _json(raw)
+    except (TypeError, ValueError):
+        bad.append(f"{key}: not JSON")
+        return {}
+    if not isinstance(snap, dict):
+        bad.append(f"{key}: not a JSON object")
+        return {}
+    wrong: list[str] = []
+    snap = clean_snapshot(snap, wrong)
+    if wrong:
+        bad.append(f"{key}: {'; '.join(wrong)}")
+    return snap
+
+
+def _board_state(raw: Any, key: str, bad: list[str]) -> str | None:
+    if raw is None:
+        return None
+    try:
+        return JobState.from_json(_s(raw)).state
+    except ValueError as exc:
+        bad.append(f"{key}: {exc}")
+        return None
+
+
+def _board_anomalies(values: Any, key: str, bad: list[str]) -> tuple[int, str | None]:
+    """(active anomalies, the worst severity among them) of an ``anomalies`` hash's values."""
+    active, worst = 0, None
+    skipped = 0
+    for raw in values or []:
+        try:
+            a = _json(raw)
+        except (TypeError, ValueError):
+            skipped += 1
+            continue
+        if not isinstance(a, dict):
+            skipped += 1
+            continue
+        if a.get("status") != "active":
+            continue
+        active += 1
+        sev = a.get("severity")
+        if sev in _SEVERITY_ORDER and (worst is None or _SEVERITY_ORDER[sev] < _SEVERITY_ORDER[worst]):
+            worst = sev
+    if skipped:
+        bad.append(f"{key}: {skipped} {'anomaly is' if skipped == 1 else 'anomalies are'} not a JSON object")
+    return active, worst
+
+
+def run_board(client: redis.Redis, limit: int = RUNS_LIMIT, problems: list[str] | None = None) -> pd.DataFrame:
+    """One row per run of the registry (newest first, at most ``limit``): what the Runs page shows.
+
+    Columns :data:`BOARD_COLUMNS`: ``run``; ``status`` (the detector service's ``hung``/``crashed``/``restarted``
+    from ``th:{run}:state``, else the meta's ``status``, else None); ``step`` (the ledger's ``last_step``, nullable
+    int); ``throughput_tok_s`` (whole run, tokens/s; NaN without token counts) and ``goodput_pct`` (% of wall
+    time), from ``ledger:latest``; ``active_anomalies`` (int) and ``worst_severity`` (of the active ones, None
+    when none); ``heartbeat_t`` (unix s of the newest rank heartbeat, NaN when none or the run ended:
+    :data:`NEWEST_BEAT_SCRIPT`); ``started_at`` (registry score, unix s); ``world_size`` (nullable int); ``name``.
+
+    Two round trips whatever the number of runs: the ``ZREVRANGE`` (:func:`registry`) and one pipeline of, per
+    run, ``HGETALL meta``, ``GET ledger:latest``, ``GET state``, ``HVALS anomalies`` and the heartbeat script.
+    What cannot be read is blank and, with ``problems``, reported (one sentence for all runs).
+    """
+    runs = registry(client, limit, problems)
+    if not runs:
+        frame = pd.DataFrame({c: pd.Series(dtype=object) for c in BOARD_COLUMNS})
+        return frame.astype({"step": "Int64", "world_size": "Int64", "active_anomalies": "int64",
+                             "throughput_tok_s": "float64", "goodput_pct": "float64", "heartbeat_t": "float64",
+                             "started_at": "float64"})
+    pipe = client.pipeline(transaction=False)
+    for run, _ in runs:
+        k = run_keys(run)
+        pipe.hgetall(k.meta)
+        pipe.get(k.ledger_latest)
+        pipe.get(k.state)
+        pipe.hvals(k.anomalies)
+        pipe.eval(NEWEST_BEAT_SCRIPT, 2, k.meta, k.heartbeats)
+    replies = pipe.execute(raise_on_error=False)
+    rows, bad = [], []
+    for i, (run, started) in enumerate(runs):
+        k = run_keys(run)
+        raw_meta, raw_snap, raw_state, raw_anomalies, raw_beat = (
+            _reply(v, key, bad) for v, key in zip(replies[5 * i: 5 * i + 5],
+                                                  (k.meta, k.ledger_latest, k.state, k.anomalies, k.heartbeats),
+                                                  strict=True))
+        meta = _typed_meta(_decode_map(raw_meta or {}))
+        snap = _board_snapshot(raw_snap, k.ledger_latest, bad)
+        state = _board_state(raw_state, k.state, bad)
+        active, worst = _board_anomalies(raw_anomalies, k.anomalies, bad)
+        status = meta.get("status")
+        rows.append({
+            "run": run, "status": state if state in JUDGED_STATES else (status if isinstance(status, str) else None),
+            "step": snap.get("last_step"),
+            "throughput_tok_s": snap.get("throughput_tok_s") if has_token_counts(snap) else None,
+            "goodput_pct": snap.get("goodput_pct"), "active_anomalies": active, "worst_severity": worst,
+            "heartbeat_t": _num(raw_beat), "started_at": started, "world_size": meta.get("world_size"),
+            "name": meta.get("name") if isinstance(meta.get("name"), str) else None,
+        })
+    if bad:
+        _report(problems, f"Some runs' keys are unreadable, shown as missing ({len(bad)}; first: {bad[0]})")
+    frame = pd.DataFrame(rows, columns=BOARD_COLUMNS)
+    for c in ("step", "world_size"):
+        frame[c] = pd.to_numeric(frame[c], errors="coerce").astype("float64").round().astype("Int64")
+    for c in ("throughput_tok_s", "goodput_pct", "heartbeat_t", "started_at"):
+        frame[c] = pd.to_numeric(frame[c]).astype("float64")
+    for c in ("status", "worst_severity", "name"):
+        frame[c] = pd.Series([v if isinstance(v, str) else None for v in frame[c]], index=frame.index, dtype=object)
+    return frame
+
+
+# --- which anomaly a link points at ---------------------------------------------------------------
+
+def names_ranks(frame: pd.DataFrame, ranks: Iterable[int]) -> pd.Series:
+    """Per anomaly of an :func:`anomalies` frame: True when its ``ranks`` include any of ``ranks``."""
+    wanted = list(ranks)
+    exploded = frame["ranks"].explode()
+    return exploded.isin(wanted).groupby(level=0).any().reindex(frame.index, fill_value=False)
+
+
+def match_anomaly(frame: pd.DataFrame, step_from: int | None, step_to: int | None,
+                  ranks: Iterable[int] = ()) -> str | None:
+    """The id of the anomaly of an :func:`anomalies` frame a link's steps and ranks point at, or None.
+
+    With steps ``step_from``–``step_to`` (None: open), the candidates are the anomalies whose span (onset to
+    ``end_step``, open while active) meets them; best first, one naming a linked rank, then onset and end as
+    given (an alert's link), the onset, any overlap, then the frame's order (active, severity, newest). Without
+    steps, the first anomaly naming a linked rank.
+
+    >>> frame = pd.DataFrame({"id": ["a", "b"], "step": [10, 40], "end_step": [50, None], "ranks": [[3], [1]]})
+    >>> match_anomaly(frame, 40, 40, []), match_anomaly(frame, 40, 40, [3]), match_anomaly(frame, None, None, [1])
+    ('b', 'a', 'b')
+    """
+    ranks = list(ranks)
+    if frame.empty or (step_from is None and step_to is None and not ranks):
+        return None
+    named = names_ranks(frame, ranks) if ranks else pd.Series(True, index=frame.index)
+    if step_from is None and step_to is None:
+        hits = frame.index[named.to_numpy()]
+        return None if hits.empty else str(frame.loc[hits[0], "id"])
+    onset = pd.to_numeric(frame["step"], errors="coerce").astype("float64")
+    end = pd.to_numeric(frame["end_step"], errors="coerce").astype("float64").fillna(math.inf)
+    lo = -math.inf if step_from is None else float(step_from)
+    hi = math.inf if step_to is None else float(step_to)
+    meets = (onset <= hi) & (end >= lo)
+    at_onset = onset == lo
+    exact = at_onset & ((end == hi) | (lo == hi) | (hi == math.inf))
+    rank = pd.Series(np.select([exact, at_onset, meets], [0, 1, 2], default=3), index=frame.index)
+    order = pd.DataFrame({"rank": rank, "miss": (~named).astype(int), "pos": np.arange(len(frame))})
+    order = order[order["rank"] < 3].sort_values(["miss", "rank", "pos"], kind="stable")
+    return None if order.empty else str(frame.loc[order.index[0], "id"])
+
+
+# --- the detectors' verdict on ranks and nodes -----------------------------------------------------
+
+#: Anomaly kinds whose verdict is "this rank is slow": a rank is **flagged** while an active one names it.
+FLAGGED_KINDS = ("straggler", "slow_node", "rank_outlier")
+VERDICT_COLUMNS = ["rank", "kinds"]
+NODE_COLUMNS = ["host", "ranks", "rank_list", "median_busy_s", "ratio", "slowest_rank", "flagged_ranks", "slow_node"]
+
+
+def rank_verdicts(anomalies: pd.DataFrame) -> pd.DataFrame:
+    """The flagged ranks: one row per rank an active :data:`FLAGGED_KINDS` anomaly names, with ``kinds`` (the
+    tuple of those anomalies' kinds, in :data:`FLAGGED_KINDS` order). Columns :data:`VERDICT_COLUMNS`."""
+    empty = pd.DataFrame({"rank": pd.Series(dtype="int64"), "kinds": pd.Series(dtype=object)})
+    if anomalies.empty:
+        return empty
+    active = anomalies[(anomalies["status"] == "active") & anomalies["kind"].isin(FLAGGED_KINDS)]
+    pairs = active[["kind", "ranks"]].explode("ranks").dropna(subset=["ranks"])
+    if pairs.empty:
+        return empty
+    pairs = pairs.assign(rank=pairs["ranks"].astype("int64"),
+                         order=pairs["kind"].map({k: i for i, k in enumerate(FLAGGED_KINDS)}))
+    pairs = pairs.drop_duplicates(["rank", "kind"]).sort_values(["rank", "order"], kind="stable")
+    kinds = pairs.groupby("rank", sort=True)["kind"].agg(tuple)
+    return pd.DataFrame({"rank": kinds.index.astype("int64"), "kinds": kinds.to_numpy()})
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 8]`` → ``0–3, 8``."""
+    out: list[str] = []
+    values = sorted(set(ranks))
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        out.append(str(values[i]) if i == j else f"{values[i]}–{values[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def node_summary(summary: pd.DataFrame, anomalies: pd.DataFrame) -> pd.DataFrame:
+    """The ranks of a :func:`rank_summary` grouped by host, slowest node first.
+
+    Columns :data:`NODE_COLUMNS`: ``host``; ``ranks`` (how many reported) and ``rank_list`` (``0–7``);
+    ``median_busy_s`` (the median of its ranks' medians, s) and ``ratio`` (that / the median node's); the
+    ``slowest_rank``; ``flagged_ranks`` (how many of its ranks are flagged, :func:`rank_verdicts`); ``slow_node``
+    (True while an active ``slow_node`` anomaly names the host: the detector's verdict on the node). Ranks of
+    unknown host are left out.
+    """
+    known = summary[summary["host"].notna()] if not summary.empty else summary
+    if known.empty:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in NODE_COLUMNS})
+    flagged = rank_verdicts(anomalies)["rank"]
+    known = known.assign(flagged=known["rank"].isin(flagged), busy=known["median_busy_s"].astype("float64"))
+    by_host = known.groupby("host", sort=False)
+    nodes = by_host.agg(ranks=("rank", "size"), median_busy_s=("busy", "median"), flagged_ranks=("flagged", "sum"))
+    nodes["rank_list"] = by_host["rank"].agg(rank_ranges)
+    slowest = by_host["busy"].idxmax()
+    nodes["slowest_rank"] = known.loc[slowest.dropna().to_numpy(), "rank"].set_axis(slowest.dropna().index)
+    typical = float(nodes["median_busy_s"].median())
+    nodes["ratio"] = nodes["median_busy_s"] / typical if typical > 0 else math.nan
+    slow_hosts: set[str] = set()
+    if not anomalies.empty:
+        slow = anomalies[(anomalies["status"] == "active") & (anomalies["kind"] == "slow_node")]
+        slow_hosts = {str(h) for hosts in slow["hosts"] for h in hosts}
+    nodes = nodes.reset_index()
+    nodes["slow_node"] = nodes["host"].isin(slow_hosts)
+    nodes = nodes.sort_values(["ratio", "host"], ascending=[False, True], kind="stable", na_position="last")
+    return nodes[NODE_COLUMNS].reset_index(drop=True).astype({"ranks": "int64", "flagged_ranks": "int64"})
+
+
+# --- steps by number: a link's step on a time axis, one rank's timeline around it --------------------
+# ``agg`` entry ids are ``<gen + 1>-<step>`` (docs/architecture.md), so the entries of steps lo..hi are one
+# ``XRANGE <g>-<lo> <g>-<hi>`` per generation g: a step of long ago costs no more to read than a recent one.
+
+#: Most steps the rank drill-down reads around a linked step.
+DRILL_MAX_STEPS = 401
+
+
+def _generations(client: redis.Redis, key: str) -> int:
+    """The newest entry's generation + 1 (its id's first part); 0 for an empty stream."""
+    newest = client.xrevrange(key, count=1)
+    return int(_s(newest[0][0]).partition("-")[0]) if newest else 0
+
+
+def _entries_of_steps(client: redis.Redis, key: str, step_from: int, step_to: int,
+                      first_last: bool = False) -> list[tuple[Any, dict[str, str]]]:
+    """The ``agg`` entries of steps ``step_from``–``step_to`` (decoded fields), generation by generation: one
+    pipelined ``XRANGE`` per generation, or with ``first_last`` only the first and last entry of each. A stream
+    whose ids are not ``<gen + 1>-<step>`` (another writer's: more generations than
+    :data:`MAX_RANGE_GENERATIONS`) gives the steps among its newest :data:`~trainhealth.defaults.DASHBOARD_STEPS`
+    entries."""
+    gens = _generations(client, key)
+    if not gens:
+        return []
+    if gens > MAX_RANGE_GENERATIONS:
+        raw = list(reversed(client.xrevrange(key, count=defaults.DASHBOARD_STEPS)))
+    else:
+        pipe = client.pipeline(transaction=False)
+        for g in range(1, gens + 1):
+            lo, hi = f"{g}-{step_from}", f"{g}-{step_to}"
+            if first_last:
+                pipe.xrange(key, min=lo, max=hi, count=1)
+                pipe.xrevrange(key, max=hi, min=lo, count=1)
+            else:
+                pipe.xrange(key, min=lo, max=hi)
+        raw = [entry for got in pipe.execute() for entry in got]
+    out = []
+    for entry_id, fields in raw:
+        d = _decode_map(fields)
+        step = _get_num(d, "step", [], bound=MAX_INT, integral=True)
+        if math.isfinite(step) and step_from <= step <= step_to:
+            out.append((entry_id, d))
+    return out
+
+
+def step_times(client: redis.Redis, run: str, step_from: int, step_to: int) -> tuple[float, float] | None:
+    """(start of the first, end of the last) aggregated step in ``step_from``–``step_to`` over every generation
+    (unix s), or None when the run has none there. One ``XREVRANGE … COUNT 1`` and one pipeline of two
+    ``COUNT 1`` reads per generation (:func:`_entries_of_steps`)."""
+    entries = _entries_of_steps(client, run_keys(run).agg, step_from, step_to, first_last=True)
+    starts = [_get_num(d, "t_start", [], finite=True, bound=MAX_TIME) for _id, d in entries]
+    ends = [_get_num(d, "t_end", [], finite=True, bound=MAX_TIME) for _id, d in entries]
+    starts, ends = [t for t in starts if math.isfinite(t)], [t for t in ends if math.isfinite(t)]
+    if not starts and not ends:
+        return None
+    return min(starts or ends), max(ends or starts)
+
+
+def busy_around(client: redis.Redis, run: str, step_from: int, step_to: int,
+                problems: list[str] | None = None) -> pd.DataFrame:
+    """A :func:`busy_matrix` of the aggregated steps ``step_from``–``step_to`` (at most :data:`DRILL_MAX_STEPS`
+    from ``step_from``), every generation's (a step replayed after a restart keeps the newest): one pipelined
+    ``XRANGE`` per generation (:func:`_entries_of_steps`). Entries whose ``busy`` cannot be read are left out and,
+    with ``problems``, reported."""
+    key = run_keys(run).agg
+    step_to = min(step_to, step_from + DRILL_MAX_STEPS - 1)
+    rows, bad = [], []
+    for entry_id, d in _entries_of_steps(client, key, step_from, step_to) if step_to >= step_from else []:
+        try:
+            rows.append({"step": int(_num(d["step"])), "busy": _busy_list(d["busy"]) if "busy" in d else []})
+        except ValueError as exc:
+            bad.append(f"entry {_s(entry_id)}: {exc}")
+    if bad:
+        _report(problems, unreadable(key, "entry", "entries", bad, partly=True))
+    return busy_matrix(pd.DataFrame(rows, columns=["step", "busy"]) if rows else _empty_steps())
+
+
+TIMELINE_COLUMNS = ["step", "busy_s", "median_s", "fastest_s"]
+
+
+def rank_timeline(matrix: pd.DataFrame, rank: int) -> pd.DataFrame:
+    """One rank's section seconds per step of a :func:`busy_matrix` beside the step's median and fastest rank.
+
+    Columns :data:`TIMELINE_COLUMNS` (``step`` ascending; seconds, NaN where the rank did not report).
+    """
+    if matrix.shape[1] == 0 or rank not in matrix.index:
+        return pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else "float64") for c in TIMELINE_COLUMNS})
+    return pd.DataFrame({"step": matrix.columns.astype("int64"), "busy_s": matrix.loc[rank].to_numpy("float64"),
+                         "median_s": matrix.median(axis=0).to_numpy("float64"),
+                         "fastest_s": matrix.min(axis=0).to_numpy("float64")})

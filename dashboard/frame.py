@@ -27,30 +27,38 @@ from streamlit.navigation.page import StreamlitPage
 from trainhealth.config import redact_url
 from trainhealth.dashboard import data
 from trainhealth.dashboard.common import (
+    FOCUS_KEY,
+    FOCUS_PARAMS,
     NO_RUNS,
     READ_ONLY_NOTE,
     RUN_KEY,
     STATUS_SEEN_KEY,
     URL_KEY,
+    Focus,
     actor,
     client,
+    current_focus,
     current_run,
     get_client,
     logged_in,
     login_configured,
+    parse_focus,
     read_only,
     resolve_url,
+    set_focus,
     status_moved,
 )
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.exceptions import ConfigError
-from trainhealth.keys import validate_run_id
+from trainhealth.keys import RUNS, validate_run_id
 from trainhealth.text import fmt_duration, fmt_int, plural
 
 HERE = Path(__file__).resolve().parent
 _PICKER = "th_run_picker"
 #: Set by app.py right before it runs a page, consumed by the page's :func:`page_run`.
 _FRAMED = "th_framed"
+#: Session-state key of the landing page (``runs`` or ``overview``), decided at the session's first page.
+_LANDING = "th_landing"
 #: The detector-service banner re-checks this often (s); its two reads are cached as long, so
 #: every open page together costs one SCAN + MGET (+ one HGETALL/XREVRANGE per run) per period.
 SERVICE_CHECK_S = 5.0
@@ -64,12 +72,41 @@ def page_config() -> None:
     st.set_page_config(layout="wide", page_title="trainhealth", page_icon=":material/monitor_heart:")
 
 
+def _run_count() -> int | None:
+    """Runs in the registry (one ``ZCARD``), None when Redis cannot say."""
+    try:
+        url = resolve_url()
+        return int(get_client(url).zcard(RUNS)) if url else None
+    except (ConfigError, redis.RedisError):
+        return None
+
+
+def landing() -> str:
+    """The page at ``/``: ``runs`` when the registry has more than one run and the session's first URL names
+    none, else ``overview``. Decided once per session (a run starting later does not move a user off the
+    Overview), and not before the user has logged in."""
+    if _LANDING not in st.session_state:
+        if login_configured() and not logged_in():
+            return "overview"
+        if st.query_params.get("run"):
+            st.session_state[_LANDING] = "overview"
+        else:
+            count = _run_count()
+            if count is None:
+                return "overview"  # decided once Redis answers
+            st.session_state[_LANDING] = "runs" if count > 1 else "overview"
+    return st.session_state[_LANDING]
+
+
 def navigation() -> StreamlitPage:
-    """Declare the pages (Overview is the default, at ``/``); returns the selected one. Hidden until the
-    user has logged in when a login is configured (:func:`access`)."""
+    """Declare the pages (the :func:`landing` page is the default, at ``/``); returns the selected one. Hidden
+    until the user has logged in when a login is configured (:func:`access`)."""
     hidden = login_configured() and not logged_in()
+    home = landing()
     return st.navigation(position="hidden" if hidden else "sidebar", pages=[
-        st.Page(HERE / "pages" / "overview.py", title="Overview", icon=":material/monitoring:", default=True),
+        st.Page(HERE / "pages" / "runs.py", title="Runs", icon=":material/view_list:", default=home == "runs"),
+        st.Page(HERE / "pages" / "overview.py", title="Overview", icon=":material/monitoring:",
+                default=home == "overview"),
         st.Page(HERE / "pages" / "goodput.py", title="Goodput", icon=":material/savings:"),
         st.Page(HERE / "pages" / "ranks.py", title="Ranks", icon=":material/grid_view:"),
         st.Page(HERE / "pages" / "anomalies.py", title="Anomalies", icon=":material/warning:"),
@@ -83,11 +120,12 @@ def run_page(page: StreamlitPage) -> None:
     page.run()
 
 
-def page_run() -> str | None:
+def page_run(replay_note: bool = True) -> str | None:
     """First call of every page file: the selected run, or None when there is nothing to show.
 
-    Also draws the detector-service banner (:func:`service_banner`) at the top of the page, and for a
-    replayed run whose rates or timeline are not the log's measured ones the caveat of :func:`replay_banner`.
+    Also draws the detector-service banner (:func:`service_banner`) at the top of the page, and (unless
+    ``replay_note`` is False: the Runs page is about every run) for a replayed run whose rates or timeline are
+    not the log's measured ones the caveat of :func:`replay_banner`.
     """
     if st.session_state.pop(_FRAMED, False):
         run = current_run()
@@ -99,7 +137,8 @@ def page_run() -> str | None:
         run = current_run() if sidebar() else None
     if run:
         service_banner(run)
-        replay_banner(run)
+        if replay_note:
+            replay_banner(run)
     return run
 
 
@@ -212,13 +251,45 @@ def replay_banner(run: str) -> None:
 
 def _picked() -> None:
     st.session_state[RUN_KEY] = st.session_state[_PICKER]
+    set_focus(st.session_state[RUN_KEY], Focus())  # a link's step and rank were about the other run
 
 
 def _run_label(runs: dict[str, dict], run: str) -> str:
+    """``running · llama-7b``: the status first, so that a long run id is what the narrow sidebar cuts (the
+    ranks are in the status line under the picker)."""
     info = runs.get(run) or {}
-    status = info.get("status") or "?"
-    ws = info.get("world_size")
-    return f"{run} · {status}" + (f" · {plural(ws, 'rank')}" if ws else "")
+    return f"{info.get('status') or '?'} · {run}"
+
+
+def sync_focus(run: str, link_run: str | None) -> Focus:
+    """The deep link's focus (``step``/``step_from``/``step_to``, ``rank``) for ``run``, kept in the session.
+
+    The session's first page takes it from the URL (each value that is not a step or rank is ignored with a
+    warning; a link whose run is not the one shown points nowhere), in canonical form
+    (:meth:`trainhealth.dashboard.common.Focus.params`); every later full run writes it back so (a page switch
+    clears the query string; the Overview then replaces it by its own step range, which its link opens). Another
+    run drops it.
+    """
+    stored = st.session_state.get(FOCUS_KEY)
+    if stored is None:
+        focus, problems = parse_focus({k: st.query_params[k] for k in FOCUS_PARAMS if k in st.query_params})
+        for text in problems:
+            st.warning(text, icon=":material/link_off:")
+        set_focus(run, focus if not link_run or link_run == run else Focus())
+    elif stored[0] != run:
+        set_focus(run, Focus())
+    else:
+        canonical = stored[1].params()
+        for name in FOCUS_PARAMS:
+            if name in canonical and st.query_params.get(name) != canonical[name]:
+                st.query_params[name] = canonical[name]
+            elif name not in canonical and name in st.query_params:
+                del st.query_params[name]
+    return current_focus(run)
+
+
+def _clear_focus() -> None:
+    set_focus(st.session_state[RUN_KEY], Focus())
 
 
 def access() -> None:
@@ -315,10 +386,16 @@ def sidebar() -> bool:
     sb.selectbox("Run", options, key=_PICKER, on_change=_picked, format_func=lambda r: _run_label(info, r),
                  help="Newest first. The URL's `?run=` follows the selection, so links open this run.")
     st.query_params["run"] = selected
+    focus = sync_focus(selected, wanted)
     # A full run: the picker was just drawn from fresh meta; the status fragment's first read is the baseline.
     st.session_state.pop(STATUS_SEEN_KEY, None)
     with sb:
         run_status(selected, info[selected])
+    if not focus.empty:
+        sb.caption(f"Link: {focus.describe()}", help="The link's step and rank: the Ranks page drills down to them, "
+                   "the Anomalies page selects the anomaly there, the charts open around the step.")
+        sb.button("Clear the link", key="th_focus_clear", on_click=_clear_focus, icon=":material/link_off:",
+                  type="tertiary", help="Forget the link's step and rank.")
     sb.divider()
     sb.caption(f"Redis: `{shown_url}`")
     return True
@@ -351,7 +428,7 @@ def _job_status(run: str) -> dict[str, str]:
 def run_status(run: str, listed: dict) -> None:
     """The run's status line, re-read live (a run that crashes or ends changes status while watched).
 
-    The picker's labels (``run · running · 8 ranks``) are drawn on full runs only: when the status
+    The picker's labels (``running · run``) are drawn on full runs only: when the status
     read here moves, the whole app reruns so that the picker says what the page says.
     """
     try:

@@ -464,7 +464,8 @@ def test_redact_url() -> None:
 # --- pages, rendered with AppTest ------------------------------------------------------------
 
 def test_overview_kpis_and_charts(seeded: redis.Redis, redis_url: str) -> None:
-    at = app()
+    at = app()  # three runs: the landing page is Runs (tests/test_dashboard_runs.py)
+    at.switch_page("pages/overview.py").run()
     assert not at.exception
     assert at.session_state["th_run"] == RUN
     assert at.query_params["run"] == RUN
@@ -509,8 +510,8 @@ def test_overview_kpis_and_charts(seeded: redis.Redis, redis_url: str) -> None:
     sidebar = [c.value for c in at.sidebar.caption]
     assert sidebar[-1] == f"Redis: `{redis_url}`"
     assert sidebar[0].startswith("**running** · 4 ranks · started ") and sidebar[0].endswith(" · source `demo`")
-    assert at.sidebar.selectbox[0].options == ["llama-7b · running · 4 ranks", "empty-run · running · 8 ranks",
-                                               "old-run · finished · 2 ranks"]
+    # The status first, so the narrow sidebar never cuts it ("…· runninç"); the ranks are in the line under it.
+    assert at.sidebar.selectbox[0].options == ["running · llama-7b", "running · empty-run", "finished · old-run"]
 
 
 def test_ranks_page_heatmap_table_and_straggler(seeded: redis.Redis) -> None:
@@ -520,22 +521,29 @@ def test_ranks_page_heatmap_table_and_straggler(seeded: redis.Redis) -> None:
     assert at.session_state["th_run"] == RUN and at.query_params["run"] == RUN
     assert at.sidebar.selectbox[0].value == RUN  # the frame is drawn on every page
     figs = figures(at)
-    assert len(figs) == 1 and figs[0]["data"][0]["type"] == "heatmap"
+    assert len(figs) == 2 and figs[0]["data"][0]["type"] == "heatmap"  # and the flagged rank's timeline
     assert len(figs[0]["layout"]["shapes"]) == 1  # the active straggler's outline (rank 3)
-    table = at.dataframe[0].value
+    table = at.dataframe[1].value
     assert list(table["rank"]) == [3, 2, 1, 0]
     assert list(table["host"]) == ["node-c", "node-b", "node-a", "node-a"]
-    assert list(table["straggler"]) == [True, False, False, False]
+    assert list(table["flagged"]) == [True, False, False, False]  # the detector's verdict: the active straggler
+    assert list(table["verdict"].fillna("")) == ["Straggler", "", "", ""]
     # Only the steps since the active straggler's onset (step 4): rank medians 0.30, 0.16, 0.11, 0.10.
     assert list(table["median_busy_s"]) == pytest.approx([0.30, 0.16, 0.11, 0.10])
     assert table.loc[0, "ratio"] == pytest.approx(0.30 / 0.135)
     assert list(table["score"]) == pytest.approx([0.10 / 0.30, 0.10 / 0.16, 0.10 / 0.11, 1.0])
     assert list(table["steps"]) == [9, 8, 9, 9]
-    assert at.main.caption[0].value == (
+    # Nodes first (two hosts per node here, one node per host: node-c holds rank 3 alone since the restart).
+    nodes = at.dataframe[0].value
+    assert list(nodes["host"]) == ["node-c", "node-b", "node-a"]
+    assert list(nodes["rank_list"]) == ["3", "2", "0–1"] and list(nodes["slow_node"]) == [False, False, False]
+    assert list(nodes["median_busy_s"]) == pytest.approx([0.30, 0.16, 0.105])
+    assert at.main.caption[1].value == (
         "Busy = seconds a rank spends in its own timed sections before the collective; a slow rank makes all "
         "others wait. Ratio = the rank's median busy time / the median rank's; score = the fastest rank's "
-        "median / this rank's (NVIDIA's relative score, which the straggler detector flags below 0.8), since "
-        "the active straggler's onset (steps 4–12, 9 steps).")
+        "median / this rank's (NVIDIA's relative score), since the active straggler's onset (steps 4–12, 9 "
+        "steps). Flagged = the detectors' verdict, not these figures: named by an active straggler, slow-node or "
+        "rank-outlier anomaly (the straggler detector flags a score below 0.8 held over 2 windows of 20 steps).")
     assert [w.value for w in at.warning] == [
         "**Straggler**: rank 3 on node-b since step 4 — rank 3 is 2.6x slower than the median rank"]
     heat = figs[0]["data"][0]
@@ -561,9 +569,10 @@ def test_anomalies_page_table_filters_and_evidence(seeded: redis.Redis) -> None:
     at.switch_page("pages/anomalies.py").run()
     assert not at.exception
     table = at.dataframe[0].value
+    # Active first, then by severity, then newest: the resolved critical NaN above the resolved restart.
     assert list(table["id"]) == ["hang:2:12:1", "straggler:3:4:0", "nan_inf:*:5:0", "restart:*:10:1"]
     assert list(table["severity"]) == ["critical", "warning", "critical", "warning"]
-    assert list(table["kind"]) == ["hang", "straggler", "nan_inf", "restart"]
+    assert list(table["kind"]) == ["Hang", "Straggler", "NaN/Inf", "Restart"]  # the kind in words (issue 16)
     assert list(table["status"]) == ["active", "active", "resolved", "resolved"]
     assert list(table["step"]) == [12, 4, 5, 10]
     assert list(table["ranks"]) == ["2", "3", "", "0, 1, 2, 3"]
@@ -572,30 +581,25 @@ def test_anomalies_page_table_filters_and_evidence(seeded: redis.Redis) -> None:
     assert table.loc[0, "first_seen"] == pd.Timestamp("2026-11-30 00:54:59", tz="UTC")
     assert table.loc[2, "last_seen"] == pd.Timestamp("2026-11-30 00:53:53", tz="UTC")
     assert pd.isna(table.loc[0, "end_step"]) and table.loc[2, "end_step"] == 6
+    # Without a link, the first row is selected and its evidence is shown beside the table.
     assert at.json[0].value == json.dumps({"stalled_s": 300.0, "threshold_s": 120.0})
-    # Layout: kind/severity/status/step first, the message wraps (rows taller than 64 px) and the
-    # fixed columns leave it 300 px, so "last seen" fits the ~905 px beside the sidebar at 1,366 px.
+    # Layout (issue 16): a full-height table (no scrolling box) of one-line rows, the message in the evidence.
     grid = at.dataframe[0].proto
-    assert list(grid.column_order) == ["severity", "kind", "status", "step", "end_step", "message", "ranks",
-                                       "hosts", "last_seen"]
-    assert grid.row_height == 72  # longest message: 57 characters, 2 lines
+    assert list(grid.column_order) == ["severity", "kind", "status", "step", "end_step", "ranks", "hosts"]
+    assert grid.row_height == 0  # one line per row: nothing wraps ("throughput_dro p")
     widths = {name: cfg.get("width") for name, cfg in json.loads(grid.columns).items()}
-    assert widths["message"] == 300
-    assert sum(w for name, w in widths.items() if name in grid.column_order) == 892
-    assert at.main.caption[0].value == ("4 of 4 anomalies shown · 2 active · times in UTC · the full message and "
-                                        "evidence of each are in the expander below")
+    assert widths["kind"] == 128  # "Grad-norm explosion" on one line
+    assert at.main.caption[0].value == ("4 of 4 anomalies shown · 2 active · active first, then by severity, "
+                                        "newest first · times in UTC · select a row to see its evidence")
     assert at.main.caption[1].value == ("id `hang:2:12:1` · ranks 2 · hosts node-b · seen 2026-11-30 00:54:59 → "
                                         "2026-11-30 00:55:00 (UTC)")
+    assert "#### Hang" in [m.value for m in at.main.markdown]
 
     at.multiselect(key="filter_severity").select("critical").run()
     at.multiselect(key="filter_status").select("resolved").run()
     assert list(at.dataframe[0].value["id"]) == ["nan_inf:*:5:0"]
-    assert at.main.caption[0].value.startswith("1 of 4 anomalies shown · 2 active · times in UTC")
-    assert at.dataframe[0].proto.row_height == 0  # "loss is NaN at step 5" fits one line: default rows
-
-    at.selectbox(key="anomaly_detail").select("straggler:3:4:0").run()
-    assert json.loads(at.json[0].value) == {"score": 0.38, "threshold": 0.7}
-    at.selectbox(key="anomaly_detail").select("nan_inf:*:5:0").run()
+    assert at.main.caption[0].value.startswith("1 of 4 anomalies shown · 2 active · active first")
+    assert (at.query_params["severity"], at.query_params["status"]) == ("critical", "resolved")  # kept in the URL
     assert json.loads(at.json[0].value) == {"loss": "nan"}  # NaN evidence shown as text, valid JSON
     assert "loss is NaN at step 5" in [m.value for m in at.main.markdown]
 
@@ -828,7 +832,7 @@ def test_replayed_run_overview(seeded: redis.Redis) -> None:
     assert captions[1] == ("Productive: 1,398.0 s of 1,512.8 s wall time · 0 restarts · 700 logged steps kept of "
                            "700 done")
     assert at.sidebar.caption[0].value.startswith("**finished** · 1 rank · started ")
-    assert at.sidebar.selectbox[0].options[0] == "replay-trocr · finished · 1 rank"
+    assert at.sidebar.selectbox[0].options[0] == "finished · replay-trocr"
 
 
 def test_replayed_run_ranks_page_says_there_are_no_timings(seeded: redis.Redis) -> None:
@@ -891,15 +895,14 @@ def test_ranks_page_table_uses_a_recent_window(seeded: redis.Redis, anomaly: boo
     caption = at.main.caption[0].value
     rank2 = table[table["rank"] == 2].iloc[0]
     if anomaly:
-        assert table.loc[0, "rank"] == 2 and bool(table.loc[0, "straggler"])
+        assert table.loc[0, "rank"] == 2 and bool(table.loc[0, "flagged"])
         assert (rank2["ratio"], rank2["steps"]) == (2.0, 29)
-        assert caption.endswith("flags below 0.8), since the active "
-                                "straggler's onset (steps 400–428, 29 steps).")
+        assert "(NVIDIA's relative score), since the active straggler's onset (steps 400–428, 29 steps). " in caption
     else:
         # 29 slow steps of the last 100: the median is still the healthy one, but the window is stated.
         assert (rank2["ratio"], rank2["steps"]) == (1.0, 100)
-        assert caption.endswith("flags below 0.8), over the last 100 "
-                                "steps (steps 329–428).")
+        assert not table["flagged"].any()  # a slow rank the detector has not flagged is not called flagged
+        assert "(NVIDIA's relative score), over the last 100 steps (steps 329–428). " in caption
 
 
 # --- anomaly counts ---------------------------------------------------------------------------------
@@ -914,7 +917,7 @@ def test_anomalies_kpi_counts_resolved_restarts(seeded: redis.Redis) -> None:
     at = app(run="empty-run")
     assert not at.exception
     assert metrics(at)["Active anomalies"] == ("0", "of 3 total")
-    assert at.sidebar.selectbox[0].options[1] == "empty-run · running · 8 ranks"
+    assert at.sidebar.selectbox[0].options[1] == "running · empty-run"
 
 
 # --- the caveat of a paced replay or an assumed timeline ------------------------------------------------
@@ -992,7 +995,7 @@ def test_assumed_timeline_caveat_and_none_for_a_logged_replay_at_once(seeded: re
 # --- garbage in Redis: a clear warning, never a traceback ---------------------------------------
 
 GARB = "garb"
-PAGES = ["app.py", "pages/goodput.py", "pages/ranks.py", "pages/anomalies.py", "pages/alerts.py"]
+PAGES = ["pages/overview.py", "pages/goodput.py", "pages/ranks.py", "pages/anomalies.py", "pages/alerts.py"]
 
 
 def _open(page: str, **query: str) -> AppTest:
@@ -1054,9 +1057,9 @@ def test_garbage_run_pages_warn_and_render_the_rest(seeded: redis.Redis, page: s
     assert not at.exception
     assert at.session_state["th_run"] == GARB
     warnings = [w.value for w in at.warning]
-    if page in ("app.py", "pages/anomalies.py"):
+    if page in ("pages/overview.py", "pages/anomalies.py"):
         assert "2 anomalies in th:{garb}:anomalies are unreadable (first: field 'x:1': not JSON)" in warnings
-    if page == "app.py":
+    if page == "pages/overview.py":
         assert "1 entry in th:{garb}:agg is unreadable (entry 1-1000: no step)" in warnings
         assert arr(figures(at)[0]["data"][0]["x"]) == [7, 8]  # the readable steps are drawn
     if page == "pages/anomalies.py":
@@ -1072,14 +1075,13 @@ def test_garbage_run_pages_warn_and_render_the_rest(seeded: redis.Redis, page: s
 
 
 @pytest.mark.parametrize("bad_id", ["ünïcode-run", "bad id!", ""])
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", [*PAGES, "pages/runs.py"])
 def test_invalid_run_id_in_registry_is_skipped(seeded: redis.Redis, page: str, bad_id: str) -> None:
     seeded.zadd(RUNS, {bad_id: 1})
     at = _open(page)
     assert not at.exception
     assert at.session_state["th_run"] == RUN
-    assert at.sidebar.selectbox[0].options == [f"{RUN} · running · 4 ranks", "empty-run · running · 8 ranks",
-                                               "old-run · finished · 2 ranks"]
+    assert at.sidebar.selectbox[0].options == [f"running · {RUN}", "running · empty-run", "finished · old-run"]
     assert [w.value for w in at.sidebar.warning] == [f"th:runs lists 1 invalid run id, skipped: {bad_id!r}"]
     assert list(data.list_runs(seeded)["run"]) == [RUN, "empty-run", "old-run"]
 
@@ -1101,7 +1103,7 @@ def test_invalid_run_id_in_link_says_so(seeded: redis.Redis) -> None:
      "gpu_hour_usd [] is not a number; badput_cost_usd 'free' is not a number; seconds.productive 'lots' is not "
      "a number; custom_by_name 3 is not an object"),
 ])
-@pytest.mark.parametrize("page", ["app.py", "pages/goodput.py"])
+@pytest.mark.parametrize("page", ["pages/overview.py", "pages/goodput.py"])
 def test_ledger_snapshot_of_wrong_types(seeded: redis.Redis, page: str, snap: dict, expected: str) -> None:
     snapshot = _snapshot(T0 + 100, 100.0, 12, 14, 12, 1, SECONDS, CUSTOM_BY_NAME)
     seeded.set(run_keys(RUN).ledger_latest, json.dumps({**snapshot, **snap}))

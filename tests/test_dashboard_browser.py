@@ -180,7 +180,8 @@ def test_dashboard_in_chromium(dashboard: tuple[str, threading.Event], r: redis.
             page.screenshot(path=str(ARTIFACTS / "dashboard_ranks.png"), full_page=True)
 
             page.locator('[data-testid="stSidebarNav"]').get_by_text("Anomalies", exact=True).click()
-            expect(page.get_by_text(re.compile(r"^4 of 4 anomalies shown · 2 active · times in UTC"))).to_be_visible()
+            expect(page.get_by_text(re.compile(r"^4 of 4 anomalies shown · 2 active · active first, then by "
+                                               r"severity, newest first · times in UTC"))).to_be_visible()
             # Every column, "last seen" included, fits the table: no horizontal scrolling at 1,440 px.
             scroller = page.locator('[data-testid="stDataFrame"] .dvn-scroller').first
             expect(scroller).to_be_visible()

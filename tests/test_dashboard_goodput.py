@@ -596,7 +596,7 @@ def test_goodput_page_is_listed_after_overview() -> None:
     import trainhealth.dashboard.frame as frame
     source = Path(frame.__file__).read_text()
     pages = [line.split('"pages" / "')[1].split('"')[0] for line in source.splitlines() if '"pages" / "' in line]
-    assert pages[:2] == ["overview.py", "goodput.py"]
+    assert pages[:3] == ["runs.py", "overview.py", "goodput.py"]  # Runs first (issue 16)
 
 
 # --- in a real browser ---------------------------------------------------------------------------
@@ -647,7 +647,7 @@ def test_goodput_page_and_recommendation_card_in_chromium(r: redis.Redis, redis_
                 page, '[data-testid="stMetricValue"] div, [data-testid="stMetricDelta"] div') == []
             nav = page.locator('[data-testid="stSidebarNav"] a').all_inner_texts()
             # the last word of each entry: its title after the icon
-            assert [n.split()[-1] for n in nav] == ["Overview", "Goodput", "Ranks", "Anomalies", "Alerts"]
+            assert [n.split()[-1] for n in nav] == ["Runs", "Overview", "Goodput", "Ranks", "Anomalies", "Alerts"]
             expect(page.locator(".js-plotly-plot")).to_have_count(3)
             for entry in ("productive", "custom (evaluation, profiling)", "wasted progress from rollback",
                           "throughput · last 1 min", "goodput · since start"):
@@ -701,17 +701,17 @@ def test_run_picker_follows_the_page_when_the_run_ends_in_chromium(r: redis.Redi
             picker = page.locator('[data-testid="stSidebar"] input[aria-label="Run"]')
             status = page.locator('[data-testid="stMain"] [data-testid="stCaptionContainer"]').first
             expect(status).to_contain_text("status running")
-            expect(picker).to_have_value(f"{RUN} · running · 64 ranks")
+            expect(picker).to_have_value(f"running · {RUN}")
             r.hset(run_keys(RUN).meta, "status", "finished")
             expect(status).to_contain_text("status finished")
-            expect(picker).to_have_value(f"{RUN} · finished · 64 ranks")
+            expect(picker).to_have_value(f"finished · {RUN}")
             expect(page.locator('[data-testid="stSidebar"] [data-testid="stCaptionContainer"]').first).to_contain_text(
                 "finished · 64 ranks")
             # On the Goodput page too (it shows no status line: the picker follows the run's meta).
             page.locator('[data-testid="stSidebarNav"]').get_by_text("Goodput", exact=True).click()
             expect(page.locator('[data-testid="stMetricValue"]')).to_have_count(5)
             r.hset(run_keys(RUN).meta, "status", "crashed")
-            expect(picker).to_have_value(f"{RUN} · crashed · 64 ranks")
+            expect(picker).to_have_value(f"crashed · {RUN}")
         finally:
             browser.close()
 
@@ -727,7 +727,7 @@ def test_status_moved_only_for_a_change_of_the_same_run() -> None:
 def test_pages_note_the_status_the_picker_was_drawn_with(seeded: dict) -> None:
     at = goodput_page()
     assert at.session_state["th_status_seen"] == (RUN, "running")
-    assert at.sidebar.selectbox[0].options == [f"{RUN} · running · 64 ranks"]
+    assert at.sidebar.selectbox[0].options == [f"running · {RUN}"]
 
 
 def test_rates_table_says_when_a_window_is_longer_than_the_run() -> None:
@@ -736,8 +736,8 @@ def test_rates_table_says_when_a_window_is_longer_than_the_run() -> None:
                       "600s": {"throughput_tok_s": 1000.0, "goodput_tok_s": 900.0},
                       "3600s": {"throughput_tok_s": 1000.0, "goodput_tok_s": 900.0}}}
     table = rates_table(snap)
-    assert list(table.columns) == ["whole run", "last 1 min", "last 10 min (run younger: whole run)",
-                                   "last 1 h (run younger: whole run)"]
+    # A one-character mark (the 96 px headers cut "last 10 min (run younger: whole run)"); its help says it.
+    assert list(table.columns) == ["whole run", "last 1 min", "last 10 min*", "last 1 h*"]
     assert table.loc["goodput"].tolist() == ["900", "1,000", "900", "900"]
 
 

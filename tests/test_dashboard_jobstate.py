@@ -175,7 +175,7 @@ def test_hung_banner_status_and_last_minute_throughput(seeded: redis.Redis) -> N
     assert not at.warning
     assert status(at) == "status **hung**"
     # The sidebar says it too: the picker's label and the live status line (meta still says running).
-    assert at.sidebar.selectbox[0].format_func(RUN) == f"{RUN} · hung · 4 ranks"
+    assert at.sidebar.selectbox[0].format_func(RUN) == f"hung · {RUN}"
     assert at.sidebar.caption[0].value.startswith("**hung**")
     # The 60 s window (no step completed in the last minute), not the run's healthy 68,233 tokens/s.
     thr = next(m for m in at.metric if m.label == "Throughput")
@@ -279,7 +279,7 @@ def test_ranks_page_marks_the_culprit(seeded: redis.Redis) -> None:
     assert [e.value for e in at.error] == [
         "**Job hung**: rank 2 (host node-b, pid 4242) stopped first — its heartbeat stopped while the others' "
         "continued"]
-    table = at.dataframe[0].value
+    table = at.dataframe[1].value  # after the nodes table
     assert list(table["rank"]) == [3, 2, 1, 0]
     assert list(table["culprit"]) == [False, True, False, False]
 
@@ -287,7 +287,7 @@ def test_ranks_page_marks_the_culprit(seeded: redis.Redis) -> None:
 def test_ranks_page_without_state_has_no_culprit_column(seeded: redis.Redis) -> None:
     at = app("pages/ranks.py")
     assert not at.error
-    assert "culprit" not in at.dataframe[0].value.columns
+    assert "culprit" not in at.dataframe[1].value.columns and "rank" in at.dataframe[1].value.columns
 
 
 def test_a_recovery_card_shows_what_to_run_and_the_cost_of_waiting() -> None:

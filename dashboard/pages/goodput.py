@@ -23,6 +23,8 @@ from trainhealth.dashboard.common import (
     GOODPUT_TIME_HELP,
     GOODPUT_TOKENS,
     GOODPUT_TOKENS_HELP,
+    RATE_YOUNGER,
+    RATE_YOUNGER_HELP,
     THROUGHPUT_HELP,
     TOKEN_GAP_NOTE,
     URL_KEY,
@@ -33,6 +35,7 @@ from trainhealth.dashboard.common import (
     show_problems,
     to_datetime,
     viewer_tz,
+    zoom_to_focus,
 )
 from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S
@@ -159,12 +162,14 @@ def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str, rate_windo
         return
     fig = charts.wall_time_breakdown(hist, tz, custom_names=list(snap.get("custom_by_name") or {}))
     fig.update_layout(uirevision=run)  # keep the user's zoom across refreshes
+    zoom_to_focus(fig, run, tz, hist["t"])  # a link's step: open around its time
     st.plotly_chart(fig, config={"displaylogo": False}, key="breakdown")
     left, right = st.columns([3, 2])
     with left:
         if data.has_token_counts(snap):
             fig = charts.goodput_over_time(hist, tz, rate_window=rate_window)
             fig.update_layout(uirevision=run)
+            zoom_to_focus(fig, run, tz, hist["t"])
             st.plotly_chart(fig, config={"displaylogo": False}, key="tokens")
             st.caption(TOKEN_GAP_NOTE)
         else:
@@ -218,7 +223,9 @@ def live(run: str) -> None:
         rates = rates_table(snap)
         st.dataframe(rates, key="rates", width="content", column_config={
             "_index": st.column_config.TextColumn("tokens/s", width=150),
-            **{c: st.column_config.TextColumn(c, alignment="right", width=96) for c in rates.columns}})
+            **{c: st.column_config.TextColumn(c, alignment="right", width=96,
+                                              help=RATE_YOUNGER_HELP if c.endswith(RATE_YOUNGER) else None)
+               for c in rates.columns}})
     # The advisor's open recommendations: what a rollback would cost against these numbers.
     cards.render(recs, run, "goodput")
     head, pick = st.columns([3, 1.4], vertical_alignment="bottom")

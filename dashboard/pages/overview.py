@@ -27,6 +27,7 @@ from trainhealth.dashboard.common import (
     redis_trouble,
     show_problems,
     viewer_tz,
+    zoom_to_focus,
 )
 from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S
@@ -456,6 +457,7 @@ def live(run: str) -> None:
         else:
             fig = charts.goodput_over_time(history, viewer_tz())
             fig.update_layout(uirevision=run)
+            zoom_to_focus(fig, run, viewer_tz(), history["t"])  # a link's step: open around its time
             st.plotly_chart(fig, config={"displaylogo": False}, key="goodput")
             st.caption(TOKEN_GAP_NOTE)
     with right:

@@ -1,32 +1,93 @@
-"""Ranks page: per-rank busy-time heatmap and the ranks sorted by how slow they are, with hosts."""
+"""Ranks page: per-rank busy-time heatmap, the nodes and the ranks sorted by how slow they are, and one rank's
+section seconds per step.
+
+"Flagged" means one thing here: the detectors' verdict, an active straggler, slow-node or rank-outlier anomaly
+naming the rank (:func:`trainhealth.dashboard.data.rank_verdicts`); the heatmap outlines those ranks and the tables
+say so. A link's rank (``?rank=3``) is the one drilled down to, around the link's step (``?step=40``); selecting
+another row of the rank table makes it the link's rank.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pandas as pd
+import plotly.graph_objects as go
 import redis
 import streamlit as st
 
 from trainhealth.dashboard import charts, data
-from trainhealth.dashboard.common import URL_KEY, client, get_client, redis_trouble, show_problems
+from trainhealth.dashboard.common import (
+    URL_KEY,
+    Focus,
+    client,
+    current_focus,
+    get_client,
+    kind_words,
+    redis_trouble,
+    select_table,
+    set_focus,
+    show_problems,
+)
 from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS, STRAGGLER_THRESHOLD
 from trainhealth.text import plural
 
 #: Hosts change only when ranks restart: re-read at most this often (s).
 HOSTS_TTL_S = 30
+#: A drill-down around a linked step of long ago (beyond the heatmap's steps) is re-read at most this often (s).
+AROUND_TTL_S = 10
 WINDOWS = (100, 500, DASHBOARD_STEPS)
 MODES = ("busy seconds", "ratio to step median")
-#: Anomaly kinds about particular ranks or nodes, shown on this page, with their headings.
-RANK_KINDS = {"straggler": "Straggler", "slow_node": "Slow node", "rank_outlier": "Rank outlier",
-              "dead_rank": "Dead rank"}
+#: Anomaly kinds about particular ranks or nodes, each shown as a warning on top: the flagging ones
+#: (:data:`trainhealth.dashboard.data.FLAGGED_KINDS`) and a dead rank (its job is hung or crashed).
+RANK_KINDS = (*data.FLAGGED_KINDS, "dead_rank")
+#: Steps drawn either side of a linked step (range) in the drill-down.
+AROUND_STEPS = 50
 NO_TIMINGS = ("No per-rank section timings in this run (a replayed log / untimed steps), so ranks cannot be "
               "compared. Time each step with `with mon.step(step):` and its work with `mon.section(...)` to see "
               "every rank's busy time here.")
+FLAGGED_HELP = ("The detectors' verdict: named by an active straggler, slow-node or rank-outlier anomaly "
+                "(the Anomalies page has each one's evidence).")
+RANK_COLUMNS = ["rank", "host", "flagged", "verdict", "median_busy_s", "ratio", "score", "steps", "culprit"]
+RANK_CONFIG = {
+    "rank": st.column_config.NumberColumn("rank", format="%d"),
+    "host": st.column_config.TextColumn("host"),
+    "flagged": st.column_config.CheckboxColumn("flagged", help=FLAGGED_HELP),
+    "verdict": st.column_config.TextColumn("verdict", help="The anomalies that flag the rank."),
+    "median_busy_s": st.column_config.NumberColumn("median busy (s)", format="%.3f"),
+    "ratio": st.column_config.NumberColumn("ratio vs median rank", format="%.2f×"),
+    "score": st.column_config.NumberColumn("score", format="%.2f",
+                                           help="Fastest rank's median busy time / this rank's."),
+    "steps": st.column_config.NumberColumn("steps reported", format="%d"),
+    "culprit": st.column_config.CheckboxColumn("stopped first", help="The culprit of the hang or crash: "
+                                               "the rank the detector service saw stop first."),
+}
+NODE_CONFIG = {
+    "host": st.column_config.TextColumn("node"),
+    "ranks": st.column_config.NumberColumn("ranks", format="%d"),
+    "rank_list": st.column_config.TextColumn("which"),
+    "median_busy_s": st.column_config.NumberColumn("median busy (s)", format="%.3f",
+                                                   help="Median of its ranks' median busy seconds."),
+    "ratio": st.column_config.NumberColumn("ratio vs median node", format="%.2f×"),
+    "slowest_rank": st.column_config.NumberColumn("slowest rank", format="%d"),
+    "flagged_ranks": st.column_config.NumberColumn("flagged ranks", format="%d", help=FLAGGED_HELP),
+    "slow_node": st.column_config.CheckboxColumn("slow node", help="The slow-node detector's verdict: an active "
+                                                 "slow_node anomaly names this host."),
+}
+#: Session-state keys: ``(run, rank)`` picked by a click or a link; ``(run, Focus)`` last applied.
+CHOSEN_KEY, APPLIED_KEY = "ranks_chosen", "ranks_applied"
 
 
 @st.cache_data(ttl=HOSTS_TTL_S, show_spinner=False)
 def _hosts(url: str, run: str) -> pd.DataFrame:
     return data.rank_hosts(get_client(url), run)
+
+
+@st.cache_data(ttl=AROUND_TTL_S, show_spinner=False)
+def _around(url: str, run: str, lo: int, hi: int) -> tuple[pd.DataFrame, list[str]]:
+    problems: list[str] = []  # cached with the matrix: the warnings must outlive the read
+    return data.busy_around(get_client(url), run, lo, hi, problems), problems
 
 
 def window_text(recent: pd.DataFrame, onset: int | None) -> str:
@@ -38,14 +99,109 @@ def window_text(recent: pd.DataFrame, onset: int | None) -> str:
     return f"over the last {plural(n, 'step')} ({span})"
 
 
-def _highlight(row: pd.Series) -> list[str]:
-    style = "background-color: rgba(214, 39, 40, 0.18)" if row["straggler"] or row.get("culprit", False) else ""
-    return [style] * len(row)
+def table_caption(recent: pd.DataFrame, onset: int | None) -> str:
+    return ("Busy = seconds a rank spends in its own timed sections before the collective; a slow rank makes all "
+            "others wait. Ratio = the rank's median busy time / the median rank's; score = the fastest rank's "
+            "median / this rank's (NVIDIA's relative score), " + window_text(recent, onset) + ". Flagged = the "
+            "detectors' verdict, not these figures: named by an active straggler, slow-node or rank-outlier "
+            f"anomaly (the straggler detector flags a score below {STRAGGLER_THRESHOLD:g} held over 2 windows of "
+            "20 steps).")
+
+
+def rank_table(summary: pd.DataFrame, verdicts: pd.DataFrame, culprit_rank: int | None) -> pd.DataFrame:
+    """The rank table: :func:`~trainhealth.dashboard.data.rank_summary` with the verdict of each rank (a merge,
+    no per-row Python) and, while the job is hung or crashed, the rank that stopped first."""
+    words = verdicts.assign(verdict=[", ".join(kind_words(k) for k in kinds) for kinds in verdicts["kinds"]])
+    out = summary.merge(words[["rank", "verdict"]], on="rank", how="left")
+    out["flagged"] = out["verdict"].notna()
+    out["verdict"] = out["verdict"].astype(object).where(out["flagged"], None)
+    out["culprit"] = out["rank"] == culprit_rank if culprit_rank is not None else False
+    return out[RANK_COLUMNS if culprit_rank is not None else RANK_COLUMNS[:-1]]
+
+
+def warnings(active: pd.DataFrame) -> None:
+    """One warning per active anomaly about ranks or nodes: what, where, since when."""
+    for a in active.itertuples(index=False):
+        if a.kind == "slow_node":
+            where = (", ".join(a.hosts) or "node ?") + (f" (ranks {data.rank_ranges(a.ranks)})" if a.ranks else "")
+        else:
+            where = (", ".join(f"rank {r}" for r in a.ranks) or "ranks ?") + (f" on {', '.join(a.hosts)}"
+                                                                             if a.hosts else "")
+        since = f" since step {a.step}" if pd.notna(a.step) else ""
+        st.warning(f"**{kind_words(a.kind)}**: {where}{since} — {a.message}", icon=":material/slow_motion_video:")
+
+
+def chosen_rank(run: str, ranks: list[int], flagged: list[int]) -> int | None:
+    """The rank drilled down to: the link's (or the last clicked), else the first flagged, else the slowest."""
+    focus = current_focus(run)
+    if st.session_state.get(APPLIED_KEY) != (run, focus):
+        st.session_state[APPLIED_KEY] = (run, focus)
+        if focus.ranks:
+            st.session_state[CHOSEN_KEY] = (run, focus.ranks[0])
+    picked = st.session_state.get(CHOSEN_KEY)
+    if picked and picked[0] == run and picked[1] in ranks:
+        return picked[1]
+    listed = [r for r in flagged if r in ranks]
+    return listed[0] if listed else (ranks[0] if ranks else None)
+
+
+def drill_window(matrix: pd.DataFrame, focus: Focus, run: str) -> tuple[pd.DataFrame, list[str]]:
+    """The steps of the drill-down: :data:`AROUND_STEPS` either side of the link's steps (read from the stream
+    when the heatmap's steps do not hold them all), else the heatmap's."""
+    bounds = focus.bounds()
+    if bounds is None:
+        return matrix, []
+    lo, hi = max(0, bounds[0] - AROUND_STEPS), bounds[1] + AROUND_STEPS
+    if matrix.shape[1] and int(matrix.columns[0]) <= lo and hi <= int(matrix.columns[-1]):
+        return matrix.loc[:, (matrix.columns >= lo) & (matrix.columns <= hi)], []
+    return _around(st.session_state.get(URL_KEY, ""), run, lo, hi)
+
+
+def timeline_figure(timeline: pd.DataFrame, rank: int, focus: Focus) -> go.Figure:
+    """The rank's busy seconds per step (bars) beside the step's median and fastest rank (lines); the link's steps
+    shaded."""
+    fig = go.Figure([
+        go.Bar(x=timeline["step"], y=timeline["busy_s"], name=f"rank {rank}", marker_color="#d62728",
+               hovertemplate="step %{x}<br>rank " + str(rank) + ": %{y:.3f} s<extra></extra>"),
+        go.Scatter(x=timeline["step"], y=timeline["median_s"], name="median rank", mode="lines",
+                   line={"color": "#1f77b4", "width": 2}, hovertemplate="median rank: %{y:.3f} s<extra></extra>"),
+        go.Scatter(x=timeline["step"], y=timeline["fastest_s"], name="fastest rank", mode="lines",
+                   line={"color": "#2ca02c", "width": 1, "dash": "dot"},
+                   hovertemplate="fastest rank: %{y:.3f} s<extra></extra>"),
+    ])
+    bounds = focus.bounds()
+    if bounds is not None:
+        fig.add_vrect(x0=bounds[0] - 0.5, x1=bounds[1] + 0.5, fillcolor="rgba(255,127,14,0.18)", line_width=0,
+                      annotation_text="link", annotation_position="top left")
+    fig.update_layout(height=300, margin={"l": 10, "r": 10, "t": 40, "b": 10}, bargap=0.1,
+                      title={"text": f"Rank {rank}: section seconds per step", "x": 0, "font": {"size": 14}},
+                      xaxis_title="step", yaxis_title="s", legend={"orientation": "h", "y": 1.12, "x": 1,
+                                                                   "xanchor": "right"})
+    return fig
+
+
+def drill_down(run: str, matrix: pd.DataFrame, rank: int, host: str | None) -> None:
+    """One rank's section seconds per step, around the link's step when there is one."""
+    focus = current_focus(run)
+    steps, problems = drill_window(matrix, focus, run)
+    show_problems(problems)
+    timeline = data.rank_timeline(steps, rank)
+    st.markdown(f"##### Rank {rank}" + (f" · {host}" if host else "") + ": section timeline")
+    if timeline["busy_s"].notna().sum() == 0:
+        st.info(f"Rank {rank} reported no section time in these steps.", icon=":material/timer_off:")
+        return
+    st.plotly_chart(timeline_figure(timeline, rank, focus).update_layout(uirevision=f"{run}:{rank}"),
+                    config={"displaylogo": False}, key="rank_timeline")
+    first, last = int(timeline["step"].iloc[0]), int(timeline["step"].iloc[-1])
+    around = f" around the link's {focus.describe().split(' · ')[0]}" if focus.has_step else ""
+    st.caption(f"Seconds rank {rank} spent in its timed sections (their sum: the service keeps one figure per rank "
+               f"and step) against the step's median and fastest rank, steps {first:,}–{last:,}{around}. Select "
+               "another row above to see another rank.")
 
 
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
 def live(run: str, window: int, relative: bool) -> None:
-    """Heatmap and rank table, re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
+    """Heatmap, node and rank tables and the drill-down, re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
     problems: list[str] = []
     try:
         cl = client()
@@ -60,12 +216,9 @@ def live(run: str, window: int, relative: bool) -> None:
 
     active = anomalies[(anomalies["status"] == "active") & anomalies["kind"].isin(RANK_KINDS)] \
         if not anomalies.empty else anomalies
-    straggler_ranks = sorted({int(r) for ranks in active["ranks"] for r in ranks}) if not active.empty else []
-    for a in active.itertuples(index=False):
-        where = ", ".join(f"rank {r}" for r in a.ranks) or "ranks ?"
-        on = f" on {', '.join(a.hosts)}" if a.hosts else ""
-        since = f" since step {a.step}" if pd.notna(a.step) else ""
-        st.warning(f"**{RANK_KINDS[a.kind]}**: {where}{on}{since} — {a.message}", icon=":material/slow_motion_video:")
+    warnings(active)
+    verdicts = data.rank_verdicts(anomalies)
+    flagged = [int(r) for r in verdicts["rank"]]
     # The rank that stopped first while the job is hung or crashed (the Overview's banner says the rest).
     culprit = None
     if state is not None and state.state in ("hung", "crashed") and state.culprit is not None:
@@ -80,35 +233,32 @@ def live(run: str, window: int, relative: bool) -> None:
     if not data.has_rank_timings(matrix):
         st.info(NO_TIMINGS, icon=":material/timer_off:")
         return
-    st.plotly_chart(charts.rank_heatmap(matrix, relative=relative, highlight=straggler_ranks).update_layout(
+    st.plotly_chart(charts.rank_heatmap(matrix, relative=relative, highlight=flagged).update_layout(
         uirevision=run), config={"displaylogo": False}, key="heatmap")
 
     recent, onset = data.rank_table_window(matrix, anomalies)
     summary = data.rank_summary(recent, hosts)
-    summary["straggler"] = summary["rank"].isin(straggler_ranks)
-    if culprit is not None:
-        summary["culprit"] = summary["rank"] == culprit.rank
+    nodes = data.node_summary(summary, anomalies)
+    if len(nodes) > 1:
+        st.markdown("##### Nodes, slowest first")
+        st.caption("Each host's ranks together, over the same steps as the rank table: a node-level cause (clocks, "
+                   "thermals, PCIe/NVLink, host CPU) slows all of them. Slow node = the slow-node detector's "
+                   "verdict.")
+        st.dataframe(nodes, hide_index=True, key="node_table", column_config=NODE_CONFIG)
+    ranks = rank_table(summary, verdicts, culprit.rank if culprit is not None else None)
     st.markdown("##### Ranks, slowest first")
-    st.caption("Busy = seconds a rank spends in its own timed sections before the collective; a slow rank "
-               "makes all others wait. Ratio = the rank's median busy time / the median rank's; score = the "
-               "fastest rank's median / this rank's (NVIDIA's relative score, which the straggler detector "
-               f"flags below {STRAGGLER_THRESHOLD:g}), " + window_text(recent, onset) + ".")
-    st.dataframe(
-        summary.style.apply(_highlight, axis=1), hide_index=True, key="rank_table",
-        column_config={
-            "rank": st.column_config.NumberColumn("rank", format="%d"),
-            "host": st.column_config.TextColumn("host"),
-            "median_busy_s": st.column_config.NumberColumn("median busy (s)", format="%.3f"),
-            "ratio": st.column_config.NumberColumn("ratio vs median rank", format="%.2f×"),
-            "score": st.column_config.NumberColumn("score", format="%.2f",
-                                                   help="Fastest rank's median busy time / this rank's."),
-            "steps": st.column_config.NumberColumn("steps reported", format="%d"),
-            "straggler": st.column_config.CheckboxColumn("flagged", help="In an active straggler, slow-node, "
-                                                         "rank-outlier or dead-rank anomaly."),
-            "culprit": st.column_config.CheckboxColumn("stopped first", help="The culprit of the hang or crash: "
-                                                       "the rank the detector service saw stop first."),
-        },
-    )
+    st.caption(table_caption(recent, onset))
+    ids = [int(r) for r in ranks["rank"]]
+    rank, clicked = select_table(ranks, ids, chosen_rank(run, ids, flagged), "rank_table", hide_index=True,
+                                 column_config=RANK_CONFIG, placeholder="")
+    if rank is None:
+        return
+    if clicked:  # the clicked rank becomes the link's (the Anomalies page then selects its anomaly)
+        focus = dataclasses.replace(current_focus(run), ranks=(rank,))
+        set_focus(run, focus)
+        st.session_state[CHOSEN_KEY], st.session_state[APPLIED_KEY] = (run, rank), (run, focus)
+    host = ranks.loc[ranks["rank"] == rank, "host"].iloc[0]
+    drill_down(run, matrix, rank, host if isinstance(host, str) else None)
 
 
 run = page_run()
