@@ -137,3 +137,16 @@ def serve(redis_url: str) -> Iterator[subprocess.Popen]:
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0, out
+
+
+@pytest.fixture
+def fresh_streamlit_caches() -> Iterator[None]:
+    """Empty Streamlit's process-global caches around a test: a client or frame cached for one test's Redis URL
+    must not answer the next. Dashboard test modules use it for every test (``pytestmark``)."""
+    import streamlit as st
+
+    st.cache_resource.clear()
+    st.cache_data.clear()
+    yield
+    st.cache_resource.clear()
+    st.cache_data.clear()

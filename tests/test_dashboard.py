@@ -29,6 +29,8 @@ from trainhealth.embedded_redis import free_port
 from trainhealth.keys import RUNS, run_keys, service_heartbeat
 from trainhealth.text import fmt_duration, fmt_pct, fmt_rate, fmt_usd, plural
 
+pytestmark = pytest.mark.usefixtures("fresh_streamlit_caches")
+
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 T0 = 1796000000.0  # 2026-11-30 00:53:20 UTC
 RUN = "llama-7b"
@@ -148,16 +150,6 @@ def seed_run(r: redis.Redis) -> None:
         r.xadd(k.ledger, {"json": json.dumps(snap)})
     r.set(k.ledger_latest, json.dumps(snaps[-1]))
 
-
-@pytest.fixture(autouse=True)
-def _fresh_caches() -> Iterator[None]:
-    # cache_resource/cache_data are process-global: a client or frame cached for one test's
-    # Redis URL must not answer the next test.
-    st.cache_resource.clear()
-    st.cache_data.clear()
-    yield
-    st.cache_resource.clear()
-    st.cache_data.clear()
 
 
 def service_beat(r: redis.Redis, consumer: str = "svc-1", age_s: float = 0.0, host: str = "host-1") -> None:

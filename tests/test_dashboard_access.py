@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import redis
-import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from trainhealth import alert_store as store
@@ -31,6 +29,8 @@ from trainhealth.dashboard.frame import LOGIN_REQUIRED
 from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.embedded_redis import free_port
 from trainhealth.keys import ALERTS_DEAD, RUNS, run_keys, service_heartbeat
+
+pytestmark = pytest.mark.usefixtures("fresh_streamlit_caches")
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = ROOT / "dashboard" / "app.py"
@@ -70,14 +70,6 @@ def seed(r: redis.Redis) -> str:
     store.add_silence(r, ['run="r2"'], duration_s=3600, created_by="bo", comment="maintenance")
     return rec.id
 
-
-@pytest.fixture(autouse=True)
-def _fresh_caches() -> Iterator[None]:
-    st.cache_resource.clear()
-    st.cache_data.clear()
-    yield
-    st.cache_resource.clear()
-    st.cache_data.clear()
 
 
 @pytest.fixture

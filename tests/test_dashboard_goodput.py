@@ -16,7 +16,6 @@ import json
 import math
 import runpy
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import redis
-import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from trainhealth.anomaly import Anomaly
@@ -33,6 +31,8 @@ from trainhealth.dashboard.common import os_user, rates_table
 from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.keys import RUNS, run_keys, service_heartbeat
 from trainhealth.recommendations import Recommendation
+
+pytestmark = pytest.mark.usefixtures("fresh_streamlit_caches")
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 #: Who a change made from the dashboard is recorded as, without a login (docs/security.md).
@@ -166,14 +166,6 @@ def seed(r: redis.Redis, price: float | None = PRICE, recs: bool = True, t0: flo
 def service_beat(r: redis.Redis, consumer: str = "svc-1") -> None:
     r.set(service_heartbeat(consumer), json.dumps({"pid": 1, "host": "h", "t": time.time(), "runs": 1}), ex=30)
 
-
-@pytest.fixture(autouse=True)
-def _fresh_caches() -> Iterator[None]:
-    st.cache_resource.clear()
-    st.cache_data.clear()
-    yield
-    st.cache_resource.clear()
-    st.cache_data.clear()
 
 
 @pytest.fixture

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from trainhealth.dashboard import data
 from trainhealth.job import Culprit, JobState
 from trainhealth.keys import RUNS, run_keys, service_heartbeat
+
+pytestmark = pytest.mark.usefixtures("fresh_streamlit_caches")
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 T0 = 1796000000.0  # 2026-11-30 00:53:20 UTC
@@ -91,15 +91,6 @@ def write_state(r: redis.Redis, state: JobState, age_s: float) -> None:
     r.set(run_keys(RUN).state, JobState(state.state, time.time() - age_s, state.step, state.culprit, state.message,
                                         state.gen).to_json())
 
-
-@pytest.fixture(autouse=True)
-def _fresh_caches() -> Iterator[None]:
-    # cache_resource/cache_data are process-global: nothing cached for one test's Redis may answer the next.
-    st.cache_resource.clear()
-    st.cache_data.clear()
-    yield
-    st.cache_resource.clear()
-    st.cache_data.clear()
 
 
 @pytest.fixture

@@ -26,6 +26,8 @@ from trainhealth.dashboard import data
 from trainhealth.dashboard.common import Focus, kind_words, parse_focus
 from trainhealth.keys import RUNS, run_keys
 
+pytestmark = pytest.mark.usefixtures("fresh_streamlit_caches")
+
 _BASE = runpy.run_path(str(Path(__file__).with_name("test_dashboard.py")))
 seed_run, service_beat, T0, RUN, APP = (_BASE[n] for n in ("seed_run", "service_beat", "T0", "RUN", "APP"))
 DEEP = "deep"
@@ -82,14 +84,6 @@ def seed_deep(r: redis.Redis) -> None:
         pipe.hset(k.anomalies, a["id"], json.dumps({"run": DEEP, **a}))
     pipe.execute()
 
-
-@pytest.fixture(autouse=True)
-def _fresh_caches() -> Iterator[None]:
-    st.cache_resource.clear()
-    st.cache_data.clear()
-    yield
-    st.cache_resource.clear()
-    st.cache_data.clear()
 
 
 @pytest.fixture

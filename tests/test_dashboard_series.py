@@ -14,17 +14,17 @@ import math
 import re
 import runpy
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
-import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from trainhealth.dashboard import charts, data
 from trainhealth.keys import RUNS, run_keys, service_heartbeat
+
+pytestmark = pytest.mark.usefixtures("fresh_streamlit_caches")
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 T0 = 1796000000.0
@@ -77,14 +77,6 @@ def seed_long(r: redis.Redis, run: str = RUN, steps: int = STEPS, ranks: int = 4
             pipe.xadd(key, agg_entry(s, ranks=ranks), id=f"1-{s}")
         pipe.execute()
 
-
-@pytest.fixture(autouse=True)
-def _fresh_caches() -> Iterator[None]:
-    st.cache_resource.clear()
-    st.cache_data.clear()
-    yield
-    st.cache_resource.clear()
-    st.cache_data.clear()
 
 
 @pytest.fixture
