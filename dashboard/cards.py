@@ -29,7 +29,7 @@ from trainhealth.dashboard.common import actor, client, read_only, show_problems
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.exceptions import ConfigError
 from trainhealth.recommendations import Recommendation
-from trainhealth.text import fmt_cost, fmt_duration, fmt_gpu_hours, fmt_int, fmt_usd
+from trainhealth.text import fmt_cost, fmt_duration, fmt_gpu_hours, fmt_int, fmt_usd, plural
 
 #: How each action is headed: title, badge colour, icon.
 ACTIONS = {
@@ -96,7 +96,7 @@ def recovery_facts(rec: Mapping[str, Any]) -> list[str]:
     run = ["**Run**", *(f"`{c}`" for c in commands[:4])] if commands else ["**Run**", "nothing to run by hand"]
     cost = rec.get("cost") or {}
     steps = cost.get("steps", rec.get("recompute_steps"))
-    restart = ["**Restarting costs**", (f"{fmt_int(steps)} steps recomputed" if steps is not None
+    restart = ["**Restarting costs**", (f"{plural(steps, 'step')} recomputed" if steps is not None
                                         else "recomputed steps unknown"), _cost_line(cost)]
     cont = rec.get("continue_cost") or {}
     keep = ["**Waiting costs**" if rec.get("kind") in ("hang", "dead_rank") else "**Keeping it costs**",
@@ -134,7 +134,7 @@ def facts(rec: Mapping[str, Any]) -> list[str]:
 
     cost = rec.get("cost") or {}
     head = "**If rolled back**" if action == "wait" else "**Rolling back costs**"
-    rollback = [head, f"{fmt_int(rec.get('recompute_steps', 0))} steps recomputed", _cost_line(cost)]
+    rollback = [head, f"{plural(rec.get('recompute_steps', 0), 'step')} recomputed", _cost_line(cost)]
     if cost.get("wall_hours") is not None:
         rollback.append(f"{fmt_duration(cost['wall_hours'] * 3600.0)} of the run's time")  # as in the headline
 
