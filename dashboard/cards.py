@@ -1,8 +1,8 @@
 """The rollback recommendation card: what the advisor proposes, what it costs, and its lifecycle buttons.
 
-Shown at the top of the Overview (:func:`recommendation_cards`, a live fragment of its own) and
-under the KPIs of the Goodput page (:func:`render`, inside that page's live fragment) for every
-recommendation still waiting for a decision (``proposed`` or ``acknowledged``), newest first.
+Shown inside its incident's card at the head of every page (:mod:`trainhealth.dashboard.incidents`) while it waits
+for a decision (``proposed`` or ``acknowledged``); one that no incident names (stored by a service older than
+incidents) as a card of its own there (:func:`render`), newest first.
 The buttons move it through its lifecycle with :func:`trainhealth.recommendations.set_status`
 (``by=`` the logged-in user, else the OS user running the dashboard plus ``(no login)``:
 :func:`trainhealth.dashboard.common.actor`); the fragment the card is in then re-runs and re-reads
@@ -25,8 +25,7 @@ import streamlit as st
 
 from trainhealth import recommendations as recommendation_store
 from trainhealth.dashboard import data
-from trainhealth.dashboard.common import actor, client, read_only, show_problems, to_datetime, viewer_tz
-from trainhealth.defaults import DASHBOARD_REFRESH_S
+from trainhealth.dashboard.common import actor, client, read_only, to_datetime, viewer_tz
 from trainhealth.exceptions import ConfigError
 from trainhealth.recommendations import Recommendation
 from trainhealth.text import fmt_cost, fmt_duration, fmt_gpu_hours, fmt_int, fmt_usd, plural
@@ -265,16 +264,3 @@ def render(recs: list[dict[str, Any]], run: str, where: str) -> None:
     tz, now = viewer_tz(), time.time()
     for rec in data.open_recommendations(recs):
         card(rec, run, where, tz, now)
-
-
-@st.fragment(run_every=DASHBOARD_REFRESH_S)
-def recommendation_cards(run: str, where: str) -> None:
-    """The open recommendations of ``run`` as cards, live (a fragment of their own); nothing when there
-    are none. ``where`` names the page (widget keys must differ between pages showing the same card)."""
-    problems: list[str] = []
-    try:
-        recs = data.recommendations(client(), run, problems)
-    except redis.RedisError:
-        return  # the page's own live reads say that Redis is unreachable
-    show_problems(problems)
-    render(recs, run, where)

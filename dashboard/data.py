@@ -648,6 +648,67 @@ def anomalies(client: redis.Redis, run: str, problems: list[str] | None = None) 
     return frame.drop(columns=["_inactive", "_sev"]).reset_index(drop=True)
 
 
+# --- incidents -------------------------------------------------------------------------
+
+#: Incident fields that are lists, and of what.
+_INC_LISTS = {"ranks": int, "hosts": str, "anomalies": str}
+
+
+def _incident(field: str, d: Mapping[str, Any], bad: list[str]) -> dict[str, Any]:
+    """One :func:`incidents` dict; a field of the wrong type is blank and noted in ``bad``."""
+    out: dict[str, Any] = {"id": field}
+    for name in ("kind", "title", "severity", "status", "recommendation"):
+        out[name] = _get_str(d, name, bad)
+    for name in ("onset_step", "end_step", "gen"):
+        x = _get_num(d, name, bad, bound=MAX_INT, integral=True)
+        out[name] = int(x) if math.isfinite(x) else None
+    for name in ("onset_t", "first_seen", "last_seen"):
+        out[name] = _opt_num(_get_num(d, name, bad, finite=True, bound=MAX_TIME))
+    for name in ("badput_s", "badput_s_per_hour"):
+        x = _get_num(d, name, bad, finite=True)
+        out[name] = x if math.isfinite(x) and x >= 0 else None
+    for name, typ in _INC_LISTS.items():
+        v = d.get(name) or []
+        if not (isinstance(v, list) and all(isinstance(x, typ) and not isinstance(x, bool) for x in v)):
+            bad.append(f"{name} {show_value(v)} is not a list of {'rank numbers' if typ is int else 'strings'}")
+            v = []
+        out[name] = list(v)
+    out["gen"] = out["gen"] or 0
+    return out
+
+
+def incidents(client: redis.Redis, run: str, problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every incident of the run (``th:{run}:incidents``, one ``HGETALL``): active first, then by severity
+    (critical, warning, info), then the newest onset first.
+
+    The dicts as the service stores them (:meth:`trainhealth.detectors.incidents.Incident.to_dict` plus
+    ``first_seen``/``last_seen``, unix s): ``onset_step``/``end_step`` int or None, ``gen`` int, ``ranks``
+    list[int], ``hosts`` and ``anomalies`` list[str], ``badput_s`` (seconds of the job's time so far) and
+    ``badput_s_per_hour`` (seconds of it per hour while it lasts) float or None. A value that is not a JSON object
+    is skipped; a field of the wrong type is blank; with ``problems`` both are reported there. An incident
+    without ``status`` or ``severity`` is kept, last.
+    """
+    key = run_keys(run).incidents
+    objects, skipped = _hash_objects(client, key)
+    out, partly = [], []
+    for field, d in objects:
+        bad: list[str] = []
+        out.append(_incident(field, d, bad))
+        if bad:
+            partly.append(f"field {field!r}: {'; '.join(bad)}")
+    if skipped:
+        _report(problems, unreadable(key, "incident", "incidents", skipped))
+    if partly:
+        _report(problems, unreadable(key, "incident", "incidents", partly, partly=True))
+
+    def order(i: dict[str, Any]) -> tuple:
+        t = i["onset_t"] if i["onset_t"] is not None else (i["first_seen"] or 0.0)
+        return (i["status"] != "active", _SEVERITY_ORDER.get(i["severity"] or "", 3), -t,
+                -(i["onset_step"] or 0), i["id"])
+
+    return sorted(out, key=order)
+
+
 # --- goodput ledger ----------------------------------------------------------------------
 
 #: Snapshot keys that are numbers (None = not known), and those of them that are whole numbers.
@@ -1521,8 +1582,8 @@ def registry(client: redis.Redis, limit: int = RUNS_LIMIT,
 
 
 #: Columns of :func:`run_board`.
-BOARD_COLUMNS = ["run", "status", "step", "throughput_tok_s", "goodput_pct", "active_anomalies", "worst_severity",
-                 "heartbeat_t", "started_at", "world_size", "name"]
+BOARD_COLUMNS = ["run", "status", "step", "throughput_tok_s", "goodput_pct", "active_incidents", "active_anomalies",
+                 "worst_severity", "heartbeat_t", "started_at", "world_size", "name"]
 #: Job states (``th:{run}:state``) shown over the meta's ``status``, which says ``running`` through them.
 JUDGED_STATES = ("hung", "crashed", "restarted")
 #: The newest ``t`` of a run's heartbeats (``hb`` hash, KEYS[2]) as a decimal string, nil when none has one. It
@@ -1603,24 +1664,44 @@ def _board_anomalies(values: Any, key: str, bad: list[str]) -> tuple[int, str | 
     return active, worst
 
 
+def _board_incidents(values: Any, key: str, bad: list[str]) -> int:
+    """Active incidents among an ``incidents`` hash's values (one that is not a JSON object is noted in ``bad``)."""
+    active = skipped = 0
+    for raw in values or []:
+        try:
+            d = _json(raw)
+        except (TypeError, ValueError):
+            d = None
+        if not isinstance(d, dict):
+            skipped += 1
+        elif d.get("status") == "active":
+            active += 1
+    if skipped:
+        bad.append(f"{key}: {skipped} {'incident is' if skipped == 1 else 'incidents are'} not a JSON object")
+    return active
+
+
 def run_board(client: redis.Redis, limit: int = RUNS_LIMIT, problems: list[str] | None = None) -> pd.DataFrame:
     """One row per run of the registry (newest first, at most ``limit``): what the Runs page shows.
 
     Columns :data:`BOARD_COLUMNS`: ``run``; ``status`` (the detector service's ``hung``/``crashed``/``restarted``
     from ``th:{run}:state``, else the meta's ``status``, else None); ``step`` (the ledger's ``last_step``, nullable
     int); ``throughput_tok_s`` (whole run, tokens/s; NaN without token counts) and ``goodput_pct`` (% of wall
-    time), from ``ledger:latest``; ``active_anomalies`` (int) and ``worst_severity`` (of the active ones, None
-    when none); ``heartbeat_t`` (unix s of the newest rank heartbeat, NaN when none or the run ended:
-    :data:`NEWEST_BEAT_SCRIPT`); ``started_at`` (registry score, unix s); ``world_size`` (nullable int); ``name``.
+    time), from ``ledger:latest``; ``active_incidents`` (int: root causes, :mod:`trainhealth.detectors.incidents`),
+    ``active_anomalies`` (int) and ``worst_severity`` (of the active anomalies, None when none); ``heartbeat_t``
+    (unix s of the newest rank heartbeat, NaN when none or the run ended: :data:`NEWEST_BEAT_SCRIPT`);
+    ``started_at`` (registry score, unix s); ``world_size`` (nullable int); ``name``.
 
     Two round trips whatever the number of runs: the ``ZREVRANGE`` (:func:`registry`) and one pipeline of, per
-    run, ``HGETALL meta``, ``GET ledger:latest``, ``GET state``, ``HVALS anomalies`` and the heartbeat script.
+    run, ``HGETALL meta``, ``GET ledger:latest``, ``GET state``, ``HVALS anomalies``, ``HVALS incidents`` and the
+    heartbeat script.
     What cannot be read is blank and, with ``problems``, reported (one sentence for all runs).
     """
     runs = registry(client, limit, problems)
     if not runs:
         frame = pd.DataFrame({c: pd.Series(dtype=object) for c in BOARD_COLUMNS})
         return frame.astype({"step": "Int64", "world_size": "Int64", "active_anomalies": "int64",
+                             "active_incidents": "int64",
                              "throughput_tok_s": "float64", "goodput_pct": "float64", "heartbeat_t": "float64",
                              "started_at": "float64"})
     pipe = client.pipeline(transaction=False)
@@ -1630,15 +1711,15 @@ def run_board(client: redis.Redis, limit: int = RUNS_LIMIT, problems: list[str] 
         pipe.get(k.ledger_latest)
         pipe.get(k.state)
         pipe.hvals(k.anomalies)
+        pipe.hvals(k.incidents)
         pipe.eval(NEWEST_BEAT_SCRIPT, 2, k.meta, k.heartbeats)
     replies = pipe.execute(raise_on_error=False)
     rows, bad = [], []
     for i, (run, started) in enumerate(runs):
         k = run_keys(run)
-        raw_meta, raw_snap, raw_state, raw_anomalies, raw_beat = (
-            _reply(v, key, bad) for v, key in zip(replies[5 * i: 5 * i + 5],
-                                                  (k.meta, k.ledger_latest, k.state, k.anomalies, k.heartbeats),
-                                                  strict=True))
+        keys = (k.meta, k.ledger_latest, k.state, k.anomalies, k.incidents, k.heartbeats)
+        raw_meta, raw_snap, raw_state, raw_anomalies, raw_incidents, raw_beat = (
+            _reply(v, key, bad) for v, key in zip(replies[6 * i: 6 * i + 6], keys, strict=True))
         meta = _typed_meta(_decode_map(raw_meta or {}))
         snap = _board_snapshot(raw_snap, k.ledger_latest, bad)
         state = _board_state(raw_state, k.state, bad)
@@ -1648,7 +1729,9 @@ def run_board(client: redis.Redis, limit: int = RUNS_LIMIT, problems: list[str] 
             "run": run, "status": state if state in JUDGED_STATES else (status if isinstance(status, str) else None),
             "step": snap.get("last_step"),
             "throughput_tok_s": snap.get("throughput_tok_s") if has_token_counts(snap) else None,
-            "goodput_pct": snap.get("goodput_pct"), "active_anomalies": active, "worst_severity": worst,
+            "goodput_pct": snap.get("goodput_pct"),
+            "active_incidents": _board_incidents(raw_incidents, k.incidents, bad),
+            "active_anomalies": active, "worst_severity": worst,
             "heartbeat_t": _num(raw_beat), "started_at": started, "world_size": meta.get("world_size"),
             "name": meta.get("name") if isinstance(meta.get("name"), str) else None,
         })

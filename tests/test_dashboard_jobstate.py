@@ -267,9 +267,11 @@ def test_malformed_state_is_reported_and_the_page_renders(seeded: redis.Redis) -
 def test_ranks_page_marks_the_culprit(seeded: redis.Redis) -> None:
     write_state(seeded, HUNG, HOURS_3)
     at = app("pages/ranks.py")
+    # The header's banner, as on every page (the Overview's own test checks its text), names the culprit once.
     assert [e.value for e in at.error] == [
-        "**Job hung**: rank 2 (host node-b, pid 4242) stopped first — its heartbeat stopped while the others' "
-        "continued"]
+        "Hung for 3.0 h at step 12 — no step completed for 3.0 h (timeout 10 min). Culprit: rank 2 (host node-b, "
+        "pid 4242) stopped first: its heartbeat stopped while the others' continued. See where it is stuck: "
+        "`py-spy dump --pid 4242` on host node-b."]
     table = at.dataframe[1].value  # after the nodes table
     assert list(table["rank"]) == [3, 2, 1, 0]
     assert list(table["culprit"]) == [False, True, False, False]

@@ -45,6 +45,10 @@ def busy_of(step: int) -> list[float]:
 
 
 #: The anomalies of ``deep``, in the order the page must list them: active first, then by severity, newest first.
+#: The state line heading every page of the deep run: it has anomalies but no incidents (seeded as a service older
+#: than them wrote), so its active anomalies give the state.
+STATE_LINE = (":red-badge[:material/error: critical] · running · 3 active anomalies (1 critical): loss is NaN at step "
+              "50; steps are 40 % slower since step 38 and 1 more · 3 resolved")
 DEEP_ANOMALIES = [
     {"id": "nan_inf:*:50:0", "kind": "nan_inf", "severity": "critical", "status": "active", "step": 50,
      "end_step": None, "ranks": [], "hosts": [], "evidence": {"loss": "nan"}, "message": "loss is NaN at step 50",
@@ -94,6 +98,10 @@ def seeded(r: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> r
     r.hset(run_keys(RUN).heartbeats, "1", json.dumps({"t": T0 + 104.5, "step": 12, "step_t": T0 + 98,
                                                       "phase": "train", "host": "node-a", "pid": 201}))
     r.hset(run_keys("old-run").heartbeats, "0", json.dumps({"t": T0 - 80000, "step": 5, "host": "x"}))
+    # Its two active anomalies are one incident (as the service groups them); an older one is over.
+    r.hset(run_keys(RUN).incidents, mapping={
+        "inc:hang:*:12:0": json.dumps({"id": "inc:hang:*:12:0", "status": "active", "severity": "critical"}),
+        "inc:slow_step:*:3:0": json.dumps({"id": "inc:slow_step:*:3:0", "status": "resolved", "severity": "info"})})
     service_beat(r)
     monkeypatch.setenv("TRAINHEALTH_REDIS_URL", redis_url)
     return r
@@ -152,19 +160,21 @@ def test_run_board_reads_every_run_in_one_pipeline(seeded: redis.Redis, redis_ur
 
     client.execute_command, client.pipeline = command, counted_pipeline
     board = data.run_board(client)
-    # Two round trips for three runs: the registry, then 5 reads per run in one pipeline.
-    assert calls == ["ZREVRANGE", "pipeline of 15"]
+    # Two round trips for three runs: the registry, then 6 reads per run in one pipeline.
+    assert calls == ["ZREVRANGE", "pipeline of 18"]
     assert board.astype(object).where(board.notna(), None).to_dict("records") == [
         {"run": RUN, "status": "running", "step": 12, "throughput_tok_s": pytest.approx(14 * 4096 / 84.5),
-         "goodput_pct": 71.5, "active_anomalies": 2, "worst_severity": "critical",
+         "goodput_pct": 71.5, "active_incidents": 1, "active_anomalies": 2, "worst_severity": "critical",
          "heartbeat_t": T0 + 104.5,  # the newest of the two ranks' heartbeats
          "started_at": T0, "world_size": 4, "name": RUN},
         {"run": "empty-run", "status": "running", "step": None, "throughput_tok_s": None, "goodput_pct": None,
-         "active_anomalies": 0, "worst_severity": None, "heartbeat_t": None, "started_at": T0 - 3600,
+         "active_incidents": 0, "active_anomalies": 0, "worst_severity": None, "heartbeat_t": None,
+         "started_at": T0 - 3600,
          "world_size": 8, "name": "empty-run"},
         # Ended: its stale heartbeat is not looked at (the script returns at once for an ended run).
         {"run": "old-run", "status": "finished", "step": None, "throughput_tok_s": None, "goodput_pct": None,
-         "active_anomalies": 0, "worst_severity": None, "heartbeat_t": None, "started_at": T0 - 86400,
+         "active_incidents": 0, "active_anomalies": 0, "worst_severity": None, "heartbeat_t": None,
+         "started_at": T0 - 86400,
          "world_size": 2, "name": "old-run"},
     ]
     client.close()
@@ -185,13 +195,14 @@ def test_runs_page_is_the_landing_page_with_several_runs(seeded: redis.Redis) ->
     at = app()
     assert [h.value for h in at.subheader] == ["Runs"]
     table = at.dataframe[0].value
-    assert list(table.columns) == ["run", "status", "step", "throughput_tok_s", "goodput_pct", "active_anomalies",
-                                   "worst_severity", "heartbeat", "world_size", "started"]
+    assert list(table.columns) == ["run", "status", "step", "throughput_tok_s", "goodput_pct", "active_incidents",
+                                   "active_anomalies", "worst_severity", "heartbeat", "world_size", "started"]
     assert list(table["run"]) == [RUN, "empty-run", "old-run"]
     assert list(table["status"]) == ["running", "running", "finished"]
     assert table.loc[0, "step"] == 12 and table["step"].iloc[1:].isna().all()
     assert table.loc[0, "throughput_tok_s"] == 679.0  # 14 × 4,096 tokens / 84.5 s, as the Overview's card
     assert table.loc[0, "goodput_pct"] == 71.5
+    assert list(table["active_incidents"]) == [1, 0, 0]
     assert list(table["active_anomalies"]) == [2, 0, 0]
     assert list(table["worst_severity"].fillna("")) == ["critical", "", ""]
     assert table.loc[0, "heartbeat"] == pd.Timestamp(T0 + 104.5, unit="s", tz="UTC")
@@ -288,8 +299,9 @@ def test_link_selects_rank_3_on_ranks_and_the_step_40_anomaly_on_anomalies(deep:
                                    "Slow step"]
     assert selected_rows(at, 0) == [4]  # rank_outlier:3:40:0 — step 40 and rank 3 (the loss spike is rank-less)
     assert json.loads(at.json[0].value) == {"score": 0.71}
-    assert [m.value for m in at.main.markdown][:3] == ["#### Rank outlier", ":orange[**warning**] · resolved · "
-                                                       "steps 40–45", "rank 3 was an outlier from step 40 to 45"]
+    assert [m.value for m in at.main.markdown][:4] == [
+        STATE_LINE, "#### Rank outlier", ":orange[**warning**] · resolved · steps 40–45",
+        "rank 3 was an outlier from step 40 to 45"]
     assert at.query_params["step"] == "40" and at.query_params["rank"] == "3"
     assert at.sidebar.caption[1].value == "Link: step 40 · rank 3"
 

@@ -22,7 +22,7 @@ import streamlit as st
 
 from trainhealth import alert_store as store
 from trainhealth.anomaly import KINDS, SEVERITIES
-from trainhealth.dashboard import data
+from trainhealth.dashboard import data, incidents
 from trainhealth.dashboard.common import actor, client, logged_in, read_only, redis_trouble, to_datetime, viewer_tz
 from trainhealth.dashboard.frame import page_run
 from trainhealth.matchers import INTERNAL_KINDS, MatcherError
@@ -260,6 +260,8 @@ def dead_actions() -> None:
 
 run = page_run()
 st.subheader("Alerts" + (f" · {run}" if run else ""))
+if run:
+    incidents.header(run, "alerts")
 st.toggle("Only notifications of the selected run", value=True, key="alerts_only_run", disabled=not run)
 live(run)
 dead_actions()

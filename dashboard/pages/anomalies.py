@@ -16,7 +16,7 @@ import pandas as pd
 import redis
 import streamlit as st
 
-from trainhealth.dashboard import data
+from trainhealth.dashboard import data, incidents
 from trainhealth.dashboard.charts import SEVERITY_COLORS
 from trainhealth.dashboard.common import (
     KIND_WORDS,
@@ -200,4 +200,5 @@ def live(run: str) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · anomalies")
+    incidents.header(run, "anomalies")
     live(run)

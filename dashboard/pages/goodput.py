@@ -17,7 +17,7 @@ import redis
 import streamlit as st
 
 from trainhealth.coverage import data_lost_text
-from trainhealth.dashboard import cards, charts, data
+from trainhealth.dashboard import charts, data, incidents
 from trainhealth.dashboard.common import (
     GOODPUT_TIME,
     GOODPUT_TIME_HELP,
@@ -202,7 +202,7 @@ def live(run: str) -> None:
         snap = data.ledger_latest(cl, run, latest_problems)
         hist, history_problems = history(url, run, window)
         hist = data.with_latest(hist, snap)
-        recs = data.recommendations(cl, run, problems)
+        recs = data.recommendations(cl, run)  # unreadable ones: the page's header says so
     except redis.RedisError as exc:
         redis_trouble(exc)
         return
@@ -211,7 +211,6 @@ def live(run: str) -> None:
         if not latest_problems:  # an unreadable snapshot is not "none yet": its warning says so
             st.info("No goodput ledger snapshot yet for this run. The detector service (`trainhealth serve`) "
                     "writes one every 2 s once steps arrive.", icon=":material/hourglass_empty:")
-        cards.render(recs, run, "goodput")
         return
     tz = viewer_tz()
     st.caption(summary_line(snap, meta, time.time()))
@@ -226,8 +225,6 @@ def live(run: str) -> None:
             **{c: st.column_config.TextColumn(c, alignment="right", width=96,
                                               help=RATE_YOUNGER_HELP if c.endswith(RATE_YOUNGER) else None)
                for c in rates.columns}})
-    # The advisor's open recommendations: what a rollback would cost against these numbers.
-    cards.render(recs, run, "goodput")
     head, pick = st.columns([3, 1.4], vertical_alignment="bottom")
     span = (f"the whole run (up to {MAX_POINTS} ledger snapshots, evenly spaced in time)" if window == WHOLE_RUN
             else f"the last {window} of ledger snapshots")
@@ -248,4 +245,5 @@ def live(run: str) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · goodput")
+    incidents.header(run, "goodput")
     live(run)

@@ -1,5 +1,5 @@
-"""Overview page: open rollback recommendations, a banner while the job is hung, crashed or just restarted, KPIs,
-loss/grad-norm curves with anomaly markers, goodput over time, badput."""
+"""Overview page: the run's state and incident cards (:mod:`trainhealth.dashboard.incidents`), KPIs, loss/grad-norm
+curves over the whole run with anomaly markers, goodput over time, badput."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pandas as pd
 import redis
 import streamlit as st
 
-from trainhealth.dashboard import cards, charts, data
+from trainhealth.dashboard import charts, data, incidents
 from trainhealth.dashboard.common import (
     GOODPUT_TIME,
     GOODPUT_TIME_HELP,
@@ -30,6 +30,7 @@ from trainhealth.dashboard.common import (
     zoom_to_focus,
 )
 from trainhealth.dashboard.frame import page_run
+from trainhealth.dashboard.incidents import shown_status
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.job import JobState
 from trainhealth.text import fmt_duration, fmt_int, fmt_pct, fmt_rate, fmt_usd, plural
@@ -72,60 +73,6 @@ def _run_ids(url: str) -> list[str]:
 def _ledger_history(url: str, run: str) -> tuple[pd.DataFrame, list[str]]:
     problems: list[str] = []  # cached with the frame: the warnings must outlive the read
     return data.ledger_history_whole(get_client(url), run, LEDGER_POINTS, problems=problems), problems
-
-
-def _at_step(step: int | None) -> str:
-    return f"at step {fmt_int(step)}" if step is not None else "before the first step"
-
-
-def _dash(message: str) -> str:
-    """`` — message`` (its trailing full stop dropped: a sentence follows), or nothing."""
-    message = message.strip().rstrip(".")
-    return f" — {message}" if message else ""
-
-
-def _lead(head: str, state: JobState) -> str:
-    """``head — message``; a message that starts with the state's own word (the service's ``crashed at step 190,
-    rank 1 first (host n1, pid 7): …``) already says what the head would, so it leads alone, capitalised."""
-    message = state.message.strip().rstrip(".")
-    if message.lower().startswith(state.state + " "):
-        return message[0].upper() + message[1:]
-    return head + _dash(message)
-
-
-def job_banner_text(state: JobState | None, now: float) -> str | None:
-    """The banner for a hung, crashed or restarted job (:func:`trainhealth.dashboard.data.job_state`), else None."""
-    if state is None or state.state not in ("hung", "crashed", "restarted"):
-        return None
-    c = state.culprit
-    age = fmt_duration(now - state.since)
-    if state.state == "hung":
-        # Always our own head: the hang detector's message ("rank 2 has not completed a step for 300 s") has no age.
-        text = f"Hung for {age} {_at_step(state.step)}{_dash(state.message)}."
-        if c is not None:
-            why = c.why.strip().rstrip(".")
-            text += f" Culprit: {c.name()} stopped first" + (f": {why}." if why else ".")
-            if c.pid is not None:
-                where = f"host {c.host}" if c.host else "its host"
-                text += f" See where it is stuck: `py-spy dump --pid {c.pid}` on {where}."
-        return text
-    if state.state == "crashed":
-        first = (f", rank {c.rank} first" + (f" (host {c.host})" if c.host else "")) if c is not None else ""
-        return _lead(f"Crashed {_at_step(state.step)}{first}", state) + f". Last heard from {age} ago."
-    gen = f" (restart generation {state.gen})" if state.gen else ""
-    head = f"Restarted at step {fmt_int(state.step)}" if state.step is not None else "Restarted"
-    return _lead(head, state) + f". It came back {age} ago{gen}."
-
-
-def job_banner(state: JobState | None) -> None:
-    """A red banner while the job is hung or crashed, a yellow one for a while after it restarted."""
-    text = job_banner_text(state, time.time())
-    if text is None:
-        return
-    if state is not None and state.state == "restarted":
-        st.warning(text, icon=":material/restart_alt:")
-    else:
-        st.error(text, icon=":material/error:")
 
 
 def stalled_throughput(snap: dict, state: JobState | None) -> tuple[float | None, str, str] | None:
@@ -192,18 +139,6 @@ def kpis(snap: dict | None, anomalies: pd.DataFrame, meta: dict, state: JobState
         badput_s = (snap.get("wall_s") or math.nan) - ((snap.get("seconds") or {}).get("productive") or 0.0)
         cols[4].metric("Badput time", fmt_duration(badput_s, minute_digits=0), delta="no price set", **unit,
                        help="Wall time not spent productively. Set `gpu_hour_usd` on the Monitor for USD cost.")
-
-
-def shown_status(meta: dict, state: JobState | None) -> str:
-    """The run's status: the detector service's judgement (hung, crashed, restarted, finished) over the meta's.
-
-    The meta's ``status`` is what the ranks said (``running`` from their start until ``Monitor.close()``), so a
-    hung or crashed job still says ``running`` there. A job state of ``running`` does not override the meta: a
-    ``close(status=...)`` the service has not judged yet is newer.
-    """
-    if state is not None and state.state != "running":
-        return state.state
-    return meta.get("status") or "unknown"
 
 
 def status_line(tail: dict[str, Any] | None, meta: dict, state: JobState | None = None) -> None:
@@ -402,17 +337,6 @@ def ledger_caption(snap: dict) -> str | None:
 
 
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
-def banner(run: str) -> None:
-    """The job-state banner, first on the page (above the recommendation cards): a hung or crashed job is the news."""
-    problems: list[str] = []
-    try:
-        state = data.job_state(client(), run, problems)
-    except redis.RedisError:
-        return  # the live part below says Redis is away
-    job_banner(state)
-
-
-@st.fragment(run_every=DASHBOARD_REFRESH_S)
 def live(run: str) -> None:
     """Everything that updates: re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
     url = st.session_state.get(URL_KEY, "")
@@ -423,7 +347,7 @@ def live(run: str) -> None:
         meta = data.run_meta(cl, run, problems)
         series = step_series(cl, run, lo, hi, problems)
         snap = data.ledger_latest(cl, run, problems)
-        state = data.job_state(cl, run, problems)
+        state = data.job_state(cl, run)  # unreadable: the page's header says so
         anomalies = data.anomalies(cl, run, problems)
         checkpoints = _checkpoints(url, run)
         history, history_problems = _ledger_history(url, run)
@@ -489,7 +413,6 @@ def live(run: str) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · overview")
-    banner(run)
-    cards.recommendation_cards(run, "overview")
+    incidents.header(run, "overview")
     init_range(run)
     live(run)

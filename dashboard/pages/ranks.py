@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 import redis
 import streamlit as st
 
-from trainhealth.dashboard import charts, data
+from trainhealth.dashboard import charts, data, incidents
 from trainhealth.dashboard.common import (
     URL_KEY,
     Focus,
@@ -207,7 +207,7 @@ def live(run: str, window: int, relative: bool) -> None:
         cl = client()
         matrix = data.rank_matrix(cl, run, window, problems)
         anomalies = data.anomalies(cl, run, problems)
-        state = data.job_state(cl, run, problems)
+        state = data.job_state(cl, run)  # unreadable: the page's header says so
         hosts = _hosts(st.session_state.get(URL_KEY, ""), run)
     except redis.RedisError as exc:
         redis_trouble(exc)
@@ -219,13 +219,9 @@ def live(run: str, window: int, relative: bool) -> None:
     warnings(active)
     verdicts = data.rank_verdicts(anomalies)
     flagged = [int(r) for r in verdicts["rank"]]
-    # The rank that stopped first while the job is hung or crashed (the Overview's banner says the rest).
-    culprit = None
-    if state is not None and state.state in ("hung", "crashed") and state.culprit is not None:
-        culprit = state.culprit
-        why = culprit.why.strip().rstrip(".")
-        st.error(f"**Job {state.state}**: {culprit.name()} stopped first" + (f" — {why}" if why else ""),
-                 icon=":material/error:")
+    # The rank that stopped first while the job is hung or crashed, marked in the table (the banner of the page's
+    # header names it: dashboard/incidents.py).
+    culprit = state.culprit if state is not None and state.state in ("hung", "crashed") else None
 
     if matrix.shape[1] == 0:
         st.info("No aggregated steps yet for this run.", icon=":material/hourglass_empty:")
@@ -264,6 +260,7 @@ def live(run: str, window: int, relative: bool) -> None:
 run = page_run()
 if run:
     st.subheader(f"{run} · ranks")
+    incidents.header(run, "ranks")
     c1, c2 = st.columns(2)
     window = c1.segmented_control("Steps shown", WINDOWS, default=500, format_func=lambda n: f"last {n:,}",
                                   key="ranks_window") or 500

@@ -1,8 +1,9 @@
 """Runs page: every run at a glance, and a click opens one.
 
 One row per run of the registry (newest first; a click on a header sorts): its status (the detector service's
-hung / crashed / restarted over the meta's), newest step, tokens/s and goodput, active anomalies and the worst of
-them, and how long ago a rank last sent a heartbeat. Filters (status, text in the run id) are kept in the URL.
+hung / crashed / restarted over the meta's), newest step, tokens/s and goodput, active incidents and anomalies and
+the worst of them, and how long ago a rank last sent a heartbeat. Filters (status, text in the run id) are kept in
+the URL.
 Selecting a row makes it the selected run and opens its Overview. The landing page when several runs exist
 (:func:`trainhealth.dashboard.frame.landing`).
 """
@@ -33,8 +34,8 @@ from trainhealth.text import plural
 REFRESH_S = 5.0
 #: Statuses the filter offers: the meta's (docs/architecture.md) and the detector service's judgements.
 STATUSES = ("running", "hung", "crashed", "restarted", "finished", "failed", "stopped", "interrupted")
-SHOWN = ["run", "status", "step", "throughput_tok_s", "goodput_pct", "active_anomalies", "worst_severity",
-         "heartbeat", "world_size", "started"]
+SHOWN = ["run", "status", "step", "throughput_tok_s", "goodput_pct", "active_incidents", "active_anomalies",
+         "worst_severity", "heartbeat", "world_size", "started"]
 TABLE_KEY = "runs_table"
 COLUMNS = {
     "run": st.column_config.TextColumn("run", help="Select a row to open the run."),
@@ -45,6 +46,8 @@ COLUMNS = {
                                                       help="Throughput over the whole run (as on the Overview)."),
     "goodput_pct": st.column_config.NumberColumn("goodput", format="%.1f%%",
                                                  help="Goodput (time): productive share of wall time."),
+    "active_incidents": st.column_config.NumberColumn("active incidents", format="%d",
+                                                      help="Root causes now active: the cards on the run's pages."),
     "active_anomalies": st.column_config.NumberColumn("active anomalies", format="%d"),
     "worst_severity": st.column_config.TextColumn("worst", help="Most severe of the active anomalies."),
     "heartbeat": st.column_config.DatetimeColumn("last heartbeat", format="distance",
