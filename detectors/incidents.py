@@ -61,6 +61,8 @@ EFFECT_KINDS = frozenset({"throughput_drop", "slow_step"})
 #: How far along a loss incident a kind is: its latest stage gives the incident's recommendation and title.
 STAGES = {"grad_norm_spike": 0, "skipped_steps": 1, "loss_spike": 2, "grad_norm_explosion": 3, "divergence": 4,
           "loss_collapse": 4, "nan_inf": 5}
+#: Kinds whose cost grows with every step while open (:meth:`IncidentGrouper.advance`).
+_GROWING = frozenset({"throughput_drop", "straggler", "slow_node"})
 #: Seconds per hour: the badput rate of a stopped job.
 HOUR_S = 3600.0
 #: Recent causes and lone effects kept to match (rule 3): an overlap is between anomalies of the same few hours.
@@ -197,6 +199,7 @@ rec:divergence:*:400:0
         self._first_t: dict[str, float | None] = {}  # incident id -> data time it was first seen
         self._causes: list[str] = []  # recent cause anomalies (rule 3)
         self._lone: list[str] = []  # recent effects in their own incident (rule 3)
+        self._step: int | None = None  # the run's newest step (advance): the "so far" of open members' badput
         #: Current state of every incident, by id.
         self.incidents: dict[str, Incident] = {}
 
@@ -230,6 +233,20 @@ rec:divergence:*:400:0
                     del self.incidents[iid]
                 else:
                     self.incidents[iid] = new
+        return changed
+
+    def advance(self, step: int) -> dict[str, Incident]:
+        """The run reached ``step``: the active incidents whose cost grows with the steps (an open throughput drop,
+        straggler or slow node) are rebuilt with their badput so far; returns those that changed, by id."""
+        self._step = step
+        changed: dict[str, Incident] = {}
+        for iid, inc in list(self.incidents.items()):
+            if not inc.active or not any(self._states[m].active and self._states[m].kind in _GROWING
+                                         for m in self._members[iid]):
+                continue
+            new = self._build(iid)
+            if new != inc:
+                self.incidents[iid] = changed[iid] = new
         return changed
 
     # -- membership ---------------------------------------------------------------------------------
@@ -288,7 +305,7 @@ rec:divergence:*:400:0
         with_rec = [(STAGES.get(m.kind, 0), n, m.id) for n, m in enumerate(members) if m.id in self._recs]
         rec = self._recs[max(with_rec)[2]] if with_rec else None
         latest = max(((STAGES.get(m.kind, 0), n, m) for n, m in enumerate(members)), key=lambda x: x[:2])[2]
-        seconds, per_hour = badput(members)
+        seconds, per_hour = badput(members, self._step)
         return Incident(
             id=iid, kind=root.kind, title=title(root, members, latest), severity=max(
                 (m.severity for m in members), key=lambda s: SEVERITIES.index(s) if s in SEVERITIES else -1),
@@ -316,24 +333,37 @@ def group(anomalies: Iterable[Anomaly], recommendations: Iterable[Recommendation
     return dict(grouper.incidents)
 
 
-def badput(members: Iterable[Anomaly]) -> tuple[float | None, float | None]:
+def badput(members: Iterable[Anomaly], step: int | None = None) -> tuple[float | None, float | None]:
     """Seconds of the job's time an incident's members cost so far, and per hour while they last (None where no
-    member's evidence says).
+    member's evidence says); ``step`` is the run's newest step, the "so far" of an open member.
 
     Per member: a ``hang`` its ``stalled_s``, a ``dead_rank`` the longer of ``silent_s`` and ``idle_s`` (the job
     is stopped: 3,600 s per hour), a ``restart`` its ``downtime_s``; a ``throughput_drop`` ``after_s - before_s``
-    per step over its steps (``span_steps`` while open, onset to end once over) at ``lost_fraction`` x 3,600 s
-    per hour; a ``slow_step`` or ``skipped_steps`` its ``lost_s``. The members of a stop of the job are one
-    stretch of time (the longest counts); the others add up. The rate is the highest member's.
+    per step over its steps (onset to ``step`` while open — ``span_steps``, the steps it was judged on, without
+    ``step`` — onset to end once over) at ``lost_fraction`` x 3,600 s per hour; a ``slow_step`` or
+    ``skipped_steps`` its ``lost_s``. A ``straggler`` or ``slow_node`` whose incident has no throughput drop to
+    say what it costs: what every other rank waits for it at the all-reduce, its median busy time above the
+    typical rank's (``rank_median_s`` or ``node_median_s`` minus ``typical_median_s``) per step over its steps, at
+    that share of its step per hour (NVIDIA Resiliency Extension's straggler score is that share). The members of
+    a stop of the job are one stretch of time (the longest counts); the others add up. The rate is the highest
+    member's.
 
     >>> badput([Anomaly("throughput_drop", "warning", 100, "", end_step=199,
     ...                 evidence={"before_s": 0.2, "after_s": 0.25, "lost_fraction": 0.2})])
     (5.0, 720.0)
+    >>> slow = Anomaly("straggler", "warning", 100, "", ranks=(5,),
+    ...                evidence={"rank_median_s": 0.3, "typical_median_s": 0.2})
+    >>> badput([slow], step=399)
+    (30.0, 1200.0)
     """
+    members = list(members)
+    priced = any(a.kind == "throughput_drop" for a in members)
     stop, other, rates = 0.0, 0.0, []
     known = False
     for a in members:
-        s, rate = _member_badput(a)
+        if a.kind in CAUSE_KINDS and priced:
+            continue  # its cost is the throughput drop's: counted once
+        s, rate = _member_badput(a, step)
         if s is not None:
             known = True
             if a.kind in JOB_KINDS:
@@ -345,7 +375,14 @@ def badput(members: Iterable[Anomaly]) -> tuple[float | None, float | None]:
     return (round(stop + other, 3) if known else None), (round(max(rates), 1) if rates else None)
 
 
-def _member_badput(a: Anomaly) -> tuple[float | None, float | None]:
+def _steps_of(a: Anomaly, step: int | None) -> float | None:
+    """Steps ``a`` spans so far: onset to end once over, onset to ``step`` while open (None when unknown)."""
+    if a.end_step is not None:
+        return float(a.end_step - a.step + 1)
+    return float(step - a.step + 1) if step is not None and step >= a.step else None
+
+
+def _member_badput(a: Anomaly, step: int | None = None) -> tuple[float | None, float | None]:
     ev = a.evidence
     if a.kind == "hang":
         return _num(ev.get("stalled_s")), HOUR_S
@@ -356,9 +393,17 @@ def _member_badput(a: Anomaly) -> tuple[float | None, float | None]:
         return _num(ev.get("downtime_s")), None
     if a.kind == "throughput_drop":
         before, after, frac = _num(ev.get("before_s")), _num(ev.get("after_s")), _num(ev.get("lost_fraction"))
-        steps = _num(ev.get("span_steps")) if a.end_step is None else a.end_step - a.step + 1
+        steps = _steps_of(a, step)
+        if steps is None:
+            steps = _num(ev.get("span_steps"))
         seconds = (after - before) * steps if None not in (before, after, steps) else None
         return seconds, (frac * HOUR_S if frac is not None else None)
+    if a.kind in ("straggler", "slow_node"):
+        slow = _num(ev.get("rank_median_s" if a.kind == "straggler" else "node_median_s"))
+        typical, steps = _num(ev.get("typical_median_s")), _steps_of(a, step)
+        if slow is None or typical is None or slow <= typical:
+            return None, None
+        return ((slow - typical) * steps if steps is not None else None), (slow - typical) / slow * HOUR_S
     if a.kind in ("slow_step", "skipped_steps"):
         return _num(ev.get("lost_s")), None
     return None, None

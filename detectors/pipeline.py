@@ -635,6 +635,8 @@ class RunPipeline:
                     out.recommendations[a.id] = rec
             if due:
                 self._last_advice = agg.step
+                # An open straggler or throughput drop costs more with every step: its incident says so.
+                out.incidents.update(self.incidents.advance(agg.step))
         return out
 
     def _advise(self, a: Anomaly) -> Recommendation | None:

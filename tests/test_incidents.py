@@ -115,8 +115,9 @@ def test_a_straggler_and_the_throughput_drop_it_causes_are_one_incident_naming_r
         "severity": "warning", "status": "active", "onset_step": 200, "onset_t": 1800000051.0599992, "end_step": None,
         "gen": 0, "ranks": [13], "hosts": ["node-b"], "anomalies": ["straggler:13:200:0", "throughput_drop:*:200:0"],
         "recommendation": "rec:straggler:13:200:0",
-        # (0.2652 - 0.204) s more per step over the drop's 50 steps so far; 23.08 % of every hour
-        "badput_s": 3.06, "badput_s_per_hour": 830.9,
+        # (0.2652 - 0.204) s more per step over the drop's 191 steps so far (200 to 390: an open incident's cost
+        # is brought up to date every 10 steps); 23.08 % of every hour
+        "badput_s": 11.689, "badput_s_per_hour": 830.9,
         "first_seen": T0 + 1000, "last_seen": T0 + 1000}}
     assert [(d["id"], d["action"], d["status"]) for d in recommendations.load(r, "slow")] == [
         ("rec:straggler:13:200:0", "replace_node", "proposed")]
@@ -158,7 +159,8 @@ def _late_drop_moves(r: redis.Redis, mons: list[Monitor], svc: DetectorService, 
     steps(0, 300)
     alone = incidents(r, "late")
     assert {k: (v["title"], v["anomalies"], v["badput_s"], v["badput_s_per_hour"]) for k, v in alone.items()} == {
-        "inc:throughput_drop:*:200:0": ("Throughput dropped 9.1% at step 200", ["throughput_drop:*:200:0"], 1.02,
+        # 0.0204 s more per step over steps 200-290 (its cost brought up to date every 10 steps)
+        "inc:throughput_drop:*:200:0": ("Throughput dropped 9.1% at step 200", ["throughput_drop:*:200:0"], 1.856,
                                         327.2)}
     clock.t += 10
     steps(300, 400)
