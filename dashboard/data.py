@@ -355,11 +355,23 @@ def recent_steps(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_
     with ``problems``, both are reported there.
     """
     key = run_keys(run).agg
-    entries = client.xrevrange(key, count=count)
-    rows = []
     skipped: list[str] = []
     partly: list[str] = []
-    for entry_id, fields in reversed(entries):
+    rows = [row for row, _ in _step_rows(reversed(client.xrevrange(key, count=count)), with_busy, skipped, partly)
+            if row is not None]
+    if skipped:
+        _report(problems, unreadable(key, "entry", "entries", skipped))
+    if partly:
+        _report(problems, unreadable(key, "entry", "entries", partly, partly=True))
+    return _steps_frame(rows)
+
+
+def _step_rows(entries: Iterable[tuple[Any, Any]], with_busy: bool, skipped: list[str],
+               partly: list[str]) -> list[tuple[dict[str, Any] | None, str]]:
+    """:func:`recent_steps`' rows of ``agg`` entries, each with its entry id (None for one skipped: no readable
+    step); what cannot be read is noted in ``skipped`` / ``partly``."""
+    out: list[tuple[dict[str, Any] | None, str]] = []
+    for entry_id, fields in entries:
         d = _decode_map(fields)
         bad: list[str] = []
         row: dict[str, Any] = {}
@@ -373,6 +385,7 @@ def recent_steps(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_
         if math.isnan(row["step"]):
             # Every chart and matrix is indexed by step: an entry without one cannot be placed.
             skipped.append(f"entry {_s(entry_id)}: " + (bad[0] if bad and bad[0].startswith("step ") else "no step"))
+            out.append((None, _s(entry_id)))
             continue
         row["busy"] = []
         if with_busy and "busy" in d:
@@ -382,11 +395,11 @@ def recent_steps(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_
                 bad.append(str(exc))
         if bad:
             partly.append(f"entry {_s(entry_id)}: {'; '.join(bad)}")
-        rows.append(row)
-    if skipped:
-        _report(problems, unreadable(key, "entry", "entries", skipped))
-    if partly:
-        _report(problems, unreadable(key, "entry", "entries", partly, partly=True))
+        out.append((row, _s(entry_id)))
+    return out
+
+
+def _steps_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     if not rows:
         return _empty_steps()
     frame = pd.DataFrame(rows, columns=[*STEP_COLUMNS, "busy"])
@@ -394,6 +407,88 @@ def recent_steps(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_
         # Float → nullable int: NaN (missing field) becomes <NA>, not a bogus number.
         frame[c] = frame[c].where(np.isfinite(frame[c])).round().astype("Int64")
     return frame
+
+
+class RankWindow:
+    """The newest ``count`` entries of a run's ``agg`` stream with their per-rank ``busy`` lists, kept between
+    refreshes (the Ranks page keeps one per session): a refresh reads only the entries added since the last.
+
+    At 1,024 ranks an entry's ``busy`` list is ~10 kB of JSON, so re-reading 500 steps every 2 s moved ~5 MB per
+    refresh; this reads them once, then the few new entries.
+
+    Attributes
+    ----------
+    frame : pandas.DataFrame
+        :func:`recent_steps`' frame of the entries held, oldest first.
+    last_id : str or None
+        The newest entry id read.
+    reads : list of (str, str, int)
+        ``(start, end, entries returned)`` of each read of the last :meth:`refresh` (none when nothing was new).
+    """
+
+    def __init__(self, run: str, count: int = defaults.DASHBOARD_STEPS) -> None:
+        self.run, self.count = run, count
+        self.key = run_keys(run).agg
+        self.reads: list[tuple[str, str, int]] = []
+        self._clear()
+
+    def _clear(self) -> None:
+        self._rows: list[tuple[dict[str, Any] | None, str]] = []  # (row or None if skipped, entry id), oldest first
+        self._bad: dict[str, tuple[str, bool]] = {}  # entry id -> (its problem, True if skipped)
+        self.frame = _empty_steps()
+        self.last_id: str | None = None
+
+    def refresh(self, client: redis.Redis, problems: list[str] | None = None) -> RankWindow:
+        """Bring the window up to date: ``XREVRANGE + - COUNT 1`` for the newest id, and when it is newer than
+        :attr:`last_id` ``XRANGE (last_id newest COUNT count`` (the first time, or when more than ``count`` entries
+        are new or the stream went back: ``XREVRANGE … COUNT count``, as :func:`recent_steps`). Unreadable entries of
+        the window are reported in ``problems`` on every call."""
+        self.reads = []
+        newest = client.xrevrange(self.key, count=1)
+        if not newest:
+            self._clear()
+            return self
+        tail = _s(newest[0][0])
+        if self.last_id is not None and _entry_id(tail) < _entry_id(self.last_id):
+            self._clear()  # the stream was deleted and written again
+        if self.last_id is None:
+            entries = list(reversed(client.xrevrange(self.key, count=self.count)))
+            self.reads.append(("+", "-", len(entries)))
+            self._rows, self._bad = [], {}
+        elif tail != self.last_id:
+            entries = client.xrange(self.key, "(" + self.last_id, tail, count=self.count)
+            self.reads.append(("(" + self.last_id, tail, len(entries)))
+            if len(entries) >= self.count:
+                entries = list(reversed(client.xrevrange(self.key, count=self.count)))
+                self.reads.append(("+", "-", len(entries)))
+                self._rows, self._bad = [], {}
+        else:
+            entries = []
+        if entries:
+            skipped: list[str] = []
+            partly: list[str] = []
+            new = _step_rows(entries, True, skipped, partly)
+            for text in skipped:
+                self._bad[text.split(":", 1)[0].removeprefix("entry ")] = (text, True)
+            for text in partly:
+                self._bad[text.split(":", 1)[0].removeprefix("entry ")] = (text, False)
+            self._rows = (self._rows + new)[-self.count:]
+            held = {eid for _, eid in self._rows}
+            self._bad = {k: v for k, v in self._bad.items() if k in held}
+            self.frame = _steps_frame([row for row, _ in self._rows if row is not None])
+            self.last_id = _s(entries[-1][0])
+        skipped_now = [t for t, skip in self._bad.values() if skip]
+        partly_now = [t for t, skip in self._bad.values() if not skip]
+        if skipped_now:
+            _report(problems, unreadable(self.key, "entry", "entries", skipped_now))
+        if partly_now:
+            _report(problems, unreadable(self.key, "entry", "entries", partly_now, partly=True))
+        return self
+
+    @property
+    def matrix(self) -> pd.DataFrame:
+        """:func:`busy_matrix` of the window."""
+        return busy_matrix(self.frame)
 
 
 def busy_matrix(steps: pd.DataFrame) -> pd.DataFrame:

@@ -437,3 +437,63 @@ def test_cold_and_refresh_bytes_of_the_overview_at_100000_steps(long_run: redis.
     _, fresh = measured(long_run, at.run)
     print(f"Overview at {STEPS:,} steps: cold {cold:,} B, refresh {idle:,} B, refresh with a new step {fresh:,} B")
     assert cold < 90 * STEPS + 200_000 and idle < 20_000 and fresh < 20_000
+
+
+# --- the Ranks page's window of busy lists -----------------------------------------------------------------------
+
+def test_rank_window_reads_the_newest_steps_once_then_only_new_entries(env: redis.Redis) -> None:
+    seed_long(env, "wide", steps=600, ranks=1024)
+    key = run_keys("wide").agg
+    window, cold = measured(env, lambda: data.RankWindow("wide", 500).refresh(env))
+    assert window.reads == [("+", "-", 500)]
+    expected = data.rank_matrix(env, "wide", 500)
+    assert window.matrix.shape == (1024, 500) and window.matrix.equals(expected)
+    assert list(window.matrix.columns[[0, -1]]) == [101, 600]
+
+    _, idle = measured(env, lambda: window.refresh(env))
+    assert window.reads == [] and idle < 12_000  # the newest entry only (~10 kB of busy seconds at 1,024 ranks)
+    pipe = env.pipeline(transaction=False)
+    for s in (601, 602, 603):
+        pipe.xadd(key, agg_entry(s, ranks=1024), id=f"1-{s}")
+    pipe.execute()
+    _, fresh = measured(env, lambda: window.refresh(env))
+    assert window.reads == [("(1-600", "1-603", 3)] and window.last_id == "1-603"
+    assert fresh < 4 * 12_000 and 50 * fresh < cold  # the newest and the three new entries, not 500
+    assert window.matrix.equals(data.rank_matrix(env, "wide", 500))
+    assert list(window.matrix.columns[[0, -1]]) == [104, 603]
+
+    # More new entries than the window holds: one read of the newest 500, as a cold one.
+    pipe = env.pipeline(transaction=False)
+    for s in range(604, 1_300):
+        pipe.xadd(key, agg_entry(s, ranks=1024), id=f"1-{s}")
+    pipe.execute()
+    window.refresh(env)
+    assert window.reads == [("(1-603", "1-1299", 500), ("+", "-", 500)]
+    assert window.matrix.equals(data.rank_matrix(env, "wide", 500))
+
+    # The stream deleted and written again (a run id reused): read afresh, nothing of the old one kept.
+    env.delete(key)
+    env.xadd(key, agg_entry(7, ranks=1024), id="1-7")
+    window.refresh(env)
+    assert window.reads == [("+", "-", 1)] and list(window.matrix.columns) == [7]
+    env.delete(key)
+    assert window.refresh(env).matrix.empty and window.last_id is None
+
+
+def test_rank_window_reports_unreadable_entries_while_it_holds_them(env: redis.Redis) -> None:
+    seed_long(env, "odd", steps=3, ranks=4)
+    key = run_keys("odd").agg
+    env.xadd(key, {**agg_entry(4), "busy": "[0.8, oops"}, id="1-4")
+    env.xadd(key, {"gen": 0, "loss": "2.0"}, id="1-5")
+    window = data.RankWindow("odd", 3)
+    problems: list[str] = []
+    window.refresh(env, problems)
+    assert list(window.matrix.columns) == [3, 4] and window.matrix[4].isna().all()
+    assert problems == [
+        f"1 entry in {key} is unreadable (entry 1-5: no step)",
+        f"1 entry in {key} has unreadable values, shown as missing (entry 1-4: busy '[0.8, oops' is not JSON)"]
+    for s in (6, 7, 8):
+        env.xadd(key, agg_entry(s), id=f"1-{s}")
+    problems = []
+    window.refresh(env, problems)
+    assert problems == [] and list(window.matrix.columns) == [6, 7, 8]

@@ -10,6 +10,7 @@ another row of the rank table makes it the link's rank.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -37,6 +38,8 @@ from trainhealth.text import plural
 HOSTS_TTL_S = 30
 #: A drill-down around a linked step of long ago (beyond the heatmap's steps) is re-read at most this often (s).
 AROUND_TTL_S = 10
+#: Session-state key of the rank window read so far (:func:`rank_window`).
+WINDOW_KEY = "th_rank_window"
 WINDOWS = (100, 500, DASHBOARD_STEPS)
 MODES = ("busy seconds", "ratio to step median")
 #: Anomaly kinds about particular ranks or nodes, each shown as a warning on top: the flagging ones
@@ -199,13 +202,22 @@ def drill_down(run: str, matrix: pd.DataFrame, rank: int, host: str | None) -> N
                "another row above to see another rank.")
 
 
+def rank_window(cl: Any, run: str, window: int, problems: list[str]) -> data.RankWindow:
+    """The newest ``window`` steps' busy lists, kept in the session so a refresh reads only the new entries (at
+    1,024 ranks 500 steps are ~5 MB of JSON: read once, not every 2 s)."""
+    kept = st.session_state.get(WINDOW_KEY)
+    if kept is None or (kept.run, kept.count) != (run, window):
+        kept = st.session_state[WINDOW_KEY] = data.RankWindow(run, window)
+    return kept.refresh(cl, problems)
+
+
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
 def live(run: str, window: int, relative: bool) -> None:
     """Heatmap, node and rank tables and the drill-down, re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
     problems: list[str] = []
     try:
         cl = client()
-        matrix = data.rank_matrix(cl, run, window, problems)
+        matrix = rank_window(cl, run, window, problems).matrix
         anomalies = data.anomalies(cl, run, problems)
         state = data.job_state(cl, run)  # unreadable: the page's header says so
         hosts = _hosts(st.session_state.get(URL_KEY, ""), run)
