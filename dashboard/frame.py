@@ -69,7 +69,9 @@ SERVICE_DOWN = ("Detector service not running: anomalies and goodput are not upd
 
 def page_config() -> None:
     """Wide layout and the tab title (may be called more than once per run)."""
-    st.set_page_config(layout="wide", page_title="trainhealth", page_icon=":material/monitor_heart:")
+    # An emoji icon is drawn in place (an inline SVG); a Material one is fetched from fonts.gstatic.com, which an
+    # air-gapped cluster's browser cannot reach.
+    st.set_page_config(layout="wide", page_title="trainhealth", page_icon="🩺")
 
 
 def _run_count() -> int | None:

@@ -4,7 +4,8 @@ by the collectors) → Redis → `trainhealth serve` → a real `streamlit run` 
 While the job runs with a straggler (rank 2 on demo-node-1 from step 40 to the end) after a loss spike at step 120:
 the Overview opens with the degraded state and the straggler's incident card naming its rank and host; a link with
 ``?step=120`` opens the loss chart around the spike, with its marker; a box dragged across the chart re-reads that
-step range; the card's "Evidence" opens the Anomalies page on the straggler's onset and rank.
+step range; the card's "Evidence" opens the Anomalies page on the straggler's onset and rank; and the browser
+fetches nothing from outside the dashboard's own address.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ def test_incident_card_deep_link_zoom_and_evidence_on_a_live_demo_job(r: redis.R
             try:
                 page = browser.new_page(viewport={"width": 1440, "height": 1400}, timezone_id="UTC")
                 page.set_default_timeout(_BROWSER["UI_TIMEOUT_MS"])
+                # Nothing is fetched from outside: the dashboard works where the browser has no internet.
+                outside: list[str] = []
+                page.on("request", lambda req: None if req.url.startswith((base, "data:", "blob:"))
+                        else outside.append(req.url))
 
                 # The incident first: the state line and the straggler's card, with its rank, host and advice.
                 page.goto(f"{base}/?run={RUN}")
@@ -147,6 +152,7 @@ def test_incident_card_deep_link_zoom_and_evidence_on_a_live_demo_job(r: redis.R
                 expect(page.get_by_role("heading", name="Straggler")).to_be_visible()
                 page.wait_for_timeout(800)
                 page.screenshot(path=str(_BROWSER["ARTIFACTS"] / "dashboard_demo_evidence.png"), full_page=True)
+                assert outside == []
             finally:
                 browser.close()
     finally:
