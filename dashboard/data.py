@@ -23,7 +23,7 @@ import pandas as pd
 import redis
 
 from trainhealth import defaults
-from trainhealth.anomaly import KINDS
+from trainhealth.anomaly import ALL_KINDS
 from trainhealth.exceptions import ConfigError
 from trainhealth.job import Culprit, JobState
 from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys, validate_run_id
@@ -52,7 +52,7 @@ HOST_COLUMNS = ["rank", "host"]
 ANOMALY_COLUMNS = ["id", "kind", "severity", "status", "step", "end_step", "ranks", "hosts", "message",
                    "first_seen", "last_seen", "evidence"]
 SEVERITIES = ("critical", "warning", "info")
-ANOMALY_KINDS = KINDS  # the detectors' stable kinds, one list
+ANOMALY_KINDS = ALL_KINDS  # the stable kinds, one list
 ANOMALY_STATUSES = ("active", "resolved")
 LEDGER_COLUMNS = ["t", "started_at", "wall_s", "world_size", "gpu_hour_usd", "last_step", "steps_done",
                   "steps_good", "restarts", "tokens_total", "tokens_good", "throughput_tok_s",

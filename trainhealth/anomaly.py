@@ -16,6 +16,11 @@ KINDS = (
     "straggler", "slow_node", "rank_outlier", "hang", "dead_rank", "throughput_drop", "slow_step",
     "restart", "restart_storm", "loss_collapse", "plateau",
 )
+#: Kinds the detection pipeline itself records, not a detector: ``data_loss`` (records lost before the service read
+#: them, detectors/pipeline.py). Routable and silenceable like the detectors' kinds.
+RECORD_KINDS = ("data_loss",)
+#: Every kind an anomaly can have.
+ALL_KINDS = KINDS + RECORD_KINDS
 SEVERITIES = ("info", "warning", "critical")
 ACTIVE, RESOLVED = "active", "resolved"
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainhealth.anomaly import KINDS, SEVERITIES
+from trainhealth.anomaly import ALL_KINDS, SEVERITIES
 
 #: Labels every alert has.
 LABELS = ("run", "kind", "severity", "rank", "host")
@@ -79,8 +79,8 @@ class Matcher:
             except re.error as exc:
                 raise MatcherError(f"{self.value!r} is not a valid regular expression: {exc}") from None
         elif self.value:
-            if self.label == "kind" and self.value not in KINDS + INTERNAL_KINDS:
-                raise MatcherError(f"kind {self.value!r} is unknown (kinds: {', '.join(KINDS + INTERNAL_KINDS)})")
+            if self.label == "kind" and self.value not in ALL_KINDS + INTERNAL_KINDS:
+                raise MatcherError(f"kind {self.value!r} is unknown (kinds: {', '.join(ALL_KINDS + INTERNAL_KINDS)})")
             if self.label == "severity" and self.value not in SEVERITIES:
                 raise MatcherError(f"severity {self.value!r} is unknown (severities: {', '.join(SEVERITIES)})")
 

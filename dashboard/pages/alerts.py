@@ -21,7 +21,7 @@ import redis
 import streamlit as st
 
 from trainhealth import alert_store as store
-from trainhealth.anomaly import KINDS, SEVERITIES
+from trainhealth.anomaly import ALL_KINDS, SEVERITIES
 from trainhealth.dashboard import data, incidents
 from trainhealth.dashboard.common import actor, client, logged_in, read_only, redis_trouble, to_datetime, viewer_tz
 from trainhealth.dashboard.frame import page_run
@@ -184,7 +184,7 @@ def silences(run: str | None) -> None:
     with left.form("add_silence", clear_on_submit=False):
         st.markdown("**Add a silence** (every filled field must match)")
         f_run = st.text_input("Run", value=run or "", key="sil_run")
-        f_kind = st.selectbox("Kind", ["(any)", *KINDS, *INTERNAL_KINDS], key="sil_kind")
+        f_kind = st.selectbox("Kind", ["(any)", *ALL_KINDS, *INTERNAL_KINDS], key="sil_kind")
         f_sev = st.selectbox("Severity", ["(any)", *SEVERITIES], key="sil_severity")
         f_rank = st.text_input("Rank", key="sil_rank", help="matches anomalies involving this rank")
         f_host = st.text_input("Host", key="sil_host")
