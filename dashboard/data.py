@@ -1348,6 +1348,11 @@ TAIL_FIELDS = ("step", "gen", "t_end", "n_ranks")
 #: Entries per script call: bounds what one call holds in Redis (1,000 entries of a 1,024-rank run are ~9 MB
 #: inside the script, a few ms) and in one reply.
 SERIES_CHUNK = 1_000
+#: The whole-run charts read the rollup (``agg:rollup``, per-100-step buckets) once it covers this many steps: ten
+#: times the points a curve is drawn with, so below it every step is read and drawn as such.
+ROLLUP_FROM_STEPS = 20_000
+#: Rollup entries per ``XRANGE``.
+ROLLUP_CHUNK = 5_000
 #: A step range is read with one ``XRANGE`` per restart generation (entry ids are ``<gen + 1>-<step>``); a
 #: stream whose ids are not (more generations than this) is read whole and filtered instead.
 MAX_RANGE_GENERATIONS = 1_000
@@ -1505,6 +1510,8 @@ class StepSeries:
 
     def _reset(self) -> None:
         self.frame = _empty_series()
+        #: The newest step drawn from the rollup (``agg:rollup``) rather than step by step; None when none is.
+        self.rolled_steps: int | None = None
         self.tail: dict[str, Any] | None = None
         self.last_id: str | None = None
         self.reads: list[tuple[str, str, int]] = []
@@ -1561,7 +1568,9 @@ class StepSeries:
 
     def _read_range(self, client: redis.Redis, tail_id: str) -> Entries:
         if self.whole_run:
-            return self._read(client, "-", tail_id)
+            # A long run: its rollup up to its newest bucket, the per-step entries after it.
+            rolled = self._read_rollup(client)
+            return self._read(client, "-" if rolled is None else "(" + rolled, tail_id)
         newest_gen, newest_step = _entry_id(tail_id)
         if newest_gen > MAX_RANGE_GENERATIONS:
             return self._in_range(self._read(client, "-", tail_id))
@@ -1572,6 +1581,33 @@ class StepSeries:
             end = tail_id if g == newest_gen and newest_step < hi else f"{g}-{hi}"
             _extend(entries, self._in_range(self._read(client, f"{g}-{lo}", end)))
         return entries
+
+    def _read_rollup(self, client: redis.Redis) -> str | None:
+        """With a rollup that covers at least :data:`ROLLUP_FROM_STEPS` steps: its buckets as :attr:`frame` (see
+        :func:`rollup_rows`), and the newest bucket's entry id; else None (the run is read step by step)."""
+        key = run_keys(self.run).agg_rollup
+        newest = client.xrevrange(key, count=1)
+        if not newest:
+            return None
+        last = _decode_map(newest[0][1]).get("last")
+        try:
+            covered = int(last) + 1 if last is not None else 0
+        except ValueError:
+            covered = 0
+        if covered < ROLLUP_FROM_STEPS:
+            return None
+        entries: list[tuple[Any, Any]] = []
+        start = "-"
+        while True:
+            got = client.xrange(key, start, "+", count=ROLLUP_CHUNK)
+            self.reads.append((f"rollup {start}", "+", len(got)))
+            entries += got
+            if len(got) < ROLLUP_CHUNK:
+                break
+            start = "(" + _s(got[-1][0])
+        self.frame = rollup_rows(entries, self._partly)
+        self.rolled_steps = int(self.frame["step"].max()) if not self.frame.empty else None
+        return _s(entries[-1][0]) if entries else None
 
     def _in_range(self, entries: Entries) -> Entries:
         """The entries whose step is in the range, by the ``step`` field (the ids of another writer may not say
@@ -1601,6 +1637,55 @@ class StepSeries:
         partly = self._partly + [b for b in self._tail_bad if b not in self._partly]
         if partly:
             _report(problems, unreadable(self.key, "entry", "entries", partly, partly=True))
+
+
+def rollup_rows(entries: Iterable[tuple[Any, Any]], partly: list[str] | None = None) -> pd.DataFrame:
+    """:data:`SERIES_COLUMNS` rows of ``agg:rollup`` entries (detectors/rollup.py), for the whole-run charts.
+
+    Per bucket a row at its first and one at its last step: the loss's and the grad norm's two extremes, each in
+    the order they happened (so MinMaxLTTB, fed the rows, keeps every spike and dip a bucket saw), and half of its
+    tokens and of its seconds each (their sums, and so the tokens/s, are the bucket's); a row at the first NaN/inf
+    step when the bucket had one (a gap and a marker, as on the steps themselves). A bucket of one step is one
+    row. An entry without a readable ``first``/``last`` is left out (noted in ``partly``).
+    """
+    rows: list[dict[str, Any]] = []
+    for entry_id, fields in entries:
+        d = _decode_map(fields)
+        try:
+            gen, first, last = int(d.get("gen", "0")), int(d["first"]), int(d["last"])
+        except (KeyError, ValueError):
+            if partly is not None:
+                partly.append(f"rollup entry {_s(entry_id)}: no first/last step")
+            continue
+        tokens = int(d["tokens"]) if "tokens" in d else None
+        dur = float(d["dur_s"]) if "dur_s" in d else math.nan
+        halves = (tokens // 2, tokens - tokens // 2) if tokens is not None else (None, None)
+        a: dict[str, Any] = {"step": first, "gen": gen, "tokens": halves[0], "dur": dur / 2, "step_s": math.nan,
+                             "loss_nonfinite": False, "grad_norm_nonfinite": False}
+        b = {**a, "step": last, "tokens": halves[1]}
+        for name in ("loss", "grad_norm"):
+            lo, hi = _num(d.get(f"{name}_min")), _num(d.get(f"{name}_max"))
+            lo_step, hi_step = _num(d.get(f"{name}_min_step")), _num(d.get(f"{name}_max_step"))
+            first_value, second_value = (lo, hi) if not lo_step > hi_step else (hi, lo)
+            a[name], b[name] = first_value, second_value
+        bucket = [a] if first == last else [a, b]
+        for name in ("loss", "grad_norm"):
+            bad_step = _num(d.get(f"{name}_nonfinite_step"))
+            if math.isfinite(bad_step):
+                mark = {**a, "step": int(bad_step), "tokens": 0, "dur": 0.0, "loss": a["loss"],
+                        "grad_norm": a["grad_norm"], name: math.nan, f"{name}_nonfinite": True}
+                bucket.append(mark)
+        # A mark at a bucket end's step goes first: a step seen twice keeps its last row (progress), the one with
+        # the tokens.
+        rows += sorted(bucket, key=lambda row: (row["step"], not (row["loss_nonfinite"] or row["grad_norm_nonfinite"])))
+    frame = pd.DataFrame(rows, columns=SERIES_COLUMNS)
+    for c in _SERIES_INTS:
+        frame[c] = pd.to_numeric(frame[c]).astype("Float64").round().astype("Int64")
+    for c in ("loss", "grad_norm", "dur", "step_s"):
+        frame[c] = frame[c].astype("float64")
+    for c in ("loss_nonfinite", "grad_norm_nonfinite"):
+        frame[c] = frame[c].astype(bool)
+    return frame
 
 
 def progress(frame: pd.DataFrame) -> pd.DataFrame:

@@ -35,6 +35,7 @@ from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.incidents import LABELS, Incident
 from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
+from trainhealth.detectors.rollup import StepRollup
 from trainhealth.job import JobState
 from trainhealth.keys import RUNS, SERVICES, RunKeys, run_keys, run_of, service_heartbeat
 from trainhealth.loop import LEASE_LUA, MEMBERS_LUA, RELEASE_LUA, RENEW_LUA, Backoff, stop_on_signals
@@ -130,6 +131,9 @@ class _Run:
     stored_recs: dict[str, dict[str, Any]] = field(default_factory=dict)
     stored_incidents: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_agg: tuple[int, int] = (0, 0)
+    #: Folds the aggregates into ``agg:rollup`` buckets; the newest bucket stored (its entry id).
+    rollup: StepRollup = field(default_factory=StepRollup)
+    last_rollup: tuple[int, int] = (0, 0)
     last_snapshot: float = 0.0
     status: str = "running"
     meta_checked: float = 0.0
@@ -393,6 +397,9 @@ class DetectorService:
         last = self.client.xrevrange(keys.agg, count=1)
         if last:
             run.last_agg = _sid(last[0][0])
+        last = self.client.xrevrange(keys.agg_rollup, count=1)
+        if last:
+            run.last_rollup = _sid(last[0][0])
         delivered: dict[str, str] = {}
         for stream in keys.input_streams:
             try:
@@ -596,7 +603,16 @@ class DetectorService:
             # The entry id is (generation + 1)-(step): increasing in the order steps close, and the
             # same when a restarted service replays the streams, so rewritten steps are skipped.
             aid = (agg.gen + 1, agg.step)
-            if agg.step < 0 or aid <= run.last_agg:
+            if agg.step < 0:
+                continue
+            # Every step feeds the rollup, those of a rebuild's replay too: its open bucket is filled again.
+            for bucket in run.rollup.update(agg):
+                bid = (bucket.gen + 1, bucket.last)
+                if bid > run.last_rollup:
+                    pipe.xadd(keys.agg_rollup, bucket.fields(), id=bucket.entry_id,
+                              maxlen=defaults.ROLLUP_RETENTION_ENTRIES, approximate=True)
+                    run.last_rollup = bid
+            if aid <= run.last_agg:
                 continue
             pipe.xadd(keys.agg, agg_fields(agg), id=f"{aid[0]}-{aid[1]}",
                       maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)

@@ -497,3 +497,69 @@ def test_rank_window_reports_unreadable_entries_while_it_holds_them(env: redis.R
     problems = []
     window.refresh(env, problems)
     assert problems == [] and list(window.matrix.columns) == [6, 7, 8]
+
+
+# --- a long run's whole-run charts from the service's rollup ----------------------------------------------------
+
+def seed_rollup(r: redis.Redis, run: str = RUN, steps: int = STEPS) -> int:
+    """The ``agg:rollup`` buckets the service writes for :func:`seed_long`'s steps (its own StepRollup and
+    encoding); returns how many."""
+    from trainhealth.detectors.aggregate import StepAggregate
+    from trainhealth.detectors.rollup import StepRollup
+
+    rollup, pipe, n = StepRollup(), r.pipeline(transaction=False), 0
+    for s in range(1, steps + 1):
+        agg = StepAggregate(step=s, gen=0, inc=0.0, t_start=T0 + s, t_end=T0 + s + 0.9, loss=loss_at(s),
+                            grad_norm=1.0 + s % 5 / 10, lr=3e-4, tokens=TOKENS, samples=8, consumed_samples=None,
+                            batch_index=None, skipped=False, step_s=None, n_ranks=4, busy=(0.8,) * 4, data_s=0.01,
+                            bad_ranks=())
+        for bucket in rollup.update(agg):
+            pipe.xadd(run_keys(run).agg_rollup, bucket.fields(), id=bucket.entry_id)
+            n += 1
+    pipe.execute()
+    return n
+
+
+def test_a_long_runs_whole_run_is_read_from_the_rollup_and_keeps_the_spike_and_the_nan(long_run: redis.Redis) -> None:
+    assert seed_rollup(long_run) == 1_000  # steps 1-99, 100-199, …, 99,900-99,999; step 100,000 opens the next
+    series, cold = measured(long_run, lambda: data.StepSeries(RUN).refresh(long_run))
+    # The rollup in one read, then the steps after its newest bucket.
+    assert series.reads == [("rollup -", "+", 1_000), ("(1-99999", "1-100000", 1)]
+    assert series.rolled_steps == 99_999
+    frame = series.frame
+    # Two rows a bucket (its extremes, in the order they happened), a third at a NaN step; the raw step after.
+    assert len(frame) == 2 * 1_000 + 1 + 1 and frame["step"].tolist()[:4] == [1, 99, 100, 199]
+    assert frame["step"].tolist()[-1] == STEPS
+    spike = frame[frame["step"] == SPIKE_STEP].iloc[0]
+    # The bucket's lowest grad norm (1.0) came at its first step, its highest (1.4) later: drawn at its last.
+    assert (spike["loss"], spike["grad_norm"]) == (SPIKE_LOSS, 1.0)
+    assert frame[frame["step"] == SPIKE_STEP + 99]["grad_norm"].tolist() == [1.4]
+    nan = frame[frame["loss_nonfinite"]]
+    assert nan["step"].tolist() == [NAN_STEP] and math.isnan(nan["loss"].iloc[0])
+    first = frame.iloc[:2]
+    assert first["loss"].tolist() == [max(loss_at(s) for s in range(1, 100)), min(loss_at(s) for s in range(1, 100))]
+    # Tokens and seconds are the buckets': the kept trajectory counts every token of the run.
+    assert data.progress(frame)["tokens_seen"].iloc[-1] == STEPS * TOKENS
+    assert data.progress(frame)["tok_s"].iloc[0] == pytest.approx(TOKENS / 0.9)
+    # ~700 bytes a bucket: a tenth of reading the 100,000 steps' drawn fields (~80 bytes each).
+    assert cold < 800_000 and cold < 0.1 * 80 * STEPS
+
+
+def test_the_overview_draws_a_long_run_from_its_rollup_and_zooms_into_the_steps(long_run: redis.Redis) -> None:
+    seed_rollup(long_run)
+    at = app()
+    assert not at.exception
+    curves = figures(at)[0]
+    loss = trace(curves, "loss")
+    x, y = arr(loss["x"]), arr(loss["y"])
+    assert x[0] == 1 and x[-1] == STEPS and y[x.index(SPIKE_STEP)] == SPIKE_LOSS
+    assert arr(trace(curves, "loss NaN/inf")["x"]) == [NAN_STEP]
+    assert any(c.value.startswith("Steps 1–100,000: 2,002 entries (up to step 99,999 the service's per-100-step "
+                                  "rollup: each bucket's highest and lowest loss and grad norm and its mean "
+                                  "tokens/s)") for c in at.main.caption)
+    # A range is read step by step, at full resolution, as before.
+    at.number_input(key="th_step_from.w:None").set_value(19_990)
+    at.number_input(key="th_step_to.w:None").set_value(20_010).run()
+    loss = trace(figures(at)[0], "loss")
+    assert arr(loss["x"]) == list(range(19_990, 20_011)) and arr(loss["y"]) == [loss_at(s) for s in range(19_990,
+                                                                                                          20_011)]

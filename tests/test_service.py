@@ -517,3 +517,39 @@ def test_a_cold_stop_mid_batch_leaves_no_live_looking_heartbeat(r: redis.Redis, 
     with pytest.raises(SystemExit):
         svc.run_forever()
     assert beating.is_set() and r.exists("th:service:cold") == 0
+
+
+def rollups(r: redis.Redis, run: str) -> list[dict[str, str]]:
+    return [{k.decode(): v.decode() for k, v in f.items()} | {"id": i.decode()}
+            for i, f in r.xrange(f"th:{{{run}}}:agg:rollup")]
+
+
+def test_rollup_buckets_are_written_once_and_refilled_by_a_rebuild(r: redis.Redis) -> None:
+    write_run(r, "ro", range(0, 150), spike_at=70, nan_at=120)
+    svc = DetectorService(r, consumer="a", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc)
+    # Steps 0-99 are one bucket, closed by its last step; 100-149 is still open (the dashboard reads those steps).
+    (first,) = rollups(r, "ro")
+    assert first == {
+        "id": "1-99", "gen": "0", "first": "0", "last": "99", "n": "100",
+        "t_start": repr(T0 + 10), "t_end": repr(T0 + 10 + 99),  # untimed steps: their ends
+        "loss_min": first["loss_min"], "loss_max": "9.0", "loss_mean": first["loss_mean"], "loss_min_step": "0",
+        "loss_max_step": "70", "loss_nonfinite": "0",
+        "grad_norm_min": "1.0", "grad_norm_max": "1.0", "grad_norm_mean": "1.0", "grad_norm_min_step": "0",
+        "grad_norm_max_step": "0", "grad_norm_nonfinite": "0",
+        "lr": "0.0001", "tokens": "200000", "timed": "0"}  # steps without a start or step_s: not timed
+    # the mean of the 100 step losses (rank means), the spike included
+    losses = [9.0 if s == 70 else 3.0 + 0.001 * (((s * 7) % 5) + ((s * 7 + 1) % 5)) / 2 for s in range(100)]
+    assert float(first["loss_mean"]) == pytest.approx(sum(losses) / 100, abs=1e-12)
+    assert float(first["loss_min"]) == pytest.approx(min(losses), abs=1e-12) and min(losses) == 3.0005
+
+    # The service dies; steps 150-259 arrive; a new service rebuilds from the streams and goes on.
+    write_run(r, "ro", range(150, 260), nan_at=None)
+    svc2 = DetectorService(r, consumer="a", clock=lambda: T0 + 300, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc2)
+    got = rollups(r, "ro")
+    assert [(b["id"], b["first"], b["last"], b["n"]) for b in got] == [("1-99", "0", "99", "100"),
+                                                                     ("1-199", "100", "199", "100")]
+    assert got[0] == first  # not written again
+    # The open bucket 100-149 was filled again by the rebuild's replay: every step of it is there, the NaN too.
+    assert (got[1]["loss_nonfinite"], got[1]["loss_nonfinite_step"], got[1]["tokens"]) == ("1", "120", "200000")

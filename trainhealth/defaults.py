@@ -33,6 +33,13 @@ STEPS_RETENTION_BYTES = 512 * 2**20
 EVENTS_RETENTION_ENTRIES = 100_000
 AGG_RETENTION_ENTRIES = 200_000
 LEDGER_RETENTION_ENTRIES = 20_000
+#: Steps per entry of the per-step rollup ``th:{run}:agg:rollup`` (detectors/rollup.py), kept for the whole run: the
+#: whole-run charts of a run longer than the per-step stream holds read it. 100 steps a bucket: a 1,000,000-step run
+#: is 10,000 entries (~4 MB), which a chart reduces to its 2,000 points per curve (MinMaxLTTB on the buckets'
+#: extremes, so a one-step spike stays).
+ROLLUP_STEPS = 100
+#: Rollup entries kept per run, about: 100,000,000 steps at ROLLUP_STEPS.
+ROLLUP_RETENTION_ENTRIES = 1_000_000
 #: Environment variable overriding ``STEPS_RETENTION_RECORDS``.
 RETENTION_ENV = "TRAINHEALTH_RETENTION"
 #: Environment variable overriding ``STEPS_RETENTION_BYTES``.

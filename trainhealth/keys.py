@@ -87,6 +87,12 @@ class RunKeys:
         return f"{self._p}:agg"
 
     @property
+    def agg_rollup(self) -> str:
+        """Stream: one entry per ``defaults.ROLLUP_STEPS`` steps of a generation (extremes, means, tokens, time),
+        written by the service and kept for the whole run (detectors/rollup.py)."""
+        return f"{self._p}:agg:rollup"
+
+    @property
     def anomalies(self) -> str:
         """Hash: anomaly id -> JSON of the anomaly's current state."""
         return f"{self._p}:anomalies"
