@@ -366,8 +366,9 @@ def goodput_over_time(history: pd.DataFrame, tz: str | None = None, rate_window:
                                          line={"color": color, "width": 1.5, "dash": "dot"},
                                          hovertemplate="%{y:,.0f} tokens/s<extra>" + name + "</extra>"))
     if rate_col:
-        # Five entries, and the rolling lines reach every corner: the legend goes under the plot.
-        legend = {"orientation": "h", "yanchor": "top", "y": -0.16, "x": 0, "traceorder": "normal"}
+        # Five entries, and the rolling lines reach every corner: the legend goes under the plot, below the time
+        # axis' two-line labels (time, and the date under the first).
+        legend = {"orientation": "h", "yanchor": "top", "y": -0.26, "x": 0, "traceorder": "normal"}
     else:
         # Inside the plot, bottom right: the y axis starts at 0, so that corner is empty.
         legend = {"orientation": "h", "yanchor": "bottom", "y": 0.02, "x": 0.99, "xanchor": "right",

@@ -5,6 +5,7 @@ dead letters."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -76,6 +77,7 @@ def test_alerts_page_shows_worker_sinks_notifications_dead_letters_and_silences(
     assert list(sinks["sink"]) == ["slack"] and list(sinks["state"]) == ["ok"] and list(sinks["delivered"]) == [2]
     assert list(sent["title"]) == ["WARNING · straggler · run r1"]  # only the selected run's by default
     assert list(sent["sink"]) == ["slack"] and list(sent["attempts"]) == [1]
+    assert re.fullmatch(r"[0-9a-f]{12}…", sent["key"][0])  # the start of the 32-hex idempotency key
     assert list(dead["id"]) == ["5-0"] and list(dead["error"]) == ["gave up after 12 tries"]
     assert list(silences["matchers"]) == ['run="r2"'] and list(silences["state"]) == ["active"]
     at.toggle(key="alerts_only_run").set_value(False).run()

@@ -30,6 +30,8 @@ from trainhealth.text import fmt_duration, parse_duration
 
 #: Seconds between refreshes of the live parts of the page.
 REFRESH_S = 5.0
+#: Characters of an idempotency key shown.
+KEY_SHOWN = 12
 NOTIFICATION_COLUMNS = ["delivered_at", "status", "title", "sink", "reason", "seq", "attempts", "http_status", "key"]
 SILENCE_COLUMNS = ["id", "state", "matchers", "starts_at", "ends_at", "created_by", "comment"]
 DEAD_COLUMNS = ["dead_at", "sink", "group", "seq", "attempts", "status", "error", "id"]
@@ -52,6 +54,8 @@ def notifications_frame(rows: list[dict[str, Any]], tz: str) -> pd.DataFrame:
     """Recent notifications for display (newest first)."""
     frame = pd.DataFrame(rows, columns=NOTIFICATION_COLUMNS)
     frame["delivered_at"] = to_datetime(_times(frame["delivered_at"]), tz)
+    # The first 12 of the key's 32 hex digits tell notifications apart and fit the table beside the title.
+    frame["key"] = [k[:KEY_SHOWN] + "…" if isinstance(k, str) and len(k) > KEY_SHOWN + 1 else k for k in frame["key"]]
     return frame
 
 
@@ -128,7 +132,7 @@ def live(run: str | None) -> None:
     leader = next((b for b in beats if b.get("role") == "leader"), None)
     leader_t = _number(leader.get("t")) if leader else 0.0
     m1, m2, m3, m4 = st.columns(4)
-    m1.metric("Alert worker", "running" if leader else "NOT RUNNING",
+    m1.metric("Alert worker", "running" if leader else "down",
               f"heartbeat {fmt_duration(now - leader_t)} ago" if leader else "start `trainhealth alerts`",
               delta_color="off" if leader else "inverse")
     m2.metric("Pending deliveries", f"{stats['pending']:,}")
@@ -145,6 +149,8 @@ def live(run: str | None) -> None:
         st.dataframe(notifications_frame(sent, tz), hide_index=True, key="alerts_sent", column_config={
             "delivered_at": st.column_config.DatetimeColumn("delivered", format="MM-DD HH:mm:ss"),
             "title": st.column_config.TextColumn("notification", width="large"),
+            "key": st.column_config.TextColumn("key", help="The start of the idempotency key the receiver sees "
+                                               "(`Idempotency-Key` header), enough to find it in the receiver's logs."),
             "seq": st.column_config.NumberColumn("#", format="%d"),
         })
     else:
