@@ -76,6 +76,11 @@ def window_features(b: np.ndarray, data_s: np.ndarray, min_count: int = 3) -> tu
     return ranks, x
 
 
+#: Steps of data-loading seconds held ahead of their window, in windows (1,280 steps at the default 20; only steps
+#: with data-loading time are held): beyond it, the oldest half is dropped (steps that never closed: a crash).
+_DATA_STEPS_KEPT = 64
+
+
 class RankOutlierDetector(StepDetector):
     """Flags a rank that differs from the others in several ways at once, none enough for its own alarm.
 
@@ -194,7 +199,10 @@ class RankOutlierDetector(StepDetector):
         self.data_sections = data_sections
         self.exclude = exclude
         self._rows: list[tuple[float | None, ...]] = []
-        self._data: list[float] = []
+        # step -> per-rank data-loading seconds of that step's records: a record is counted in its own step's window
+        # whenever it arrives (the fast ranks' next steps arrive before the slow rank closes a step, and a service
+        # catching up on a backlog reads one rank's many steps before another's).
+        self._data: dict[int, list[float]] = {}
         self._window_start = 0
         self._last_step_prev_window = 0
         self._persist: Persistence[int] = Persistence(min_windows)
@@ -220,16 +228,22 @@ class RankOutlierDetector(StepDetector):
             v = sec.get(name)
             if v is not None:
                 d += v
-        self.observe_data(rec.rank, d)
+        self.observe_data(rec.rank, d, rec.step)
 
-    def observe_data(self, rank: int, seconds: float) -> None:
-        """Add seconds ``rank`` spent in data-loading sections in one record, as :meth:`observe` sums them
-        (the detector service passes the sum the aggregator's row already holds: the same number when a
+    def observe_data(self, rank: int, seconds: float, step: int) -> None:
+        """Add seconds ``rank`` spent in data-loading sections in its record of ``step``, as :meth:`observe` sums
+        them (the detector service passes the sum the aggregator's row already holds: the same number when a
         record has at most two such sections, as two floats add the same in either order)."""
         if seconds:
-            if rank >= len(self._data):
-                self._data += [0.0] * (rank + 1 - len(self._data))
-            self._data[rank] += seconds
+            per_rank = self._data.get(step)
+            if per_rank is None:
+                if len(self._data) >= _DATA_STEPS_KEPT * self.window:  # steps that never closed (a crash)
+                    for k in sorted(self._data)[: len(self._data) // 2]:
+                        del self._data[k]
+                per_rank = self._data[step] = []
+            if rank >= len(per_rank):
+                per_rank += [0.0] * (rank + 1 - len(per_rank))
+            per_rank[rank] += seconds
 
     def update(self, agg: StepAggregate) -> list[Anomaly]:
         """Feed one complete step; return anomaly states that changed (at window ends only)."""
@@ -239,9 +253,13 @@ class RankOutlierDetector(StepDetector):
         if len(self._rows) < self.window:
             return []
         b = busy_matrix(self._rows)
-        data = np.array(self._data, dtype=float)
+        # The window's steps' data seconds (those of later steps wait for their window; older ones are dropped).
+        mine = [v for k, v in self._data.items() if self._window_start <= k <= agg.step]
+        data = np.zeros(max((len(v) for v in mine), default=0))
+        for v in mine:
+            data[: len(v)] += v
+        self._data = {k: v for k, v in self._data.items() if k > agg.step}
         self._rows.clear()
-        self._data = [0.0] * len(self._data)
         out = self._judge_window(b, data, agg)
         self._last_step_prev_window = agg.step
         return out

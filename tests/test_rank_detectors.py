@@ -553,3 +553,44 @@ def test_warmup_skew_of_a_real_16_rank_allreduce_is_not_a_straggler(real_logs: P
     assert sorted(a.ranks[0] for a in one.update(aggs[0])) == [0, 1, 2, 3, 4, 5, 6, 7, 9, 10]
     node = SlowNodeDetector(hosts, window=1, min_windows=1)
     assert [a.scope for a in node.update(aggs[0])] == ["r6i6n4", "r6i6n5"]
+
+
+def test_rank_outlier_counts_data_time_in_each_records_own_step_whatever_the_arrival_order() -> None:
+    """A service catching up on a backlog reads one rank's many steps before the others' (and live, fast ranks'
+    next steps arrive before a slow rank closes a step): the data-loading share is the same as in step order."""
+    from trainhealth.detectors.aggregate import StepAggregate
+
+    def records() -> list[list[StepRecord]]:
+        rng = random.Random(3)
+        steps = []
+        for step in range(200):
+            odd = step >= 60
+            row = []
+            for r in range(16):
+                mild = odd and r == 13
+                fwd = 0.09 * (1.05 if mild else 1.0) * (1 + rng.gauss(0, 0.12 if mild else 0.03))
+                data = 0.01 * (2.0 if mild else 1.0) * (1 + rng.gauss(0, 0.1))
+                row.append(StepRecord(rank=r, step=step, inc=0.0, t=float(step), sections={"data": data,
+                                                                                           "forward": fwd}))
+            steps.append(row)
+        return steps
+
+    def agg(step: int, row: list[StepRecord]) -> StepAggregate:
+        busy = tuple(sum(rec.sections.values()) for rec in row)
+        return StepAggregate(step, 0, 0.0, None, float(step), 1.0, 1.0, None, None, None, 16, busy, 0.0)
+
+    def run(backlog: bool) -> list[tuple]:
+        det, steps, found = RankOutlierDetector(), records(), []
+        if backlog:  # ranks 0-7's records of every step first, as one rank's backlog after another's
+            for r in range(8):
+                for row in steps:
+                    det.observe(row[r])
+        for step, row in enumerate(steps):
+            for rec in row[8:] if backlog else row:
+                det.observe(rec)
+            found += [(a.status, a.ranks, a.step, a.evidence["values"]) for a in det.update(agg(step, row))]
+        return found
+
+    in_order = run(backlog=False)
+    assert [(s, r, st) for s, r, st, _ in in_order] == [("active", (13,), 60)]
+    assert run(backlog=True) == in_order
