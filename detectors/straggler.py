@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from collections.abc import Callable, Collection
@@ -82,6 +83,8 @@ class StragglerDetector(StepDetector):
         self.min_excess_s = min_excess_s
         self.exclude = exclude
         self._busy: list[deque[float]] = []
+        self._at: list[deque[int]] = []  # the step of each value in _busy
+        self._prev: list[list[tuple[int, float]]] = []  # each rank's (step, busy) of the window before
         self._steps: deque[int] = deque(maxlen=window)
         self._n = 0
         self._persist: Persistence[int] = Persistence(min_windows)
@@ -90,10 +93,14 @@ class StragglerDetector(StepDetector):
     def update(self, agg: StepAggregate) -> list[Anomaly]:
         """Feed one complete step; return anomaly states that changed (at window ends only)."""
         if len(self._busy) < len(agg.busy):
-            self._busy += [deque(maxlen=self.window) for _ in range(len(agg.busy) - len(self._busy))]
+            more = len(agg.busy) - len(self._busy)
+            self._busy += [deque(maxlen=self.window) for _ in range(more)]
+            self._at += [deque(maxlen=self.window) for _ in range(more)]
+            self._prev += [[] for _ in range(more)]
         for r, b in enumerate(agg.busy):
             if b is not None:
                 self._busy[r].append(b)
+                self._at[r].append(agg.step)
         self._steps.append(agg.step)
         self._n += 1
         if self._n % self.window:
@@ -112,9 +119,12 @@ class StragglerDetector(StepDetector):
                 score = best / m if m > 0 else 1.0
                 slow = score < self.threshold and m - best >= self.min_excess_s
                 ev = {"score": score, "rank_median_s": m, "best_median_s": best, "typical_median_s": typical}
-                out += self._judge(r, slow, ev, window_start, agg)
-        for d in self._busy:
+                onset = self._onset(r, (best + m) / 2, window_start) if slow else window_start
+                out += self._judge(r, slow, ev, onset, agg)
+        for r, (d, at) in enumerate(zip(self._busy, self._at, strict=True)):
+            self._prev[r] = list(zip(at, d, strict=True))
             d.clear()
+            at.clear()
         self._last_step_prev_window = agg.step
         return out
 
@@ -130,6 +140,22 @@ class StragglerDetector(StepDetector):
     def open_ranks(self) -> frozenset[int]:
         """Ranks with an open straggler anomaly."""
         return frozenset(self._persist.open)
+
+    def _onset(self, r: int, cut: float, window_start: int) -> int:
+        """The step rank ``r`` turned slow, within a window judged slow: the first of two steps in a row above
+        ``cut`` (halfway between the fastest rank's median and its own), extended back over a run of two or more such
+        steps that ends the window before (one slowed too late in it for its median to tell); ``window_start`` when
+        no two steps in a row are above it. The window's median alone dates a slowdown up to a window early or
+        late."""
+        here = list(zip(self._at[r], self._busy[r], strict=True))
+        first = next((s for (s, b), (_, b2) in itertools.pairwise(here) if b > cut and b2 > cut), None)
+        if first is None:
+            return window_start
+        if first == here[0][0]:
+            run = list(itertools.takewhile(lambda sb: sb[1] > cut, reversed(self._prev[r])))
+            if len(run) >= 2:  # two in a row, as within the window: one noisy step does not move the onset
+                first = run[-1][0]
+        return first
 
     def _covered(self, r: int) -> list[Anomaly]:
         # The rank's whole node is reported as slow: not judged on its own meanwhile.

@@ -594,3 +594,20 @@ def test_rank_outlier_counts_data_time_in_each_records_own_step_whatever_the_arr
     in_order = run(backlog=False)
     assert [(s, r, st) for s, r, st, _ in in_order] == [("active", (13,), 60)]
     assert run(backlog=True) == in_order
+
+
+def test_straggler_onset_is_the_step_the_rank_slowed_not_its_windows_start() -> None:
+    """Windows of 20 steps: a rank slowed at step 250 (mid-window) or 257 (too late for that window's median)
+    is dated 250 or 257, not 240 or 260."""
+    from trainhealth.detectors.aggregate import StepAggregate
+
+    for start in (250, 257, 260):
+        rng = random.Random(7)
+        det = StragglerDetector()
+        found = []
+        for step in range(400):
+            busy = tuple(0.10 * (1.6 if r == 5 and step >= start else 1.0) * (1 + rng.uniform(0, 0.03))
+                         for r in range(8))
+            found += det.update(StepAggregate(step, 0, 0.0, None, float(step), 1.0, 1.0, None, None, None, 8, busy,
+                                              0.0))
+        assert [(a.kind, a.status, a.ranks, a.step) for a in found] == [("straggler", "active", (5,), start)], start
