@@ -172,6 +172,11 @@ y = [2.0 + 4.0 * math.exp(-i / 400) + 0.05 * math.sin(i / 7) for i in x]
 st.plotly_chart(go.Figure(go.Scatter(x=x, y=y, mode="lines")), key="one")
 '''
 
+SHORTCUT = ("shortcut: only the newest --window steps go through real Monitors and the DetectorService (all 102 M "
+            "rank-step records of 1,024 x 100,000 would take hours on 2 cores); the older steps' agg entries are "
+            "the service's agg_fields (busy lists cycled from 64 vectors), their rollup and ledger snapshots the "
+            "service's own _write and GoodputLedger fed in this process, their checkpoint events the collectors' "
+            "encoder")
 # Targets (issue 16).
 COLD_MS, REFRESH_MS, CHART_RATIO, REFRESH_BYTES = 300.0, 100.0, 1.3, 200_000
 
@@ -1014,7 +1019,8 @@ def main() -> int:
     if not args.skip_browser and not Path(CHROMIUM).is_file():
         ap.error(f"{CHROMIUM} is missing (apt-get install -y chromium), or pass --skip-browser")
     t0 = time.perf_counter()
-    print(f"command: {shlex.join([sys.executable, *sys.argv])}\nhost {socket.gethostname()}, {os.cpu_count()} CPUs, "
+    print(f"command: {shlex.join([sys.executable, *sys.argv])}\n{SHORTCUT}")
+    print(f"host {socket.gethostname()}, {os.cpu_count()} CPUs, "
           f"redis-server {find_redis_server()}, load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
           flush=True)
     results = []
