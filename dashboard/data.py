@@ -355,22 +355,30 @@ def recent_steps(client: redis.Redis, run: str, count: int = defaults.DASHBOARD_
     with ``problems``, both are reported there.
     """
     key = run_keys(run).agg
-    skipped: list[str] = []
-    partly: list[str] = []
-    rows = [row for row, _ in _step_rows(reversed(client.xrevrange(key, count=count)), with_busy, skipped, partly)
-            if row is not None]
+    rows = _step_rows(reversed(client.xrevrange(key, count=count)), with_busy)
+    _report_rows(problems, key, rows)
+    return _steps_frame([row for row, _ in rows if row is not None])
+
+
+#: One :func:`_step_rows` row: the parsed entry (None when skipped: no readable step) and what in it cannot be read.
+_StepRow = tuple[dict[str, Any] | None, str | None]
+
+
+def _report_rows(problems: list[str] | None, key: str, rows: Iterable[_StepRow]) -> None:
+    """Report the rows' unreadable entries (skipped ones, then the partly read) as :func:`recent_steps` does."""
+    rows = list(rows)
+    skipped = [why for row, why in rows if row is None and why]
+    partly = [why for row, why in rows if row is not None and why]
     if skipped:
         _report(problems, unreadable(key, "entry", "entries", skipped))
     if partly:
         _report(problems, unreadable(key, "entry", "entries", partly, partly=True))
-    return _steps_frame(rows)
 
 
-def _step_rows(entries: Iterable[tuple[Any, Any]], with_busy: bool, skipped: list[str],
-               partly: list[str]) -> list[tuple[dict[str, Any] | None, str]]:
-    """:func:`recent_steps`' rows of ``agg`` entries, each with its entry id (None for one skipped: no readable
-    step); what cannot be read is noted in ``skipped`` / ``partly``."""
-    out: list[tuple[dict[str, Any] | None, str]] = []
+def _step_rows(entries: Iterable[tuple[Any, Any]], with_busy: bool) -> list[_StepRow]:
+    """:func:`recent_steps`' rows of ``agg`` entries, each with what in it cannot be read (``entry <id>: …``, None
+    when all can)."""
+    out: list[_StepRow] = []
     for entry_id, fields in entries:
         d = _decode_map(fields)
         bad: list[str] = []
@@ -384,8 +392,8 @@ def _step_rows(entries: Iterable[tuple[Any, Any]], with_busy: bool, skipped: lis
                 row[c] = _get_num(d, c, bad)
         if math.isnan(row["step"]):
             # Every chart and matrix is indexed by step: an entry without one cannot be placed.
-            skipped.append(f"entry {_s(entry_id)}: " + (bad[0] if bad and bad[0].startswith("step ") else "no step"))
-            out.append((None, _s(entry_id)))
+            why = bad[0] if bad and bad[0].startswith("step ") else "no step"
+            out.append((None, f"entry {_s(entry_id)}: {why}"))
             continue
         row["busy"] = []
         if with_busy and "busy" in d:
@@ -393,9 +401,7 @@ def _step_rows(entries: Iterable[tuple[Any, Any]], with_busy: bool, skipped: lis
                 row["busy"] = _busy_list(d["busy"])
             except ValueError as exc:
                 bad.append(str(exc))
-        if bad:
-            partly.append(f"entry {_s(entry_id)}: {'; '.join(bad)}")
-        out.append((row, _s(entry_id)))
+        out.append((row, f"entry {_s(entry_id)}: {'; '.join(bad)}" if bad else None))
     return out
 
 
@@ -433,8 +439,7 @@ class RankWindow:
         self._clear()
 
     def _clear(self) -> None:
-        self._rows: list[tuple[dict[str, Any] | None, str]] = []  # (row or None if skipped, entry id), oldest first
-        self._bad: dict[str, tuple[str, bool]] = {}  # entry id -> (its problem, True if skipped)
+        self._rows: list[_StepRow] = []  # the window's entries, oldest first, with what in each cannot be read
         self.frame = _empty_steps()
         self.last_id: str | None = None
 
@@ -454,35 +459,21 @@ class RankWindow:
         if self.last_id is None:
             entries = list(reversed(client.xrevrange(self.key, count=self.count)))
             self.reads.append(("+", "-", len(entries)))
-            self._rows, self._bad = [], {}
+            self._rows = []
         elif tail != self.last_id:
             entries = client.xrange(self.key, "(" + self.last_id, tail, count=self.count)
             self.reads.append(("(" + self.last_id, tail, len(entries)))
             if len(entries) >= self.count:
                 entries = list(reversed(client.xrevrange(self.key, count=self.count)))
                 self.reads.append(("+", "-", len(entries)))
-                self._rows, self._bad = [], {}
+                self._rows = []
         else:
             entries = []
         if entries:
-            skipped: list[str] = []
-            partly: list[str] = []
-            new = _step_rows(entries, True, skipped, partly)
-            for text in skipped:
-                self._bad[text.split(":", 1)[0].removeprefix("entry ")] = (text, True)
-            for text in partly:
-                self._bad[text.split(":", 1)[0].removeprefix("entry ")] = (text, False)
-            self._rows = (self._rows + new)[-self.count:]
-            held = {eid for _, eid in self._rows}
-            self._bad = {k: v for k, v in self._bad.items() if k in held}
+            self._rows = (self._rows + _step_rows(entries, True))[-self.count:]
             self.frame = _steps_frame([row for row, _ in self._rows if row is not None])
             self.last_id = _s(entries[-1][0])
-        skipped_now = [t for t, skip in self._bad.values() if skip]
-        partly_now = [t for t, skip in self._bad.values() if not skip]
-        if skipped_now:
-            _report(problems, unreadable(self.key, "entry", "entries", skipped_now))
-        if partly_now:
-            _report(problems, unreadable(self.key, "entry", "entries", partly_now, partly=True))
+        _report_rows(problems, self.key, self._rows)
         return self
 
     @property
@@ -1512,6 +1503,7 @@ class StepSeries:
         self.frame = _empty_series()
         #: The newest step drawn from the rollup (``agg:rollup``) rather than step by step; None when none is.
         self.rolled_steps: int | None = None
+        self._rollup_bad: list[str] = []  # the rollup's unreadable entries, reported with the rest
         self.tail: dict[str, Any] | None = None
         self.last_id: str | None = None
         self.reads: list[tuple[str, str, int]] = []
@@ -1583,18 +1575,11 @@ class StepSeries:
         return entries
 
     def _read_rollup(self, client: redis.Redis) -> str | None:
-        """With a rollup that covers at least :data:`ROLLUP_FROM_STEPS` steps: its buckets as :attr:`frame` (see
+        """With a rollup of :data:`ROLLUP_FROM_STEPS` steps' worth of buckets: its buckets as :attr:`frame` (see
         :func:`rollup_rows`), and the newest bucket's entry id; else None (the run is read step by step)."""
         key = run_keys(self.run).agg_rollup
-        newest = client.xrevrange(key, count=1)
-        if not newest:
-            return None
-        last = _decode_map(newest[0][1]).get("last")
-        try:
-            covered = int(last) + 1 if last is not None else 0
-        except ValueError:
-            covered = 0
-        if covered < ROLLUP_FROM_STEPS:
+        # Its buckets hold up to ROLLUP_STEPS steps each, over every generation: one XLEN says whether it is worth it.
+        if client.xlen(key) * defaults.ROLLUP_STEPS < ROLLUP_FROM_STEPS:
             return None
         entries: list[tuple[Any, Any]] = []
         start = "-"
@@ -1605,7 +1590,10 @@ class StepSeries:
             if len(got) < ROLLUP_CHUNK:
                 break
             start = "(" + _s(got[-1][0])
-        self.frame = rollup_rows(entries, self._partly)
+        bad: list[str] = []
+        self.frame = rollup_rows(entries, bad)
+        if bad:
+            self._rollup_bad = [unreadable(key, "entry", "entries", bad)]
         self.rolled_steps = int(self.frame["step"].max()) if not self.frame.empty else None
         return _s(entries[-1][0]) if entries else None
 
@@ -1632,6 +1620,8 @@ class StepSeries:
                      "t_end": t_end}
 
     def _report(self, problems: list[str] | None) -> None:
+        for text in self._rollup_bad:
+            _report(problems, text)
         if self._skipped:
             _report(problems, unreadable(self.key, "entry", "entries", self._skipped))
         partly = self._partly + [b for b in self._tail_bad if b not in self._partly]
@@ -1655,7 +1645,7 @@ def rollup_rows(entries: Iterable[tuple[Any, Any]], partly: list[str] | None = N
             gen, first, last = int(d.get("gen", "0")), int(d["first"]), int(d["last"])
         except (KeyError, ValueError):
             if partly is not None:
-                partly.append(f"rollup entry {_s(entry_id)}: no first/last step")
+                partly.append(f"entry {_s(entry_id)}: no first/last step")
             continue
         tokens = int(d["tokens"]) if "tokens" in d else None
         dur = float(d["dur_s"]) if "dur_s" in d else math.nan

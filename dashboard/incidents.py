@@ -44,7 +44,7 @@ from trainhealth.dashboard.common import (
 )
 from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.job import JobState
-from trainhealth.text import fmt_duration, fmt_gpu_hours, fmt_int, fmt_usd, plural
+from trainhealth.text import fmt_cost, fmt_duration, fmt_int, plural
 
 #: Run states, their badge colour and icon.
 LEVELS = {"critical": ("red", ":material/error:"), "degraded": ("orange", ":material/warning:"),
@@ -215,8 +215,7 @@ def _gpu_cost(seconds: float, world_size: int | None, price: float | None) -> st
     if not world_size:
         return ""
     gh = seconds * world_size / 3600.0
-    usd = f" · {fmt_usd(gh * price)}" if price else ""
-    return f" ({fmt_gpu_hours(gh)} GPU-h{usd})"
+    return f" ({fmt_cost({'gpu_hours': gh, 'usd': gh * price if price else None}, unit='GPU-h', sep=' · ')})"
 
 
 def cost_text(inc: Mapping[str, Any], world_size: int | None, price: float | None) -> str:

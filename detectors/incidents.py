@@ -200,6 +200,7 @@ rec:divergence:*:400:0
         self._causes: list[str] = []  # recent cause anomalies (rule 3)
         self._lone: list[str] = []  # recent effects in their own incident (rule 3)
         self._step: int | None = None  # the run's newest step (advance): the "so far" of open members' badput
+        self._growing: set[str] = set()  # active incidents with an open member whose cost grows with the steps
         #: Current state of every incident, by id.
         self.incidents: dict[str, Incident] = {}
 
@@ -227,6 +228,7 @@ rec:divergence:*:400:0
         changed: dict[str, Incident | None] = {}
         for iid in touched:
             new = self._build(iid) if iid in self._members else None
+            self._note_growing(iid, new)
             if new != self.incidents.get(iid):
                 changed[iid] = new
                 if new is None:
@@ -235,17 +237,21 @@ rec:divergence:*:400:0
                     self.incidents[iid] = new
         return changed
 
+    def _note_growing(self, iid: str, inc: Incident | None) -> None:
+        if inc is not None and inc.active and any(
+                self._states[m].active and self._states[m].kind in _GROWING for m in self._members[iid]):
+            self._growing.add(iid)
+        else:
+            self._growing.discard(iid)
+
     def advance(self, step: int) -> dict[str, Incident]:
         """The run reached ``step``: the active incidents whose cost grows with the steps (an open throughput drop,
         straggler or slow node) are rebuilt with their badput so far; returns those that changed, by id."""
         self._step = step
         changed: dict[str, Incident] = {}
-        for iid, inc in list(self.incidents.items()):
-            if not inc.active or not any(self._states[m].active and self._states[m].kind in _GROWING
-                                         for m in self._members[iid]):
-                continue
+        for iid in sorted(self._growing):  # a few: not every incident of the run
             new = self._build(iid)
-            if new != inc:
+            if new != self.incidents[iid]:
                 self.incidents[iid] = changed[iid] = new
         return changed
 

@@ -46,9 +46,7 @@ from trainhealth.detectors.throughput import ThroughputDropDetector, step_second
 from trainhealth.detectors.worker_restart import WorkerRestartDetector
 from trainhealth.job import Culprit, JobState
 from trainhealth.recommendations import Recommendation
-from trainhealth.wire import ROW_DATA, ROW_FIELDS, ROW_SOURCE, Event, StepRecord, step_record
-
-_ROW_STEP = ROW_FIELDS.index("step")
+from trainhealth.wire import ROW_DATA, ROW_SOURCE, ROW_STEP, Event, StepRecord, step_record
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +215,7 @@ class RunPipeline:
             src = rec[ROW_SOURCE]
             if type(src) is dict and self.rank_outlier.data_sections is agg.data_sections:
                 # A plain record's row holds the data-loading sum observe() would compute.
-                self.rank_outlier.observe_data(rank, rec[ROW_DATA], rec[_ROW_STEP])
+                self.rank_outlier.observe_data(rank, rec[ROW_DATA], rec[ROW_STEP])
             else:
                 self.rank_outlier.observe(src if isinstance(src, StepRecord) else step_record(src))
             out = agg.add_row(rec)

@@ -545,6 +545,18 @@ def test_a_long_runs_whole_run_is_read_from_the_rollup_and_keeps_the_spike_and_t
     assert cold < 800_000 and cold < 0.1 * 80 * STEPS
 
 
+def test_an_unreadable_rollup_entry_is_named_under_the_rollup_key(long_run: redis.Redis) -> None:
+    seed_rollup(long_run)
+    key = run_keys(RUN).agg_rollup
+    long_run.xadd(key, {"gen": 0, "n": 5}, id="1-99999999")  # no first/last: cannot be placed
+    problems: list[str] = []
+    series = data.StepSeries(RUN).refresh(long_run, problems)
+    assert problems == [f"1 entry in {key} is unreadable (entry 1-99999999: no first/last step)"]
+    assert len(series.frame) == 2 * 1_000 + 1 + 0  # the other buckets, the NaN mark; nothing after the bad id
+    series.refresh(long_run, problems := [])
+    assert problems == [f"1 entry in {key} is unreadable (entry 1-99999999: no first/last step)"]  # every refresh
+
+
 def test_the_overview_draws_a_long_run_from_its_rollup_and_zooms_into_the_steps(long_run: redis.Redis) -> None:
     seed_rollup(long_run)
     at = app()

@@ -298,7 +298,7 @@ ROW_FIELDS = ("loss", "grad_norm", "t", "dur", "tokens", "samples", "inc", "lr",
 #: and the record the row was made from (a :class:`StepRecord`, or the decoded plain dict).
 ROW_BUSY, ROW_DATA, ROW_SOURCE = len(ROW_FIELDS), len(ROW_FIELDS) + 1, len(ROW_FIELDS) + 2
 _ROW_RANK = ROW_FIELDS.index("rank")
-_ROW_STEP = ROW_FIELDS.index("step")
+ROW_STEP = ROW_FIELDS.index("step")
 #: Ranks above this are refused as malformed (the largest jobs run ~100,000 GPUs; the aggregator
 #: and the rank detectors keep per-rank arrays of world-size length).
 MAX_RANKS = 1 << 20
@@ -409,10 +409,10 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
             row = (*map(d.get, ROW_FIELDS), busy, sum(map(get, data)), d)
         # Ranks index per-rank arrays in the aggregator and detectors: a wild one must not size them.
         # Steps become stream ids of th:{run}:agg: one beyond 64 bits would make every write of the run fail.
-        if not 0 <= row[_ROW_RANK] < MAX_RANKS or not -MAX_STEP <= row[_ROW_STEP] <= MAX_STEP:
+        if not 0 <= row[_ROW_RANK] < MAX_RANKS or not -MAX_STEP <= row[ROW_STEP] <= MAX_STEP:
             exc = (ValueError(f"record {i}: field 'rank' is {show(row[_ROW_RANK])}, not in 0..{MAX_RANKS - 1}")
                    if not 0 <= row[_ROW_RANK] < MAX_RANKS else
-                   ValueError(f"record {i}: field 'step' is {show(row[_ROW_STEP])}, beyond +-{MAX_STEP:,}"))
+                   ValueError(f"record {i}: field 'step' is {show(row[ROW_STEP])}, beyond +-{MAX_STEP:,}"))
             if on_bad is None:
                 raise exc
             on_bad(i, exc)
