@@ -75,7 +75,10 @@ def judge(beats: Iterable[Beat], timeout_s: float, silence_s: float, last_steps:
        the ones with no last word, or whose last word is their own error, come first: a rank killed (SIGKILL, the
        OOM killer), crashed natively, frozen (SIGSTOP) or cut off with its node leaves none, while the ranks blocked
        on it die of a communication error (:data:`COMM_ERROR`) and say so. The culprit is the first of those whose
-       heartbeat stopped earliest (then the lowest last step, then the lowest rank).
+       heartbeat stopped earliest (then the lowest last step, then the lowest rank). When no rank is alive, a rank
+       without a last word whose heartbeat went on for more than ``silence_s`` after the culprit's stopped is a
+       victim too: blocked in a collective, it could not run its SIGTERM handler and the launcher's SIGKILL ended it
+       (torchrun sends it 30 s after the SIGTERM).
     2. No rank gone, but one behind: every rank alive and stalled, some at a lower last step than the others — in
        a synchronous job the others completed the next step and wait for it in a collective.
     3. Otherwise no culprit: every rank waits in the same step.
@@ -94,6 +97,16 @@ def judge(beats: Iterable[Beat], timeout_s: float, silence_s: float, last_steps:
     >>> v = judge(read_beats(130.0, hb), 30.0, 15.0, {1: 190}, words)
     >>> v.dead, v.victims, v.culprit.rank, v.culprit.step, v.culprit.pid
     ((1,), (0, 2, 3), 1, 190, 11)
+
+    Rank 2 was blocked in the all-reduce and SIGKILLed silently by the launcher 30 s later: still a victim.
+
+    >>> hb[2] = {**hb[2], "t": 127.0}
+    >>> del words[2]
+    >>> v = judge(read_beats(160.0, hb), 30.0, 15.0, {1: 190}, words)
+    >>> v.dead, v.victims, v.culprit.rank
+    ((1,), (0, 2, 3), 1)
+    >>> v.culprit.why.split(" or ")[-1]
+    'went silent up to 30 s after it (killed by the launcher while blocked in a collective)'
     """
     beats = list(beats)
     words = words or {}
@@ -116,10 +129,22 @@ def judge(beats: Iterable[Beat], timeout_s: float, silence_s: float, last_steps:
         if not first and not alive and all(said(b) and said(b).reason == "signal" for b in gone):
             # Every rank was stopped by a signal: preempted or cancelled, no rank is to blame.
             return Verdict(tuple(sorted(gone_ranks)), (), (), tuple(sorted(gone_ranks)), None)
+
+        def earliest(pool: list[Beat]) -> Beat:
+            # Earliest last heartbeat (largest silence), then the lowest last step, then the lowest rank.
+            return min(pool, key=lambda b: (-b.silent_s, step_of(b) if step_of(b) is not None else -1, b.rank))
+
+        late: list[Beat] = []
+        if first and not alive:
+            # A rank blocked inside a collective cannot run its SIGTERM handler: the launcher's SIGKILL ends it
+            # silently (torchrun waits 30 s). Its heartbeat thread beat on while the first silent rank was already
+            # gone by the silence limit: it outlived the culprit, it did not stop with it.
+            t0 = earliest(first).silent_s
+            late = [b for b in first if t0 - b.silent_s > silence_s]
+            first = [b for b in first if b not in late]
         split = bool(first) and len(first) < len(gone)
         pool = first or gone
-        # Earliest last heartbeat (largest silence), then the lowest last step, then the lowest rank.
-        c = min(pool, key=lambda b: (-b.silent_s, step_of(b) if step_of(b) is not None else -1, b.rank))
+        c = earliest(pool)
         w = said(c)
         # In a synchronous job another rank completes a step only with the culprit in its collectives: a step the
         # others completed is one the culprit took part in too (its own records of it are held in its frozen sender,
@@ -131,8 +156,9 @@ def judge(beats: Iterable[Beat], timeout_s: float, silence_s: float, last_steps:
             why = "its heartbeat stopped while the other ranks' continued"
             dead = sorted(b.rank for b in pool)
         elif split:
-            others_said = [said(b) for b in gone if b not in pool]
-            how = _how_they_ended([x for x in others_said if x is not None])
+            others_said = [said(b) for b in gone if b not in pool and b not in late]
+            how = _how_they_ended([x for x in others_said if x is not None],
+                                  max((c.silent_s - b.silent_s for b in late), default=None))
             why = (f"no last word (killed, crashed, frozen or lost its node) while the others {how}" if w is None
                    else f"its own error ({w.error}) while the others {how}")
             dead = sorted(b.rank for b in pool)
@@ -155,12 +181,20 @@ def judge(beats: Iterable[Beat], timeout_s: float, silence_s: float, last_steps:
     return Verdict((), rank_sort)
 
 
-def _how_they_ended(words: list[LastWord]) -> str:
+def _how_they_ended(words: list[LastWord], silent_after_s: float | None = None) -> str:
     """How the victims ended, in words: ``exited after it with a communication error``, ``were stopped by the
-    launcher (SIGTERM) after it``, or both."""
-    signals = sum(w.reason == "signal" for w in words)
-    if signals == len(words):
-        return "were stopped by a SIGTERM (the launcher tearing the group down) after it"
-    if signals == 0:
-        return "exited after it with a communication error"
-    return "exited after it with a communication error or were stopped by the launcher's SIGTERM"
+    launcher (SIGTERM) after it``, both, and/or ``went silent up to N s after it`` (ranks without a last word that
+    beat on past the culprit's silence limit: killed by the launcher while blocked in a collective)."""
+    parts = []
+    if words:
+        signals = sum(w.reason == "signal" for w in words)
+        if signals == len(words):
+            parts.append("were stopped by a SIGTERM (the launcher tearing the group down) after it")
+        elif signals == 0:
+            parts.append("exited after it with a communication error")
+        else:
+            parts.append("exited after it with a communication error or were stopped by the launcher's SIGTERM")
+    if silent_after_s is not None:
+        parts.append(f"went silent up to {silent_after_s:.0f} s after it (killed by the launcher while blocked in "
+                     "a collective)")
+    return " or ".join(parts)

@@ -167,7 +167,10 @@ class DeadRankDetector:
                                                              "progress")
         if culprit is None and cur is not None:
             culprit = Culprit.from_dict(cur.evidence.get("culprit"))
-        ranks = tuple(sorted(set(cur.ranks if cur else ()) | set(dead)))
+        # A rank named while its last word or its late heartbeat was still on the way (a starved heartbeat thread,
+        # a rank the launcher killed after the culprit) leaves the list once the verdict shows it stopped after it.
+        after = set(verdict.victims) & set(verdict.gone)
+        ranks = tuple(sorted((set(cur.ranks if cur else ()) - after) | set(dead)))
         last = [by_rank[r].step if r in by_rank else None for r in ranks]
         victims = [r for r in verdict.victims if r not in dead]
         ev = {"silent_ranks": sorted(gone), "stuck_ranks": sorted(stuck), "last_steps": last,

@@ -386,6 +386,78 @@ def test_a_killed_rank_is_the_culprit_of_a_crash_and_its_relaunch() -> None:
     assert outs[-1].job.state == "finished" and all(o.job is None for o in outs[:-1])
 
 
+def test_a_rank_blocked_in_the_collective_and_killed_silently_by_the_launcher_is_a_victim() -> None:
+    # Rank 6 is SIGKILLed 1 s after step 99. Ranks 0-2 and 4-7 die of the closed connection and say so; rank 3 is
+    # blocked inside the all-reduce, cannot run its SIGTERM handler, and torchrun SIGKILLs it 30 s later: its
+    # heartbeat thread beat until then, and it leaves no last word. It is not a second culprit.
+    pipe = _job()
+    end = T0 + 100.0
+    hb = {r: _hb(end + 1.0, 99, end, host=host_of(4)(r)) for r in range(8)}
+    hb[6] = _hb(end + 0.9, 99, end, host="node-b")
+    for r in (0, 1, 2, 4, 5, 7):
+        pipe.feed_event(Event("rank_exit", r, end + 1.1, T0, step=99,
+                              extra={"phase": "train", "reason": "exception",
+                                     "error": "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by "
+                                              "peer"}))
+    hb[3] = _hb(end + 16.0, 99, end, host="node-a")
+    [dead] = check(pipe, end + 17.0, hb)  # rank 3 still beats: rank 6 is dead, the others victims
+    assert (dead.ranks, dead.evidence["victims"]) == ((6,), [0, 1, 2, 3, 4, 5, 7])
+    hb[3] = _hb(end + 31.0, 99, end, host="node-a")
+    check(pipe, end + 32.0, hb)
+    out = pipe.check_heartbeats(end + 47.0, hb)  # rank 3 silent 16 s: every rank gone
+    # The hang opened while rank 3 still beat ends with the job down; the dead rank is rank 6 alone.
+    assert [(a.kind, a.status, a.ranks) for a in out.anomalies] == [
+        ("hang", "resolved", (0, 1, 2, 3, 4, 5, 6, 7)), ("dead_rank", "active", (6,))]
+    assert out.anomalies[1].message.endswith("ranks 0, 1, 2, 3, 4, 5, 7 stopped after it")
+    out = pipe.check_heartbeats(end + 77.0, hb)
+    assert (out.job.state, out.job.culprit.rank) == ("crashed", 6)
+    assert out.job.message.endswith("while the others exited after it with a communication error or went silent up "
+                                    "to 30 s after it (killed by the launcher while blocked in a collective); no "
+                                    "relaunch within 30 s")
+    [crash] = [a for a in pipe.anomalies.values() if a.kind == "dead_rank"]
+    assert (crash.ranks, crash.evidence["victims"]) == ((6,), [0, 1, 2, 3, 4, 5, 7])
+
+
+def test_a_rank_whose_last_word_arrives_late_leaves_the_dead_ranks() -> None:
+    # Rank 6 is SIGKILLed; rank 3's last word (a gloo error) reaches Redis only after the first check, which names
+    # both. Once it is read, rank 3 is a victim and the dead rank is rank 6 alone.
+    pipe = _job()
+    end = T0 + 100.0
+    hb = {r: _hb(end + 1.0, 99, end, host=host_of(4)(r)) for r in range(8)}
+    hb[6] = _hb(end + 0.9, 99, end, host="node-b")
+
+    def word(r: int) -> None:
+        pipe.feed_event(Event("rank_exit", r, end + 1.1, T0, step=99,
+                              extra={"phase": "train", "reason": "exception",
+                                     "error": "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection reset by "
+                                              "peer"}))
+    for r in (0, 1, 2, 4, 5, 7):
+        word(r)
+    [dead] = check(pipe, end + 17.0, hb)
+    assert dead.ranks == (3, 6)
+    word(3)
+    [dead] = check(pipe, end + 18.0, hb)
+    assert (dead.ranks, dead.evidence["victims"], dead.evidence["culprit"]["rank"]) == ((6,), [0, 1, 2, 3, 4, 5, 7], 6)
+
+
+def test_ranks_of_a_lost_node_going_silent_together_are_all_named() -> None:
+    # Node b (ranks 4-7) loses power 1 s after step 99: its four heartbeats stop within one interval, no last
+    # words; node a's ranks die of the closed connections and say so. All four silent ranks are named.
+    pipe = _job()
+    end = T0 + 100.0
+    hb = {r: _hb(end + 1.0 + (r % 4) * 1.2, 99, end, host=host_of(4)(r)) for r in range(8)}
+    for r in range(4):
+        pipe.feed_event(Event("rank_exit", r, end + 6.0, T0, step=99,
+                              extra={"phase": "train", "reason": "exception",
+                                     "error": "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection reset by "
+                                              "peer"}))
+    check(pipe, end + 25.0, hb)
+    out = pipe.check_heartbeats(end + 60.0, hb)
+    assert (out.job.state, out.job.culprit.rank) == ("crashed", 4)
+    [crash] = [a for a in pipe.anomalies.values() if a.kind == "dead_rank"]
+    assert (crash.ranks, crash.evidence["victims"]) == ((4, 5, 6, 7), [0, 1, 2, 3])
+
+
 class Staggered:
     """A job whose ranks' heartbeat threads write every 5 s, rank r at offset 0.3 + 0.6 r s (as
     ``trainhealth.Monitor``: each carries the job's last step, when and the phase as they were then),
