@@ -606,6 +606,27 @@ class Monitor:
                             "recorded as given", show(seconds))
         self._event("checkpoint_save", step=step, seconds=seconds)
 
+    #: Events :meth:`log_event` sends: what a log reader or launcher wrapper reports for the job.
+    LOGGED_EVENTS = ("collective_timeout", "worker_restart")
+
+    def log_event(self, kind: str, step: int | None = None, seconds: float | None = None, rank: int | None = None,
+                  **fields: Any) -> None:
+        """Record an event a log reports (``trainhealth follow``, a launcher wrapper): a ``collective_timeout``
+        (a rank's NCCL watchdog: ``op``, ``seq``, ``timeout_s``, ``last_enqueued``, ``last_completed``, ``pg``;
+        ``seconds`` waited) or a ``worker_restart`` (torchelastic: ``restart_count``, ``failed_rank``, …).
+
+        ``rank`` is the rank the log names (default this Monitor's); ``fields`` go as they are (numbers as text on
+        the wire, see docs/architecture.md, the events stream). Another ``kind`` is not sent, with one warning.
+        Never raises.
+        """
+        if kind not in self.LOGGED_EVENTS:
+            self._warn_once(f"log_event:{show(kind)}", "log_event(%s): not one of %s; not sent", show(kind),
+                            ", ".join(self.LOGGED_EVENTS))
+            return
+        if rank is not None:
+            fields["rank"] = rank
+        self._event(kind, step=step, seconds=seconds, **fields)
+
     def checkpoint_loaded(self, step: int, seconds: float | None = None) -> None:
         """Record that training resumed from the checkpoint of ``step`` (restore took ``seconds``)."""
         self._event("checkpoint_load", step=step, seconds=seconds)

@@ -1,6 +1,6 @@
 """The ``trainhealth`` commands: the top floor, the only place that wires the parts together.
 
-One module per command (``demo``, ``serve``, ``dashboard``, ``replay``, ``analyze``, ``doctor``, ``redis``,
+One module per command (``demo``, ``serve``, ``dashboard``, ``replay``, ``follow``, ``analyze``, ``doctor``, ``redis``,
 ``advise``, ``alerts``/``silence``/``deadletters``), each with ``register(sub)`` adding its parser and the
 function it runs. :func:`main` is the ``trainhealth`` console script and ``python -m trainhealth``. Nothing
 else in the package imports from here.
@@ -27,6 +27,7 @@ from trainhealth.commands import (
     dashboard,
     demo,
     doctor,
+    follow,
     redis_server,
     replay,
     serve,
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"trainhealth {__version__}")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, serve, dashboard, replay, analyze, doctor, redis_server, advise, alerts):
+    for module in (demo, serve, dashboard, replay, follow, analyze, doctor, redis_server, advise, alerts):
         module.register(sub)
     return p
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainhealth.collectors.importers.tail import following
 from trainhealth.exceptions import InputFormatError
 from trainhealth.logpoint import LogEvent
 from trainhealth.wire import MAX_STEP
@@ -69,6 +70,12 @@ class Lines:
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         self.torn = None
+        follow = following.get()
+        if follow is not None and follow.matches(self.path) and follow.begin_pass():
+            # trainhealth follow: the reader's last pass waits for the lines still to be written (no torn line:
+            # a line without its end is held until it has one).
+            yield from follow.lines()
+            return
         f = open_text(self.path)
         try:
             with f:

@@ -249,10 +249,13 @@ def read(path: str | Path) -> Iterator[LogPoint | LogEvent]:
     pending: _Point | None = None                # the point of the current counter, until the next one
     ordinal = 0                                  # training dicts so far (the step without a bar)
     told = False
+    seen_overflow = False
 
     def skipped() -> int | None:
         n = overflows.take()
-        return n if any_overflow else None
+        # A followed log (trainhealth follow) was scanned before its first overflow line was written: one seen
+        # since says the job prints them too.
+        return n if any_overflow or seen_overflow else None
 
     for lineno, text in lines:
         bar = parse_bar(text)
@@ -282,6 +285,7 @@ def read(path: str | Path) -> Iterator[LogPoint | LogEvent]:
                         cur, clock = n, (n, bar.elapsed)
         if overflows.add(text):
             last = lineno
+            seen_overflow = True
             continue
         if "{" in text and (m := DICT.search(text)) is not None:
             try:

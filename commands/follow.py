@@ -1,0 +1,211 @@
+"""``trainhealth follow``: tail a training job's log into Redis live, so a job is monitored without touching its
+code (Megatron, NeMo, DeepSpeed, llm.c, nanoGPT, mmengine, HF Trainer stdout, LLaMA-Factory, torchrun's agent)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from trainhealth.collectors.importers import FORMATS, detect, read_items
+from trainhealth.collectors.importers.runs import log_stem
+from trainhealth.collectors.importers.tail import Follow, check_followable, following, line_start, wait_for
+from trainhealth.collectors.monitor import Monitor
+from trainhealth.commands._shared import command, interrupt_on_signals, parse_map, resolve, with_url
+from trainhealth.exceptions import ConfigError, InputFormatError
+from trainhealth.keys import validate_run_id
+from trainhealth.logpoint import LogEvent, LogPoint
+
+log = logging.getLogger(__name__)
+
+#: Formats a follow reads, with how many passes their reader makes over the file (the last one follows; a first
+#: pass scans what is written so far: the JSON-lines columns, the HF stdout training bar). Left out: whole-file
+#: JSON (``trainer_state.json``, golden values, profiler traces: rewritten, not appended), TensorBoard event files,
+#: CSV (Lightning's CSVLogger rewrites its file when a new column appears), and per-rank logs.
+FOLLOW_PASSES: dict[str, int] = {
+    "megatron": 1, "nanogpt": 1, "modded_nanogpt": 1, "word_lm": 1, "llmc": 1, "mmengine": 1, "text_kv": 1,
+    "hf_stdout": 2, "llamafactory": 2, "wandb_jsonl": 2, "jsonl": 2, "nccl_watchdog": 1, "torchelastic": 1,
+}
+#: Events a followed log reports that go to Redis as they are (checkpoint saves go through checkpoint_saved()).
+FORWARDED_EVENTS = ("collective_timeout", "worker_restart")
+
+
+def default_run_id(path: Path) -> str:
+    """The run id a follow uses without ``--run``: the launcher's job id (``TORCHELASTIC_RUN_ID``,
+    ``SLURM_JOB_ID``) when set, as ``<id>``, else ``follow-<log name>``.
+
+    >>> import os; os.environ.pop("TORCHELASTIC_RUN_ID", None); os.environ.pop("SLURM_JOB_ID", None)
+    >>> default_run_id(Path("/runs/gpt3/train.log"))
+    'follow-train'
+    """
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        v = os.environ.get(var, "").strip()
+        if v and v != "none":
+            return v
+    return "follow-" + log_stem(path)
+
+
+class Follower:
+    """Push what a growing log reports through one :class:`~trainhealth.collectors.Monitor` (rank 0 of 1).
+
+    A step is stamped when its line is read (the record's ``t``) and carries the log's own time per step as
+    ``step_s`` when the log gives one, so the timing detectors judge the job's clock, not the arrival of lines
+    (a job writing to a file through a block buffer delivers them in bursts: run it with ``PYTHONUNBUFFERED=1``
+    or ``python -u``). Evaluations become ``badput("evaluation")``, checkpoint saves ``checkpoint_saved``, NCCL
+    watchdog timeouts and worker-group restarts their events. The Monitor's heartbeat says the follower is
+    alive and which step the log last reached, so a job whose log stops is a hang for the detector service.
+
+    Parameters
+    ----------
+    path : Path
+        The log file (it may not exist yet).
+    fmt : str
+        A key of :data:`FOLLOW_PASSES`.
+    monitor : Monitor
+        Where the records go.
+    mapping : dict | None
+        Field → column mapping for JSON-lines logs (``--map``).
+    from_start : bool
+        Read what the file already holds first (stamped as it arrives: use ``replay`` for a finished log).
+    poll_s : float
+        Seconds between looks at a quiet file.
+    stop : Callable[[], bool]
+        True ends the follow (checked at every look).
+    """
+
+    def __init__(self, path: Path, fmt: str, monitor: Monitor, *, mapping: dict[str, str | None] | None = None,
+                 from_start: bool = False, poll_s: float = 0.5, stop: Callable[[], bool] = lambda: False) -> None:
+        self.path = path
+        self.fmt = fmt
+        self.monitor = monitor
+        self.mapping = mapping
+        self.from_start = from_start
+        self.poll_s = poll_s
+        self.stop = stop
+        self.steps = 0
+        self.events = 0
+        self.follow: Follow | None = None
+
+    def run(self) -> None:
+        """Follow until :attr:`stop` says so. Raises :class:`InputFormatError` for a log its reader refuses."""
+        start = lines = 0
+        if not self.from_start and self.path.exists():
+            start, lines = line_start(self.path, self.path.stat().st_size)
+        passes = FOLLOW_PASSES[self.fmt]
+        if passes > 1 and not wait_for(self.path, self.stop, self.poll_s):
+            return  # a scanning reader needs the file's first lines
+        self.follow = Follow(self.path, start=start, start_line=lines, passes=passes, poll_s=self.poll_s,
+                             stop=self.stop)
+        token = following.set(self.follow)
+        try:
+            for item in read_items(self.path, self.fmt, self.mapping):
+                self._push(item)
+        finally:
+            following.reset(token)
+
+    def _push(self, item: LogPoint | LogEvent) -> None:
+        mon = self.monitor
+        if isinstance(item, LogEvent):
+            if item.kind == "checkpoint_save" and item.step is not None:
+                mon.checkpoint_saved(item.step, item.seconds if item.seconds is not None else 0.0)
+            elif item.kind in FORWARDED_EVENTS:
+                mon.log_event(item.kind, step=item.step, seconds=item.seconds, rank=item.rank, **dict(item.fields))
+            else:
+                return
+            self.events += 1
+            return
+        if item.is_eval:
+            mon.badput("evaluation", item.eval_seconds or 0.0, step=item.step)
+            return
+        mon.log_step(item.step, loss=item.loss, grad_norm=item.grad_norm, lr=item.lr, tokens=item.tokens,
+                     consumed_samples=item.consumed_samples, skipped=bool(item.skipped) if item.skipped is not None
+                     else None, step_s=item.step_seconds, loss_missing=item.loss_missing or None)
+        self.steps += 1
+
+
+# -- the command ---------------------------------------------------------------------------------
+def register(sub: Any) -> None:
+    """Add ``follow`` to the ``trainhealth`` sub-parsers."""
+    f = with_url(command(sub, "follow", "Tail a training job's log file into Redis as it is written, so the "
+                                        "detectors and the dashboard act on it live, without touching the job's "
+                                        "code. Survives rotation and truncation. Formats (detected, or --format): "
+                                        + ", ".join(FOLLOW_PASSES) + "."))
+    f.add_argument("path", metavar="PATH", help="the log file (it may not exist yet)")
+    f.add_argument("--format", choices=list(FOLLOW_PASSES), help="the log's format (default: detected from its "
+                   "name and content; needed when the file does not exist yet)")
+    f.add_argument("--map", action="append", metavar="FIELD=COLUMN",
+                   help="map one of our fields (step, loss, grad_norm, lr, tokens, step_seconds, ...) to a field "
+                        "of a JSON-lines log; repeatable")
+    f.add_argument("--run", help="run id (default: $TORCHELASTIC_RUN_ID or $SLURM_JOB_ID, else follow-<file name>)")
+    f.add_argument("--from-start", action="store_true",
+                   help="read what the file already holds first, stamped as it is read (default: only what is "
+                        "written from now on; `trainhealth replay` places a finished log on its own timeline)")
+    f.add_argument("--poll", type=float, default=0.5, metavar="SECONDS",
+                   help="seconds between looks at a quiet file (default 0.5)")
+    f.add_argument("--gpu-hour-usd", type=float, help="price of one GPU-hour, for the cost figures")
+    f.set_defaults(func=run, extra=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Follow ``args.path`` until Ctrl-C or SIGTERM; 0 (the run is then marked ``stopped``)."""
+    from trainhealth.embedded_redis import connect
+
+    path = Path(args.path)
+    why = check_followable(path)
+    if why is not None:
+        raise ConfigError(why)
+    if not 0.01 <= args.poll <= 60:
+        raise ConfigError(f"--poll={args.poll!r} must be between 0.01 and 60 seconds")
+    fmt = args.format
+    if fmt is None:
+        if not path.exists() or path.stat().st_size == 0:
+            raise ConfigError(f"{path}: does not exist or is empty, so its format cannot be detected: pass --format "
+                              f"({', '.join(FOLLOW_PASSES)})")
+        fmt = detect(path)
+    if fmt not in FOLLOW_PASSES:
+        raise ConfigError(f"{path}: a {FORMATS[fmt][2]} ({fmt}) cannot be followed: "
+                          + ("it is rewritten whole, not appended to" if fmt in ("hf_trainer_state", "megatron_golden",
+                                                                                  "kineto_trace", "lightning_csv",
+                                                                                  "wandb_csv", "csv")
+                             else "it is not a line log of one rank")
+                          + f"; use `trainhealth replay` when it is complete. Followed formats: "
+                          f"{', '.join(FOLLOW_PASSES)}")
+    run_id = args.run if args.run is not None else default_run_id(path)
+    try:
+        validate_run_id(run_id)
+    except ConfigError as exc:
+        raise ConfigError("--run " + str(exc).removeprefix("run=")) from None
+    mapping = parse_map(args.map)
+    url, _ = resolve(args)
+    client: redis.Redis = connect(url)
+    mon = Monitor(run_id, client=client, rank=0, world_size=1, gpu_hour_usd=args.gpu_hour_usd)
+    client.hset(mon.keys.meta, mapping={"source": f"follow:{path.name}"})
+    stopping = False
+
+    def stop() -> bool:
+        return stopping
+
+    follower = Follower(path, fmt, mon, mapping=mapping, from_start=args.from_start, poll_s=args.poll, stop=stop)
+    print(f"following {path} ({fmt}) as run {run_id!r}" + ("" if args.from_start else " from its end")
+          + "; Ctrl-C stops", flush=True)
+    interrupt_on_signals()
+    status = "stopped"
+    try:
+        follower.run()
+    except KeyboardInterrupt:
+        stopping = True
+    except InputFormatError:
+        status = "failed"
+        raise
+    finally:
+        ok = mon.close(status)
+        print(f"trainhealth follow: {follower.steps:,} steps and {follower.events:,} events of {path} sent as run "
+              f"{run_id!r}" + ("" if ok else " (NOT all delivered)") + f"; run marked {status!r}",
+              file=sys.stderr, flush=True)
+    return 0
