@@ -179,6 +179,24 @@ class _Phase:
             mon.badput(self._name or self._kind, seconds, step=self._step)
 
 
+def _ignore(*_: Any) -> None:
+    return None
+
+
+class _NullSender:
+    """The sender of a Monitor made with ``enabled=False``: nothing queued, nothing sent, nothing running."""
+
+    connected = False
+    pending = overflowed = dropped_total = 0
+
+    @staticmethod
+    def is_alive() -> bool:
+        return False
+
+
+_NULL_SENDER = _NullSender()
+
+
 class Monitor:
     """Per-rank training-health collector.
 
@@ -242,6 +260,9 @@ class Monitor:
         Everything is delivered in order after reconnecting.
     spill_bytes : int
         Bound of the spill on disk (bytes); beyond it the oldest records are dropped and counted.
+    enabled : bool
+        False: the arguments are checked, then nothing starts, nothing is sent and every method returns at once
+        (``TRAINHEALTH_MODE=disabled`` with :func:`trainhealth.init`).
 
     Raises
     ------
@@ -272,6 +293,7 @@ class Monitor:
         started_at: float | None = None,
         spill_dir: str | os.PathLike[str] | bool | None = None,
         spill_bytes: int = defaults.COLLECTOR_SPILL_BYTES,
+        enabled: bool = True,
     ) -> None:
         self.keys = run_keys(run)
         self.run = run
@@ -312,7 +334,7 @@ class Monitor:
                 raise ConfigError(f"run_config is not JSON-serialisable: {exc}") from None
         else:
             config_json = None
-        if client is None:
+        if client is None and enabled:
             url = config.redis_url(redis_url)
             if url is None:
                 log.warning(
@@ -335,6 +357,11 @@ class Monitor:
         self._exit_said = False  # rank_exit sent (at most once)
         self._errors = 0
         self._lock = threading.Lock()
+        if not enabled:  # switched off (TRAINHEALTH_MODE=disabled): every call returns at once, nothing starts
+            self._off = True
+            self._sender = _NULL_SENDER  # type: ignore[assignment]
+            self._put = self._put_rec = _ignore  # type: ignore[assignment]
+            return
 
         def connect() -> redis.Redis:
             if client is not None:

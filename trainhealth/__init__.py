@@ -7,8 +7,8 @@ floor all parts share: Redis keys, the wire format, the records stored for other
 recommendations, silences), defaults, configuration, exceptions, formatting and the embedded Redis
 server. They import nothing above them (docs/architecture.md).
 
-``from trainhealth import Monitor`` is the job's entry point; it is imported on first use, so importing
-this package stays light.
+``from trainhealth import Monitor`` is the job's entry point, or ``trainhealth.init()`` (a Monitor configured
+from the launcher's environment); they are imported on first use, so importing this package stays light.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Monitor", "__version__"]
+__all__ = ["Monitor", "__version__", "init"]
 
 if TYPE_CHECKING:
+    from trainhealth.collectors.environment import init
     from trainhealth.collectors.monitor import Monitor
 
 
@@ -28,4 +29,8 @@ def __getattr__(name: str) -> Any:
         from trainhealth.collectors.monitor import Monitor
 
         return Monitor
+    if name == "init":
+        from trainhealth.collectors.environment import init
+
+        return init
     raise AttributeError(f"module 'trainhealth' has no attribute {name!r}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 # --- Redis -------------------------------------------------------------------
 #: Environment variable holding the Redis URL (``redis://``, ``rediss://``, ``unix://``).
 REDIS_URL_ENV = "TRAINHEALTH_REDIS_URL"
+#: ``online`` (default) or ``disabled``: whether :func:`trainhealth.init` sends anything (as W&B's WANDB_MODE).
+MODE_ENV = "TRAINHEALTH_MODE"
 #: Environment variable overriding the embedded server's home (data, pid, port files).
 HOME_ENV = "TRAINHEALTH_HOME"
 #: Embedded server's default home, under the user's home directory.
