@@ -1,9 +1,9 @@
 """The ``trainhealth`` commands: the top floor, the only place that wires the parts together.
 
-One module per command (``demo``, ``serve``, ``dashboard``, ``replay``, ``follow``, ``analyze``, ``doctor``, ``redis``,
-``advise``, ``alerts``/``silence``/``deadletters``), each with ``register(sub)`` adding its parser and the
-function it runs. :func:`main` is the ``trainhealth`` console script and ``python -m trainhealth``. Nothing
-else in the package imports from here.
+One module per command (``demo``, ``serve``, ``dashboard``, ``replay``, ``follow``, ``analyze``, ``doctor``,
+``redis``, ``advise``, ``alerts``/``silence``/``deadletters``, ``completion``), each with ``register(sub)`` adding
+its parser and the function it runs. :func:`main` is the ``trainhealth`` console script and ``python -m
+trainhealth``. Nothing else in the package imports from here.
 
 A command imports the parts it needs when it runs, so the base install (``pip install trainhealth``: the
 collectors and redis-py) has a working CLI: a command that needs an extra says which one to install.
@@ -24,6 +24,7 @@ from trainhealth.commands import (
     advise,
     alerts,
     analyze,
+    completion,
     dashboard,
     demo,
     doctor,
@@ -45,8 +46,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("transformers",),
     "lightning": ("lightning",),
 }
-_EXTRA_OF = {module: extra for extra, modules in EXTRAS.items() for module in modules} | {"tomli": "server",
-                                                                                         "hiredis": "server"}
+_EXTRA_OF = {module: extra for extra, modules in EXTRAS.items() for module in modules} | {
+    "tomli": "server", "hiredis": "server", "pythonjsonlogger": "server", "shtab": "server"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,8 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 "loss spikes, stragglers, hangs, restarts.")
     p.add_argument("--version", action="version", version=f"trainhealth {__version__}")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="text (default), or json: one JSON object per line (timestamp, level, logger, message, "
+                        "exc_info) for a log shipper (Loki, Elasticsearch, Cloud Logging)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, serve, dashboard, replay, follow, analyze, doctor, redis_server, advise, alerts):
+    for module in (demo, serve, dashboard, replay, follow, analyze, doctor, redis_server, advise, alerts,
+                   completion):
         module.register(sub)
     return p
 
@@ -81,8 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     stdout left (``| head``).
     """
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    if args.log_format == "json":
+        try:
+            from pythonjsonlogger.json import JsonFormatter
+        except ModuleNotFoundError:
+            print(_missing_extra(args.command, "server", "pythonjsonlogger"), file=sys.stderr)
+            return 2
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonFormatter("%(levelname)s %(name)s %(message)s", timestamp=True,
+                                           rename_fields={"levelname": "level", "name": "logger"}))
+        logging.basicConfig(level=level, handlers=[handler])
+    else:
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     extra = getattr(args, "extra", None)
     if extra is not None:
         missing = [m for m in EXTRAS[extra] if not _installed(m)]

@@ -20,6 +20,8 @@ def register(sub: Any) -> None:
     summary = ("Check Redis, the detector service and, where alerting is configured, the alert worker and its "
                "sinks; exit 1 when something is down.")
     o = with_url(command(sub, "doctor", summary), starts=False)
+    o.add_argument("--json", action="store_true",
+                   help="one JSON object instead of lines: ok, redis, services, runs, data_lost, alerting")
     o.set_defaults(func=run, extra=None)
 
 
@@ -27,10 +29,10 @@ def register(sub: Any) -> None:
 DATA_RUNS = 50
 
 
-def data_lines(client: Any, newest: int = DATA_RUNS) -> list[str]:
-    """One line per run, among the ``newest`` registered (by start time), whose figures rest on less than every
-    record (:func:`trainhealth.coverage.data_lost_text` of its ``ledger:latest`` snapshot); one line saying
-    nothing was lost otherwise. Informational: losses do not fail the check (nothing is down)."""
+def data_lost(client: Any, newest: int = DATA_RUNS) -> list[tuple[str, str]]:
+    """``(run, what was lost)`` of each run, among the ``newest`` registered (by start time), whose figures rest on
+    less than every record (:func:`trainhealth.coverage.data_lost_text` of its ``ledger:latest`` snapshot).
+    Informational: losses do not fail the check (nothing is down)."""
     import json
 
     from trainhealth.coverage import data_lost_text
@@ -40,7 +42,7 @@ def data_lines(client: Any, newest: int = DATA_RUNS) -> list[str]:
     pipe = client.pipeline(transaction=False)
     for run in runs:
         pipe.get(run_keys(run).ledger_latest)
-    lines = []
+    out = []
     for run, raw in zip(runs, pipe.execute() if runs else [], strict=True):
         try:
             snap = json.loads(raw) if raw else None
@@ -48,42 +50,76 @@ def data_lines(client: Any, newest: int = DATA_RUNS) -> list[str]:
             snap = None
         text = data_lost_text(snap) if isinstance(snap, dict) else None
         if text:
-            lines.append(f"Data lost: run {run}: {text}")
+            out.append((run, text))
+    return out
+
+
+def data_lines(client: Any, newest: int = DATA_RUNS) -> list[str]:
+    """One line per run of :func:`data_lost`; one line saying nothing was lost otherwise."""
+    from trainhealth.keys import RUNS
+
+    lines = [f"Data lost: run {run}: {text}" for run, text in data_lost(client, newest)]
     if not lines:
-        lines.append(f"Data: nothing lost in the {len(runs)} newest run{'s' if len(runs) != 1 else ''}"
-                     if runs else "Data: no runs yet")
+        n = min(client.zcard(RUNS), newest)
+        lines.append(f"Data: nothing lost in the {n} newest run{'s' if n != 1 else ''}" if n else "Data: no runs yet")
     return lines
 
 
-def run(args: argparse.Namespace) -> int:
-    """Print one line per component; returns 0 when all are up, else 1."""
+def report(url: str | None, now: float | None = None) -> dict[str, Any]:
+    """What ``doctor --json`` prints: ``ok`` (everything up), ``redis`` (``url`` with its password hidden, ``ok``,
+    ``version`` or ``error``), ``services`` (each live detector service's ``pid``, ``host``, ``runs``,
+    ``heartbeat_age_s``), ``runs`` (registered), ``data_lost`` (``run``, ``text``), ``alerting`` (``ok`` and its
+    ``lines``, as the text report says them). No secret: the URL is redacted."""
     import redis
 
     from trainhealth.alerts.health import doctor_report
     from trainhealth.keys import RUNS
 
-    url = config.redis_url(args.redis_url)
+    now = time.time() if now is None else now
     if url is None:
-        print("Redis: none configured (TRAINHEALTH_REDIS_URL unset, no embedded server running): "
-              "`trainhealth serve` or `trainhealth demo` starts the embedded one")
-        return 1
+        return {"ok": False, "redis": {"url": None, "ok": False, "error": "none configured"}}
     shown = config.redact_url(url)
     client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
     try:
         info = client.info("server")
     except redis.RedisError as exc:
-        print(f"Redis: {shown} UNREACHABLE ({exc})")
+        return {"ok": False, "redis": {"url": shown, "ok": False, "error": config.redact_url(str(exc))}}
+    services = [{"pid": s.get("pid"), "host": s.get("host"), "runs": s.get("runs"),
+                 "heartbeat_age_s": round(now - float(s.get("t", 0)), 1)} for s in live_services(client)]
+    alert_lines, alerts_ok = doctor_report(client)
+    return {"ok": bool(services) and alerts_ok,
+            "redis": {"url": shown, "ok": True, "version": info.get("redis_version")},
+            "services": services, "runs": client.zcard(RUNS),
+            "data_lost": [{"run": run, "text": text} for run, text in data_lost(client)],
+            "data_lines": data_lines(client),
+            "alerting": {"ok": alerts_ok, "lines": alert_lines}}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print one line per component (or the :func:`report` as JSON); returns 0 when all are up, else 1."""
+    import json
+
+    rep = report(config.redis_url(args.redis_url))
+    if args.json:
+        rep.pop("data_lines", None)
+        print(json.dumps(rep, indent=2))
+        return 0 if rep["ok"] else 1
+    r = rep["redis"]
+    if r["url"] is None:
+        print("Redis: none configured (TRAINHEALTH_REDIS_URL unset, no embedded server running): "
+              "`trainhealth serve` or `trainhealth demo` starts the embedded one")
         return 1
-    print(f"Redis: {shown} ok (redis {info.get('redis_version')})")
-    live = live_services(client)
-    for s in live:
-        print(f"Detector service: pid {s.get('pid')} on {s.get('host')}, {s.get('runs')} runs, "
-              f"heartbeat {time.time() - s.get('t', 0):.0f} s ago")
-    if not live:
+    if not r["ok"]:
+        print(f"Redis: {r['url']} UNREACHABLE ({r['error']})")
+        return 1
+    print(f"Redis: {r['url']} ok (redis {r['version']})")
+    for s in rep["services"]:
+        print(f"Detector service: pid {s['pid']} on {s['host']}, {s['runs']} runs, "
+              f"heartbeat {s['heartbeat_age_s']:.0f} s ago")
+    if not rep["services"]:
         print(f"Detector service: NOT RUNNING (no heartbeat in the last {SERVICE_STALE_S:.0f} s): "
               "start `trainhealth serve`")
-    print(f"Runs: {client.zcard(RUNS)}")
-    print("\n".join(data_lines(client)))
-    alert_lines, alerts_ok = doctor_report(client)
-    print("\n".join(alert_lines))
-    return 0 if live and alerts_ok else 1
+    print(f"Runs: {rep['runs']}")
+    print("\n".join(rep["data_lines"]))
+    print("\n".join(rep["alerting"]["lines"]))
+    return 0 if rep["ok"] else 1
