@@ -27,6 +27,7 @@ import redis
 from trainhealth import config, defaults
 from trainhealth.collectors import ranks
 from trainhealth.collectors.cuda_timing import GpuTimer, torch_event_factory
+from trainhealth.collectors.memory import MemorySampler
 from trainhealth.collectors.sender import Sender
 from trainhealth.collectors.spill import Spill
 from trainhealth.collectors.spill import default_directory as default_spill_directory
@@ -352,6 +353,7 @@ class Monitor:
         self._last_step: int | None = None
         self._last_step_t: float | None = None
         self._phase = "train"
+        self._memory = MemorySampler(self.local_rank)
         self._off = False
         self._closed = False
         self._exit_said = False  # rank_exit sent (at most once)
@@ -684,9 +686,15 @@ class Monitor:
 
     # -- heartbeat, flush, close ---------------------------------------------------------------
     def _heartbeat_body(self) -> tuple[int, str]:
+        # Built in the sender thread: the memory sample (a /proc read and the CUDA allocator's counters) never
+        # costs the training thread anything.
+        try:
+            mem = self._memory.sample()
+        except Exception:
+            mem = None
         return self.rank, json.dumps({
             "t": time.time(), "step": self._last_step, "step_t": self._last_step_t, "phase": self._phase,
-            "host": self.host, "pid": os.getpid(), "inc": self.inc,
+            "host": self.host, "pid": os.getpid(), "inc": self.inc, "mem": mem,
         }, default=_json_number)  # a step given as a numpy or tensor integer
 
     @property

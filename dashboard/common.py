@@ -218,7 +218,7 @@ KIND_WORDS = {
     "straggler": "Straggler", "slow_node": "Slow node", "rank_outlier": "Rank outlier", "hang": "Hang",
     "dead_rank": "Dead rank", "data_loss": "Data loss", "throughput_drop": "Throughput drop",
     "slow_step": "Slow step", "restart": "Restart", "restart_storm": "Restart storm",
-    "loss_collapse": "Loss collapse", "plateau": "Plateau",
+    "loss_collapse": "Loss collapse", "plateau": "Plateau", "memory_growth": "Memory growth",
 }
 
 

@@ -32,6 +32,8 @@ from trainhealth.detectors.job_state import JobStateTracker
 from trainhealth.detectors.ledger import GoodputLedger
 from trainhealth.detectors.loss_collapse import LossCollapseDetector
 from trainhealth.detectors.loss_spike import LossSpikeDetector
+from trainhealth.detectors.memory_growth import MemoryGrowthDetector
+from trainhealth.detectors.memory_pressure import MemoryHistory, MemoryVerdict
 from trainhealth.detectors.nan_inf import NanInfDetector
 from trainhealth.detectors.plateau import PlateauDetector
 from trainhealth.detectors.rank_outlier import RankOutlierDetector
@@ -153,6 +155,11 @@ class RunPipeline:
         self.throughput = ThroughputDropDetector()
         self.dead_rank = DeadRankDetector(self.hang.checkpoint_s, self.hang.heartbeat_interval,
                                           self.hang.missed_intervals)
+        # Memory, from the heartbeats' samples: a rank whose memory keeps growing, and whether a death was out of
+        # memory (the dead rank's and the restart's evidence; rank -> the verdict frozen when it was found dead).
+        self.memory = MemoryHistory()
+        self.memory_growth = MemoryGrowthDetector()
+        self._death_memory: dict[int, MemoryVerdict] = {}
         # What the job's own logs report (events): a collective timeout is a hang, a launcher restart a restart.
         self.collective_timeout = CollectiveTimeoutDetector()
         self.worker_restart = WorkerRestartDetector()
@@ -380,6 +387,9 @@ class RunPipeline:
                 for b in self._incident(self._with_hosts(a)):
                     self.anomalies[b.id] = b
                     out.anomalies.append(b)
+        for a in self.memory_growth.finish(self.current_step):
+            self.anomalies[a.id] = a
+            out.anomalies.append(a)
         return out
 
     def _incident(self, a: Anomaly) -> list[Anomaly]:
@@ -449,7 +459,7 @@ class RunPipeline:
             if hb is not None and (hb.get("step") is None or step > hb["step"]) and t <= now:
                 live[r] = {**hb, "step": step, "step_t": t}
         out = Output()
-        found: list[Anomaly] = []
+        found: list[Anomaly] = self._memory_samples(live)
         hang = self.hang
         silence = hang.missed_intervals * hang.heartbeat_interval
         try:
@@ -490,7 +500,7 @@ class RunPipeline:
             except Exception:
                 self._failed(self.dead_rank, self.current_step)
         for a in found:
-            a = self._in_job_incident(self._with_hosts(a))
+            a = self._in_job_incident(self._with_memory(self._with_hosts(a)))
             self.anomalies[a.id] = a
             out.anomalies.append(a)
             if RecoveryAdvisor.concerns(a) and self._incident_root(a):
@@ -615,7 +625,7 @@ class RunPipeline:
                     continue
                 for a in found:
                     if a.kind == "restart":
-                        a = self._in_job_incident(self._restarted(a, agg))
+                        a = self._in_job_incident(self._with_memory(self._restarted(a, agg)))
                     changed += self._incident(self._with_hosts(a))
             out.anomalies += changed
             for a in changed:
@@ -650,6 +660,50 @@ class RunPipeline:
         except Exception:
             self._failed(self.advisor, self.current_step)
             return None
+
+    def _memory_samples(self, beats: Mapping[int, Mapping[str, Any]]) -> list[Anomaly]:
+        """Keep each rank's new memory sample (a heartbeat's ``mem``) and feed the growth detector with it."""
+        out: list[Anomaly] = []
+        for r, hb in beats.items():
+            mem, t = hb.get("mem"), hb.get("t")
+            if not isinstance(mem, dict) or not isinstance(t, (int, float)):
+                continue
+            inc = hb.get("inc") if isinstance(hb.get("inc"), (int, float)) else None
+            step = hb.get("step") if isinstance(hb.get("step"), int) else self.current_step
+            host = self.hosts.get(r) or (hb.get("host") if isinstance(hb.get("host"), str) else None)
+            gen = self.aggregator.generation
+            try:
+                self.memory.add(r, float(t), mem, inc)
+                cuda = mem.get("cuda")
+                if isinstance(cuda, dict) and isinstance(cuda.get("alloc"), (int, float)):
+                    out += self.memory_growth.update(r, host, float(t), step=step, inc=inc or 0.0, metric="cuda",
+                                                     value=float(cuda["alloc"]), capacity=cuda.get("total"), gen=gen)
+                if isinstance(mem.get("rss_anon"), (int, float)):
+                    out += self.memory_growth.update(r, host, float(t), step=step, inc=inc or 0.0, metric="host",
+                                                     value=float(mem["rss_anon"]), capacity=mem.get("host_total"),
+                                                     gen=gen)
+            except Exception:  # see detector_errors
+                self._failed(self.memory_growth, self.current_step)
+        return out
+
+    def _with_memory(self, a: Anomaly) -> Anomaly:
+        """A dead rank or restart whose culprit died near its memory's limit, with ``evidence["memory"]`` (the
+        :class:`~trainhealth.detectors.memory_pressure.MemoryVerdict`) and "likely out of memory" in its message."""
+        if a.kind not in ("dead_rank", "restart") or (a.kind == "dead_rank" and not a.active) or "memory" in a.evidence:
+            return a  # a restart is a point event, created resolved
+        culprit = a.evidence.get("culprit")
+        ranks = [culprit["rank"]] if isinstance(culprit, dict) and isinstance(culprit.get("rank"), int) else a.ranks
+        for r in ranks:
+            if a.kind == "dead_rank":
+                v = self.memory.verdict(r)
+                if v is not None:
+                    self._death_memory[r] = v
+            else:
+                v = self._death_memory.pop(r, None) or self.memory.verdict(r, previous=True)
+            if v is not None:
+                return replace(a, evidence={**a.evidence, "memory": {"rank": r, **v.to_dict()}},
+                               message=f"{a.message}; likely out of memory on rank {r}: {v.why}")
+        return a
 
     def _with_hosts(self, a: Anomaly) -> Anomaly:
         hosts = tuple(sorted({self.hosts[r] for r in a.ranks if r in self.hosts}))

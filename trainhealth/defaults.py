@@ -390,6 +390,32 @@ DEAD_RANK_EVIDENCE_INTERVALS = 2.0
 RESTART_STORM_COUNT = 3
 RESTART_STORM_WINDOW_S = 3600.0
 
+# --- Detectors: memory (detectors/memory_growth.py, detectors/memory_pressure.py) -----------------------
+#: Window of a rank's memory trend (s): 30 min of 5-s heartbeat samples.
+MEMORY_WINDOW_S = 1800.0
+#: Shortest span judged (s) and fewest samples: a trend of less than 10 minutes is a warm-up, not a leak.
+MEMORY_MIN_SPAN_S = 600.0
+MEMORY_MIN_SAMPLES = 20
+#: Most floors the Theil–Sen line is fitted on (pairwise slopes: 1,770 at 60).
+MEMORY_MAX_POINTS = 60
+#: Seconds of samples whose lowest is one point of the trend (12 heartbeats): the memory left between steps.
+MEMORY_BUCKET_S = 60.0
+#: Growth over the window, as a fraction of the device's or host's memory, that opens (819 MiB of 80 GiB in 30 min:
+#: a leak that fills the device in a day or two is seen within the hour it starts).
+MEMORY_GROWTH_FRAC = 0.01
+#: Steadiness of that growth: Spearman's rho of memory with time (a leak climbs; a cache's saw-tooth does not).
+MEMORY_MIN_RHO = 0.9
+#: Capacity reached within this many seconds at the current slope: critical (an hour to act), else warning within
+#: a day, else info (the job may well end first).
+MEMORY_CRITICAL_WITHIN_S = 3600.0
+MEMORY_WARNING_WITHIN_S = 86400.0
+#: A rank whose last sample shows this share of its CUDA device reserved, with allocation retries (cache flushes,
+#: PyTorch's sign of memory pressure) in its last minute, or this share of its host's (or cgroup's) memory in its
+#: RSS, died "likely out of memory".
+MEMORY_PRESSURE_FRAC = 0.9
+#: Seconds before the last sample in which new allocation retries or OOMs count as pressure at death.
+MEMORY_PRESSURE_RECENT_S = 60.0
+
 # --- Rollback advisor -------------------------------------------------------------------
 #: Restart from a checkpoint at least this many steps before the onset (PaLM: ~100 steps).
 ROLLBACK_MARGIN_STEPS = 100

@@ -77,6 +77,23 @@ def fmt_rate(x: Any) -> str:
     return f"{x:,.0f}"
 
 
+def fmt_bytes(x: Any) -> str:
+    """Bytes in binary units (memory as ``nvidia-smi`` and ``free -h`` show it): ``5e8`` → ``477 MiB``,
+    ``8.6e10`` → ``80.1 GiB``, ``1.2e12`` → ``1.09 TiB``; missing → ``—``.
+
+    >>> [fmt_bytes(x) for x in (512, 5e8, 8.6e10, 1.2e12, None)]
+    ['512 B', '477 MiB', '80.1 GiB', '1.09 TiB', '—']
+    """
+    if x is None or not math.isfinite(float(x)):
+        return "—"
+    x = float(x)
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= size:
+            v = x / size
+            return f"{v:.2f} {unit}" if abs(v) < 10 else f"{v:.1f} {unit}" if abs(v) < 100 else f"{v:,.0f} {unit}"
+    return f"{x:.0f} B"
+
+
 def fmt_pct(x: Any) -> str:
     """A percentage: ``71.5`` → ``71.5%``; ``99.99`` → ``100%`` (six characters would not fit a KPI card).
 
