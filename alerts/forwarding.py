@@ -30,7 +30,8 @@ the way Prometheus sends its rule alerts:
   batches of 64 (Prometheus's notifier). The periodic sync carries the whole state, so a failure needs no queue
   and no dead letter: after one, the whole state is sent again after the delivery backoff (capped at the resend
   interval) or a 429's ``Retry-After``; three failed re-sends in a row still leave every alert active. Closed
-  alerts leave the hash once a sync carried them (a compare-and-delete: a change the intake wrote meanwhile stays).
+  alerts leave the hash once a sync carried them (a compare-and-delete: a change the intake wrote meanwhile stays);
+  with nothing to tell, the periodic sync POSTs an empty list, so a wrong URL or password shows before an alert.
   The sink's state (``th:{alerts}:sinks``: last success, failures in a row, last error with secrets removed) is
   what ``trainhealth doctor`` and the dashboard show.
 """
@@ -308,7 +309,9 @@ class Forwarder:
             alerts.append((text, am))
         alerts.sort(key=lambda x: x[1].fp)
         posts, status = 0, None
-        for i in range(0, len(alerts), self.batch):
+        # With nothing to tell, the periodic sync still POSTs an empty list: reachability and credentials are
+        # checked (and shown by doctor) before the first alert needs them.
+        for i in range(0, max(len(alerts), 0 if changed_only else 1), self.batch):
             chunk = [am for _, am in alerts[i:i + self.batch]]
             result = sink.post(self.http, chunk, now)
             posts, status = posts + 1, result.status

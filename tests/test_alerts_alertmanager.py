@@ -524,6 +524,13 @@ def test_forwarder_drops_expired_closed_alerts_and_keeps_one_the_intake_rewrote(
     clock.t = fwd.next_at["am"]
     assert fwd.run_once() == 1 and sorted(x["labels"]["anomaly"] for x in bodies[-1]) == ["w", "z"]
     assert {x["endsAt"] for x in bodies[-1]} == {iso(clock.t + 4)}
+    # nothing to tell: the periodic sync still checks the way there (an empty list), a wake-up does not
+    r.delete(key)
+    fwd.wake.set()
+    assert fwd.run_once() == 0
+    clock.t = fwd.next_at["am"]
+    assert fwd.run_once() == 1 and bodies[-1] == [] and len(bodies) == 4
+    assert json.loads(r.hget(ALERTS_SINKS, "am"))["delivered"] == 4
     # a closed alert the intake rewrites (it fires again) while a sync is under way is not deleted by that sync
     reopened = AmAlert("r/y", closed.labels, {}, 100.0)
     r.hset(key, closed.fp, reopened.to_json())
