@@ -11,11 +11,16 @@ service:
    ``th-alerts-delivery`` and sends through the sinks (:mod:`trainhealth.alerts.sinks`) with retries,
    exponential backoff with jitter, ``Retry-After`` on 429, a dead-letter list, and an idempotency key.
 
+An ``alertmanager`` sink takes neither path: the intake keeps each alert's state for it and the forwarder
+(:mod:`trainhealth.alerts.forwarding`, a third thread) sends the alerts themselves to Alertmanager's API,
+re-sent while active, since Alertmanager groups, silences and inhibits by itself.
+
 Module map: :mod:`~trainhealth.matchers` (label matchers), :mod:`~trainhealth.alerts.routing`,
 :mod:`~trainhealth.silences`, :mod:`~trainhealth.alerts.inhibition`,
 :mod:`~trainhealth.alerts.notification`, :mod:`~trainhealth.alerts.grouping`, :mod:`~trainhealth.alerts.config`,
 :mod:`~trainhealth.alerts.secrets`, :mod:`~trainhealth.alerts.signing`, :mod:`~trainhealth.alerts.sinks`,
-:mod:`~trainhealth.alerts.outbox`, :mod:`~trainhealth.alerts.intake`, :mod:`~trainhealth.alerts.watchdog`,
+:mod:`~trainhealth.alerts.outbox`, :mod:`~trainhealth.alerts.forwarding`, :mod:`~trainhealth.alerts.intake`,
+:mod:`~trainhealth.alerts.watchdog`,
 :mod:`~trainhealth.alerts.worker`, :mod:`~trainhealth.alert_store` (reads/writes for CLI and dashboard),
 :mod:`~trainhealth.alerts.health` (``trainhealth doctor``), :mod:`~trainhealth.alerts.preview` (Slack-like HTML).
 See ``docs/alerts.md``.

@@ -24,6 +24,10 @@ Layout (full example with comments: ``docs/alerts.example.toml``; reference: ``d
     type = "slack"
     url_env = "TH_SLACK_WEBHOOK_URL"   # secrets: *_env or *_file, never in the file itself
 
+    [sinks.team-am]              # hand the alerts to an Alertmanager (re-sent while active, resolved with endsAt)
+    type = "alertmanager"
+    url = "http://alertmanager.example:9093"
+
     [delivery]                   # retries: max_attempts, backoff_base, backoff_max, jitter, retry_after_max
     [watchdog]                   # service_down = true, service_stale = "60s"
     [deadman]                    # url_env/url_file/url, interval = "60s": ping while healthy
@@ -63,6 +67,7 @@ from trainhealth.alerts.inhibition import DEFAULT_RULES, InhibitRule
 from trainhealth.alerts.routing import Route, Timers
 from trainhealth.alerts.secrets import Secret
 from trainhealth.alerts.sinks import SINK_TYPES, Sink
+from trainhealth.alerts.sinks.alertmanager import ALERT_LABELS, LABEL_NAME
 from trainhealth.alerts.sinks.pagerduty import DEFAULT_URL as PAGERDUTY_URL
 from trainhealth.exceptions import ConfigError
 from trainhealth.matchers import LABELS, Matcher, MatcherError
@@ -143,7 +148,7 @@ class AlertsConfig:
             d = sink.describe()
             src = ", ".join(f"{k} from {v}" for k, v in d["secrets"].items())
             lines.append(f"  sink {sink.name}: {sink.type}, send_resolved={str(sink.send_resolved).lower()}, "
-                         f"timeout {sink.timeout:g} s; {src}")
+                         f"timeout {sink.timeout:g} s; {src}" + (f"; {d['note']}" if d.get("note") else ""))
         d = self.delivery
         lines.append(f"  delivery: {d.max_attempts} tries, backoff {d.backoff_base:g} s doubling to "
                      f"{d.backoff_max:g} s, jitter {d.jitter:g}, Retry-After capped at {d.retry_after_max:g} s")
@@ -163,6 +168,10 @@ SecretValue = Annotated[str, Meta(pattern=r"\S", description="secret")]
 #: Where a secret is: ``*_env`` an environment variable, ``*_file`` a file (relative to the config's folder).
 SecretSource = Annotated[str, Meta(pattern=r"\S", description="secret source")]
 MaxAlerts = Annotated[int, Meta(ge=1, le=7)]
+#: An HTTP basic auth user name: no ':' (RFC 7617 §2), no blank.
+UserName = Annotated[str, Meta(pattern=r"^[^:\s]+$")]
+#: Labels added to every alert of an Alertmanager sink: names to values.
+ExtraLabels = Annotated[dict[str, str], Meta(description="labels")]
 Attempts = Annotated[int, Meta(ge=1, le=100)]
 Jitter = Annotated[float, Meta(ge=0, le=1)]
 
@@ -210,6 +219,8 @@ class RawSink(_Table, tag_field="type"):
 
     #: Secrets besides ``url``, each given as ``<name>_env`` or ``<name>_file``.
     SECRETS: ClassVar[tuple[str, ...]] = ()
+    #: The same, for secrets that may be left out.
+    OPTIONAL_SECRETS: ClassVar[tuple[str, ...]] = ()
     #: Whether ``url`` may be written in the file; the URL when none is given.
     PLAIN_URL: ClassVar[bool] = True
     DEFAULT_URL: ClassVar[str | None] = None
@@ -245,8 +256,21 @@ class RawPagerDutySink(RawSink, tag="pagerduty"):
     routing_key_file: SecretSource | None = None
 
 
+class RawAlertmanagerSink(RawSink, tag="alertmanager"):
+    """A Prometheus Alertmanager (API v2): optional basic auth or bearer token, the resend interval, extra labels."""
+
+    OPTIONAL_SECRETS = ("password", "bearer_token")
+    username: UserName | None = None
+    password_env: SecretSource | None = None
+    password_file: SecretSource | None = None
+    bearer_token_env: SecretSource | None = None
+    bearer_token_file: SecretSource | None = None
+    resend_interval: Duration | None = None
+    labels: ExtraLabels | None = None
+
+
 #: A sink's table, by ``type`` (in the order of :data:`~trainhealth.alerts.sinks.SINK_TYPES`).
-RawSinkTable = RawSlackSink | RawWebhookSink | RawPagerDutySink
+RawSinkTable = RawSlackSink | RawWebhookSink | RawPagerDutySink | RawAlertmanagerSink
 
 
 class RawDelivery(_Table):
@@ -302,6 +326,8 @@ _PROBLEMS: dict[Any, str] = {
     SecretValue: "must be a non-empty string",
     SecretSource: "must be a non-empty string",
     MaxAlerts: "must be an integer from 1 to 7 (Slack allows 50 blocks)",
+    UserName: "must be a user name without ':' or blanks",
+    ExtraLabels: "must be a table of label names to string values",
     Attempts: "must be an integer from 1 to 100",
     Jitter: "must be a number from 0 (none) to 1 (full jitter)",
     list[RawChildRoute]: "must be an array of tables ([[...routes]])",
@@ -460,13 +486,16 @@ def _url_ok(url: str) -> bool:
 
 
 def _secret(ctx: _Ctx, t: RawSink | RawDeadman, key: str, name: str, *, plain_ok: bool,
-            default: str | None = None) -> Secret:
-    """Resolve ``name`` / ``name_env`` / ``name_file`` (exactly one) of table ``t`` at ``key``."""
+            default: str | None = None, optional: bool = False) -> Secret | None:
+    """Resolve ``name`` / ``name_env`` / ``name_file`` (exactly one; none for an ``optional`` one: None) of table
+    ``t`` at ``key``."""
     given = [k for k in (name, f"{name}_env", f"{name}_file")
              if getattr(t, k, None) is not None or f"{key}.{k}" in ctx.faults]
     if len(given) > 1:
         raise ctx.error(key, f"give only one of {', '.join(given)}")
     if not given:
+        if optional:
+            return None
         if default is None:
             raise ctx.error(key, f"missing {name}_env (environment variable) or {name}_file (file holding it)")
         return Secret(default, "default")
@@ -503,10 +532,45 @@ def _sink(ctx: _Ctx, name: str, raw: Any, dashboard_url: str) -> Sink:
     kw["url"] = _secret(ctx, t, key, "url", plain_ok=t.PLAIN_URL, default=t.DEFAULT_URL)
     for s in t.SECRETS:
         kw[s] = _secret(ctx, t, key, s, plain_ok=False)
+    for s in t.OPTIONAL_SECRETS:
+        if (secret := _secret(ctx, t, key, s, plain_ok=False, optional=True)) is not None:
+            kw[s] = secret
     for option in cls.OPTIONS:  # the sink class's own settings
         if (value := ctx.shape(f"{key}.{option}", getattr(t, option))) is not None:
             kw[option] = value
+    if isinstance(t, RawAlertmanagerSink):
+        kw.update(_alertmanager(ctx, t, key, kw))
     return cls(name, **kw)
+
+
+def _alertmanager(ctx: _Ctx, t: RawAlertmanagerSink, key: str, kw: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of an ``alertmanager`` sink besides the common ones and its secrets (already in ``kw``)."""
+    if not kw["send_resolved"]:
+        raise ctx.error(f"{key}.send_resolved", "must be true for an alertmanager sink: a resolve is how Alertmanager "
+                        "learns an alert ended (choose send_resolved on Alertmanager's receivers instead)", False)
+    out: dict[str, Any] = {"resend_interval": ctx.duration(f"{key}.resend_interval", t.resend_interval,
+                                                           defaults.ALERT_AM_RESEND_INTERVAL_S, minimum=1.0)}
+    username = ctx.shape(f"{key}.username", t.username)
+    if username is not None:
+        if "password" not in kw:
+            raise ctx.error(f"{key}.username", "basic auth needs the password too: set password_env or password_file",
+                            username)
+        out["username"] = username
+    elif "password" in kw:
+        raise ctx.error(key, "password_env / password_file is basic auth: set username too")
+    if "password" in kw and "bearer_token" in kw:
+        raise ctx.error(key, "give basic auth (username, password_*) or bearer_token_*, not both")
+    labels = ctx.shape(f"{key}.labels", t.labels) or {}
+    for name, value in labels.items():
+        if not LABEL_NAME.match(name) or name.startswith("__"):
+            raise ctx.error(f"{key}.labels.{name}", "not a label name (letters, digits and '_', not starting with a "
+                            "digit; '__' is reserved)", value)
+        if name in ALERT_LABELS:
+            raise ctx.error(f"{key}.labels.{name}", f"is set from the anomaly ({', '.join(ALERT_LABELS)})", value)
+        if value == "":
+            raise ctx.error(f"{key}.labels.{name}", "must not be empty (Alertmanager drops empty labels)", value)
+    out["labels"] = dict(labels)
+    return out
 
 
 def _route(ctx: _Ctx, t: RawRoute | RawChildRoute, key: str, rid: str, parent: Route | None,

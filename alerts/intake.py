@@ -33,6 +33,10 @@ the window holds nothing back. A resolve of an alert that was notified as firing
 longer) mutes its alerts (:attr:`~trainhealth.alerts.grouping.Grouper.ended_runs`): no notification, no
 ``repeat_interval`` reminder every 4 h for a divergence that will never resolve because the job is gone.
 Checked for the runs the groups hold every :data:`WATCHDOG_EVERY_S`. ``catch_up = 0`` turns both off.
+
+**Alertmanager sinks** are fed from here too, not through the grouping engine: every alert state is applied to the
+:class:`~trainhealth.alerts.forwarding.ForwardState` (routing only; a stale point event dropped, a run that is over
+closed), whose changes are written in the same ``MULTI/EXEC``; :attr:`Intake.on_forward` then wakes the forwarder.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import redis
 from trainhealth import defaults
 from trainhealth.alert_store import prune_silences
 from trainhealth.alerts.config import AlertsConfig
+from trainhealth.alerts.forwarding import ForwardState, alertmanager_sinks
 from trainhealth.alerts.grouping import Grouper
 from trainhealth.alerts.notification import FIRING, Alert, Notification
 from trainhealth.alerts.outbox import claim_all, enqueue
@@ -177,6 +182,10 @@ class Intake:
         self._last_ended = -1e18
         self._checked: set[str] = set()
         self.grouper = Grouper(config.route, config.inhibit_rules)
+        #: What the ``alertmanager`` sinks must know (empty without one).
+        self.forward = ForwardState(config.route, alertmanager_sinks(config), config.dashboard_url)
+        #: Called after a commit that changed :attr:`forward` (the worker wakes its forwarder).
+        self.on_forward: Callable[[], None] | None = None
         self.runs: set[str] = set()
         self.cursors: dict[str, str] = {}
         self.epoch = 0.0
@@ -212,6 +221,7 @@ class Intake:
             except ValueError:
                 log.warning("dropping unreadable alert group state %s", _s(k))
         self.grouper.load(groups)
+        self.forward.load(self.client)
         self.runs.clear()
         self.service_down = any(a.key == SERVICE_DOWN_KEY and a.status == FIRING for _, a in self.grouper.alerts())
         # Redis's clock, which also stamps the entry ids: no skew between the worker's host and Redis's counts.
@@ -338,6 +348,10 @@ class Intake:
             except Exception:  # one odd anomaly must not stop alerting on all the others
                 self.skipped += 1
                 log.exception("run %s: skipping anomaly_log entry %s that the grouping engine refused", run, eid)
+            try:
+                self.forward.observe(alert, min(t, now), stale=stale, over=run in self.grouper.ended_runs)
+            except Exception:
+                log.exception("run %s: anomaly_log entry %s could not be forwarded to Alertmanager", run, eid)
         return notes
 
     def _log_stale(self) -> None:
@@ -381,6 +395,7 @@ class Intake:
             if status not in ("running", "crashed") and last_t < redis_now - window:
                 ended.add(run)
         newly = sorted(ended - self.grouper.ended_runs)
+        self.forward.close_runs(newly, now)
         if newly:
             log.info("intake: not paging the alerts of %d run%s that are over (meta status not running or crashed, "
                      "no anomaly transition for %s): %s", len(newly), "s" if len(newly) > 1 else "",
@@ -422,12 +437,15 @@ class Intake:
         first = next((a.starts_at for _, a in self.grouper.alerts() if a.key == SERVICE_DOWN_KEY), None)
         alert = service_down_alert(check, now, first_seen=first)
         (log.error if check.down else log.info)("watchdog: %s", alert.anomaly["message"])
+        self.forward.observe(alert, now)
         return self.grouper.observe(alert, now)
 
     def _commit(self, notes: list[Notification], entries: list[tuple[str, str, dict]], now: float) -> None:
         upserts, deleted = self.grouper.take_changes()
-        if notes or upserts or deleted or entries:
+        forwarded = 0
+        if notes or upserts or deleted or entries or self.forward.pending:
             pipe = self.client.pipeline(transaction=True)
+            forwarded = self.forward.write(pipe)
             for k, st in upserts.items():
                 pipe.hset(ALERTS_GROUPS, k, json.dumps(st, separators=(",", ":")))
             if deleted:
@@ -438,6 +456,8 @@ class Intake:
             for n in notes:
                 self.enqueued += enqueue(pipe, n, self.config.sinks, now)
             pipe.execute()
+        if forwarded and self.on_forward is not None:
+            self.on_forward()
         if entries:  # after the commit: a crash in between only leaves entries the cursor already covers
             pipe = self.client.pipeline(transaction=False)
             by_run: dict[str, list[str]] = {}
@@ -447,5 +467,6 @@ class Intake:
                 pipe.xack(run_keys(run).anomaly_log, self.group, *ids)
             pipe.execute()
         for n in notes:
+            receivers = [r for r in n.receivers if r not in self.forward.sinks]  # those are sent alerts, not this
             log.info("notification #%d of %s (%s): %d firing, %d resolved -> %s", n.seq, n.group_key, n.reason,
-                     len(n.firing), len(n.resolved), ", ".join(n.receivers) or "(no receivers)")
+                     len(n.firing), len(n.resolved), ", ".join(receivers) or "(no receivers)")

@@ -5,7 +5,9 @@
   (15 s after the leader died). A new leader reloads all state from Redis first.
 - **Two loops, two threads.** The intake (:mod:`trainhealth.alerts.intake`, anomaly logs → grouping →
   outbox) and the delivery (:mod:`trainhealth.alerts.outbox`, outbox → HTTP) run in their own threads, so a
-  slow sink never delays grouping. The detector service does no HTTP at all; it only writes the logs.
+  slow sink never delays grouping. The detector service does no HTTP at all; it only writes the logs. With
+  ``alertmanager`` sinks a third thread, the forwarder (:mod:`trainhealth.alerts.forwarding`), sends them the
+  alerts, woken by the intake after each change.
 - **Catch-up window** (``catch_up``, ``--catch-up``, default 10 min): at start, anomaly transitions written
   longer ago are tracked but not notified, and runs that are over are not paged
   (:mod:`trainhealth.alerts.intake`).
@@ -36,6 +38,7 @@ import redis
 
 from trainhealth import __version__, defaults
 from trainhealth.alerts.config import AlertsConfig
+from trainhealth.alerts.forwarding import Forwarder, alertmanager_sinks
 from trainhealth.alerts.intake import Intake
 from trainhealth.alerts.outbox import Deliverer
 from trainhealth.alerts.secrets import redact
@@ -82,6 +85,11 @@ class AlertWorker:
         self.intake = Intake(client, config, consumer=self.consumer, clock=clock, catch_up=catch_up)
         self.delivery = Deliverer(client, config.sinks, config.delivery, consumer=self.consumer, clock=clock,
                                   rand=rand, http=http)
+        am = alertmanager_sinks(config)
+        #: Sends the ``alertmanager`` sinks their alerts; None without one.
+        self.forwarder = Forwarder(client, am, config.delivery, clock=clock, rand=rand, http=http) if am else None
+        if self.forwarder is not None:
+            self.intake.on_forward = self.forwarder.wake.set
         self._lease = client.register_script(LEASE_LUA)
         self._release = client.register_script(RELEASE_LUA)
         self._stop = threading.Event()
@@ -113,6 +121,9 @@ class AlertWorker:
                                     daemon=True),
                    threading.Thread(target=self._loop, args=("delivery", self._delivery_once),
                                     name="alerts-delivery", daemon=True)]
+        if self.forwarder is not None:
+            threads.append(threading.Thread(target=self._loop, args=("forward", self._forward_once),
+                                            name="alerts-forward", daemon=True))
         for t in threads:
             t.start()
         backoff = Backoff()
@@ -137,6 +148,8 @@ class AlertWorker:
                 self.client.delete(alerts_worker_heartbeat(self.consumer))
                 self._release(keys=[ALERTS_LEADER], args=[self.consumer])
         self.delivery.close()
+        if self.forwarder is not None:
+            self.forwarder.close()
         log.info("alert worker %s stopped (%d notifications enqueued, %d delivered)", self.consumer,
                  self.intake.enqueued, self.delivery.sent)
 
@@ -151,6 +164,8 @@ class AlertWorker:
             log.info("alert worker %s is now the leader: loading state", self.consumer)
             self.intake.ready = False
             self.delivery.ready = False
+            if self.forwarder is not None:
+                self.forwarder.ready = False
             self._leader.set()
         elif not held and self._leader.is_set():
             log.warning("alert worker %s lost the leadership lease; standing by", self.consumer)
@@ -170,14 +185,18 @@ class AlertWorker:
                 "skipped_entries": self.intake.skipped, "stale_entries": self.intake.stale,
                 "catch_up_s": self.intake.catch_up,
                 "delivered": self.delivery.sent, "service_down": self.intake.service_down,
+                "forward_ok_at": self.forwarder.last_loop_ok if self.forwarder is not None else None,
+                "forwarded": self.forwarder.sent if self.forwarder is not None else 0,
                 "errors": dict(self._errors), "deadman_ok": self.last_ping_ok}
 
     def healthy(self, now: float) -> bool:
         """Leader with both loops having completed an iteration recently, and the detector service up."""
         recent = max(10.0, 3 * self.block_ms / 1000 + self._http_timeout())
+        fwd = self.forwarder
         return (self.is_leader and not self.intake.service_down and self.intake.last_ok is not None
                 and now - self.intake.last_ok < recent and self.delivery.last_loop_ok is not None
-                and now - self.delivery.last_loop_ok < recent)
+                and now - self.delivery.last_loop_ok < recent
+                and (fwd is None or (fwd.last_loop_ok is not None and now - fwd.last_loop_ok < recent)))
 
     def _ping(self, now: float) -> None:
         dm = self.config.deadman
@@ -207,6 +226,10 @@ class AlertWorker:
         self.delivery.run_once(self.block_ms)
         return self.delivery.last_work
 
+    def _forward_once(self) -> int:
+        assert self.forwarder is not None
+        return self.forwarder.run_once(self.block_ms)
+
     def _loop(self, name: str, once: Callable[[], int]) -> None:
         backoff = Backoff()
         while not self._stop.is_set():
@@ -230,4 +253,6 @@ class AlertWorker:
                 # Reload everything from Redis before going on: local state may be ahead of what was committed.
                 self.intake.ready = self.intake.ready and name != "intake"
                 self.delivery.ready = self.delivery.ready and name != "delivery"
+                if self.forwarder is not None:
+                    self.forwarder.ready = self.forwarder.ready and name != "forward"
                 self._stop.wait(wait)

@@ -107,7 +107,7 @@ def test_defaults_are_alertmanagers(env: Path) -> None:
      "route.foo: unknown key (expected one of: name, receivers, group_by, group_wait, group_interval, "
      "repeat_interval, routes)"),
     ('[route]\nreceivers = []\n[sinks.s]\ntype = "sms"\n', 'sinks.s.type = "sms": must be one of slack, webhook, '
-     'pagerduty'),
+     'pagerduty, alertmanager'),
     ('[route]\nreceivers = []\n[sinks.s]\ntype = "slack"\n',
      "sinks.s: missing url_env (environment variable) or url_file (file holding it)"),
     ('[route]\nreceivers = []\n[sinks.s]\ntype = "webhook"\nurl = "ftp://x/y"\nsecret_env = "TH_WEBHOOK_SECRET"\n',
@@ -210,12 +210,12 @@ def test_durations() -> None:
     ('[route]\nreceivers = []\n[sinks.s]\ntype = "webhook"\nurl = "ftp://h/x"\nsecret_env = 5\n',
      'sinks.s.url = "ftp://h/x": not an http:// or https:// URL'),
     ('[route]\nreceivers = []\n[sinks.s]\nsecret_env = 5\ntype = "sms"\n',
-     'sinks.s.type = "sms": must be one of slack, webhook, pagerduty'),
+     'sinks.s.type = "sms": must be one of slack, webhook, pagerduty, alertmanager'),
     ('[route]\nreceivers = []\n[deadman]\nurl_file = 3\nurl = "https://x/y"\n',
      "deadman: give only one of url, url_file"),
     # a sink type that is no string (this was a TypeError)
     ('[route]\nreceivers = []\n[sinks.s]\ntype = ["slack"]\n', "sinks.s.type = ['slack']: must be one of slack, "
-     "webhook, pagerduty"),
+     "webhook, pagerduty, alertmanager"),
     # a secret written in the file is never quoted, whatever is wrong with it
     ('[route]\nreceivers = []\n[sinks.s]\ntype = "slack"\nurl = 3\n', "sinks.s.url: must be a non-empty string"),
     ('[route]\nreceivers = []\n[sinks.s]\ntype = "webhook"\nurl = " "\nsecret_env = "X"\n',
@@ -250,7 +250,8 @@ def _wrong_typed() -> list[tuple[str, dict]]:
     ]
     for sink in ({"type": "slack", "url_env": "TH_SLACK_WEBHOOK_URL"},
                  {"type": "webhook", "url": "https://hooks.example/x", "secret_env": "TH_WEBHOOK_SECRET"},
-                 {"type": "pagerduty", "routing_key_env": "TH_PAGERDUTY_ROUTING_KEY"}):
+                 {"type": "pagerduty", "routing_key_env": "TH_PAGERDUTY_ROUTING_KEY"},
+                 {"type": "alertmanager", "url": "http://alertmanager.example:9093"}):
         cls = next(c.cls for c in msgspec.inspect.type_info(config.RawSinkTable).types if c.tag == sink["type"])
         tables.append((f"sinks.{sink['type']}", cls, sink, lambda t, kind=sink["type"]: {**root, "sinks": {kind: t}}))
     out = []
@@ -270,3 +271,83 @@ def test_every_key_of_the_wrong_type_is_named(env: Path, key: str, data: dict) -
         parse(data, "alerts.toml")
     message = str(err.value)
     assert message.startswith(f"alerts.toml: {key} = ") or message == f"alerts.toml: {key}: must be a non-empty string"
+
+
+AM = '[route]\nreceivers = ["am"]\n[sinks.am]\ntype = "alertmanager"\nurl = "http://am.example:9093"\n'
+
+
+def test_the_documented_alertmanager_sink_loads(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = (ROOT / "docs" / "alerts.md").read_text()
+    start = doc.index("```toml alertmanager-example\n") + len("```toml alertmanager-example\n")
+    monkeypatch.setenv("TH_ALERTMANAGER_PASSWORD", "am-SECRET-pw")
+    cfg = load(write(env, doc[start:doc.index("```", start)]))
+    am = cfg.sinks["team-am"]
+    assert (am.type, am.api.reveal(), am.username, am.password.reveal(), am.bearer_token) == (
+        "alertmanager", "http://alertmanager.example:9093/api/v2/alerts", "trainhealth", "am-SECRET-pw", None)
+    assert (am.resend_interval, am.validity, am.labels, am.send_resolved, am.timeout) == (
+        60.0, 240.0, {"team": "ml-infra", "cluster": "a100-east"}, True, 10.0)
+    assert cfg.route.receivers == ("team-am",)
+    described = cfg.describe()
+    assert "sink team-am: alertmanager, send_resolved=true, timeout 10 s; url from config file, password from env " \
+           "TH_ALERTMANAGER_PASSWORD; sent the alerts themselves, re-sent every 60 s (valid 240 s): group_by, " \
+           "timers, silences and inhibition are Alertmanager's" in described and "am-SECRET-pw" not in described
+    assert "am-SECRET-pw" not in repr(am.secrets()) and am.password in cfg.secrets()
+
+
+def test_alertmanager_sink_defaults_and_a_bearer_token_from_a_file(env: Path) -> None:
+    am = load(write(env, AM)).sinks["am"]
+    assert (am.api.reveal(), am.resend_interval, am.validity, am.labels, am.username, am.password,
+            am.bearer_token) == ("http://am.example:9093/api/v2/alerts", 60.0, 240.0, {}, None, None, None)
+    (env / "token").write_text("tok-SECRET\n")
+    am = load(write(env, AM + 'bearer_token_file = "token"\nresend_interval = "30s"\n')).sinks["am"]
+    assert (am.bearer_token.reveal(), am.bearer_token.source, am.resend_interval, am.validity) == (
+        "tok-SECRET", f"file {env / 'token'}", 30.0, 120.0)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ('username = "trainhealth"\n',
+     'sinks.am.username = "trainhealth": basic auth needs the password too: set password_env or password_file'),
+    ('password_env = "TH_WEBHOOK_SECRET"\n', "sinks.am: password_env / password_file is basic auth: set username too"),
+    ('username = "a:b"\npassword_env = "TH_WEBHOOK_SECRET"\n',
+     'sinks.am.username = "a:b": must be a user name without \':\' or blanks'),
+    ('username = "u"\npassword_env = "TH_WEBHOOK_SECRET"\nbearer_token_env = "TH_WEBHOOK_SECRET"\n',
+     "sinks.am: give basic auth (username, password_*) or bearer_token_*, not both"),
+    ('bearer_token_env = "TH_WEBHOOK_SECRET"\nbearer_token_file = "x"\n',
+     "sinks.am: give only one of bearer_token_env, bearer_token_file"),
+    ('password = "hunter2"\n', "sinks.am.password: unknown key (expected one of: type, send_resolved, timeout, url, "
+     "url_env, url_file, username, password_env, password_file, bearer_token_env, bearer_token_file, "
+     "resend_interval, labels)"),
+    ('bearer_token_env = "TH_NOT_SET_ANYWHERE"\n',
+     "sinks.am.bearer_token_env: environment variable TH_NOT_SET_ANYWHERE is not set (or empty)"),
+    ('resend_interval = "500ms"\n', 'sinks.am.resend_interval = "500ms": must be >= 1 s'),
+    ('resend_interval = true\n',
+     "sinks.am.resend_interval = true: not a duration (use e.g. 30s, 5m, 4h, 1h30m, 1d, or a number of seconds)"),
+    ("send_resolved = false\n", "sinks.am.send_resolved = false: must be true for an alertmanager sink: a resolve is "
+     "how Alertmanager learns an alert ended (choose send_resolved on Alertmanager's receivers instead)"),
+    ('labels = { run = "x" }\n',
+     'sinks.am.labels.run = "x": is set from the anomaly (alertname, run, severity, anomaly, rank, host)'),
+    ('labels = { "9team" = "x" }\n', 'sinks.am.labels.9team = "x": not a label name (letters, digits and \'_\', not '
+     "starting with a digit; '__' is reserved)"),
+    ('labels = { __name__ = "x" }\n', 'sinks.am.labels.__name__ = "x": not a label name (letters, digits and \'_\', '
+     "not starting with a digit; '__' is reserved)"),
+    ('labels = { team = "" }\n', 'sinks.am.labels.team = "": must not be empty (Alertmanager drops empty labels)'),
+    ('labels = { team = 3 }\n', "sinks.am.labels = {'team': 3}: must be a table of label names to string values"),
+    ('labels = "team=ml"\n', 'sinks.am.labels = "team=ml": must be a table of label names to string values'),
+])
+def test_alertmanager_sink_errors_name_the_key_and_value(env: Path, extra: str, message: str) -> None:
+    path = write(env, AM + extra)
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert str(err.value) == f"{path}: {message}"
+    assert "whsec-123" not in str(err.value)  # the secret in TH_WEBHOOK_SECRET
+
+
+def test_alertmanager_url_is_required_and_checked(env: Path) -> None:
+    path = write(env, '[route]\nreceivers = []\n[sinks.am]\ntype = "alertmanager"\n')
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert str(err.value) == f"{path}: sinks.am: missing url_env (environment variable) or url_file (file holding it)"
+    path = write(env, AM.replace("http://am.example:9093", "am.example:9093"))
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert str(err.value) == f'{path}: sinks.am.url = "am.example:9093": not an http:// or https:// URL'

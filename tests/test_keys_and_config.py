@@ -22,6 +22,8 @@ def test_run_keys_literal_strings() -> None:
     assert k.state == "th:{llama-70b.v2_run}:state"
     assert keys.RUNS == "th:runs"
     assert keys.service_heartbeat("host-a") == "th:service:host-a"
+    assert keys.alerts_worker_heartbeat("host-a-42") == "th:{alerts}:worker:host-a-42"
+    assert keys.alerts_forward("team-am") == "th:{alerts}:forward:team-am"
 
 
 @pytest.mark.parametrize("bad", ["", "a{b}", "run:1", "-lead", "x" * 129, "sp ace", None, 12])

@@ -478,6 +478,18 @@ ALERT_SLACK_MAX_ALERTS = 6
 ALERT_SERVICE_STALE_S = 60.0
 #: Dashboard base URL used in notification links when the config does not give one.
 ALERT_DASHBOARD_URL = "http://127.0.0.1:8501"
+#: Alertmanager sinks (alerts/forwarding.py): an active alert is re-sent every ``resend_interval`` (s), Prometheus's
+#: own default (``--rules.alert.resend-delay`` 1m), and each send says it is valid for ``ALERT_AM_VALIDITY_FACTOR``
+#: intervals (``endsAt``), as Prometheus does (``rules/alerting.go``: ``ValidUntil = ts + 4 * max(interval,
+#: resend delay)``, "allow for two eval or Alertmanager send failures"): a worker that stops sending lets
+#: Alertmanager resolve its alerts 4 min after the last send, and up to three failed sends in a row change nothing.
+ALERT_AM_RESEND_INTERVAL_S = 60.0
+ALERT_AM_VALIDITY_FACTOR = 4
+#: Alerts per POST to Alertmanager: Prometheus's notifier batch (``notifier.maxBatchSize`` = 64).
+ALERT_AM_BATCH = 64
+#: The ``rank`` / ``host`` labels an Alertmanager alert carries only up to this many ranks / hosts (one node's 8 GPUs):
+#: labels identify an alert and are matched by routes, a job-wide rank list is neither (the annotations list them all).
+ALERT_AM_MAX_LABEL_MEMBERS = 8
 
 # --- Recovery advice (detectors/recovery_advisor.py) ---
 #: Seconds after a hang's onset (no progress) after which the advice turns from "dump the stacks and wait"

@@ -191,3 +191,9 @@ ALERTS_WORKER_HEARTBEAT_PATTERN = "th:{alerts}:worker:*"
 def alerts_worker_heartbeat(consumer: str) -> str:
     """Key of an alert worker process's heartbeat (string with TTL), e.g. ``th:{alerts}:worker:host-42``."""
     return f"th:{{alerts}}:worker:{consumer}"
+
+
+def alerts_forward(sink: str) -> str:
+    """Key of what an ``alertmanager`` sink must tell its Alertmanager (hash: alert fingerprint -> JSON of the alert,
+    firing or closed), e.g. ``th:{alerts}:forward:team-am``; see :mod:`trainhealth.alerts.forwarding`."""
+    return f"th:{{alerts}}:forward:{sink}"
