@@ -27,6 +27,7 @@ import redis
 from trainhealth import config, defaults
 from trainhealth.collectors import ranks
 from trainhealth.collectors.cuda_timing import GpuTimer, torch_event_factory
+from trainhealth.collectors.gpu_health import GpuHealthSampler
 from trainhealth.collectors.memory import MemorySampler
 from trainhealth.collectors.sender import Sender
 from trainhealth.collectors.spill import Spill
@@ -354,6 +355,7 @@ class Monitor:
         self._last_step_t: float | None = None
         self._phase = "train"
         self._memory = MemorySampler(self.local_rank)
+        self._gpu_health = GpuHealthSampler(self.local_rank)
         self._off = False
         self._closed = False
         self._exit_said = False  # rank_exit sent (at most once)
@@ -692,9 +694,13 @@ class Monitor:
             mem = self._memory.sample()
         except Exception:
             mem = None
+        try:
+            gpu = self._gpu_health.sample()
+        except Exception:
+            gpu = None
         return self.rank, json.dumps({
             "t": time.time(), "step": self._last_step, "step_t": self._last_step_t, "phase": self._phase,
-            "host": self.host, "pid": os.getpid(), "inc": self.inc, "mem": mem,
+            "host": self.host, "pid": os.getpid(), "inc": self.inc, "mem": mem, "gpu": gpu,
         }, default=_json_number)  # a step given as a numpy or tensor integer
 
     @property

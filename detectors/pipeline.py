@@ -24,6 +24,7 @@ from trainhealth.detectors.collective_timeout import CollectiveTimeoutDetector
 from trainhealth.detectors.culprit import LastWord, judge
 from trainhealth.detectors.dead_rank import DeadRankDetector
 from trainhealth.detectors.divergence import DivergenceDetector
+from trainhealth.detectors.gpu_health import explain as explain_gpu
 from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector
 from trainhealth.detectors.grad_norm_spike import GradNormSpikeDetector
 from trainhealth.detectors.hang import HangDetector, read_beats
@@ -48,6 +49,7 @@ from trainhealth.detectors.throughput import ThroughputDropDetector, step_second
 from trainhealth.detectors.worker_restart import WorkerRestartDetector
 from trainhealth.job import Culprit, JobState
 from trainhealth.recommendations import Recommendation
+from trainhealth.text import fmt_ranks
 from trainhealth.wire import ROW_DATA, ROW_SOURCE, ROW_STEP, Event, StepRecord, step_record
 
 log = logging.getLogger(__name__)
@@ -157,6 +159,8 @@ class RunPipeline:
                                           self.hang.missed_intervals)
         # Memory, from the heartbeats' samples: a rank whose memory keeps growing, and whether a death was out of
         # memory (the dead rank's and the restart's evidence; rank -> the verdict frozen when it was found dead).
+        #: rank -> its latest GPU health sample (a heartbeat's ``gpu``), to explain a slow rank or node.
+        self.gpu: dict[int, dict] = {}
         self.memory = MemoryHistory()
         self.memory_growth = MemoryGrowthDetector()
         self._death_memory: dict[int, MemoryVerdict] = {}
@@ -626,7 +630,7 @@ class RunPipeline:
                 for a in found:
                     if a.kind == "restart":
                         a = self._in_job_incident(self._with_memory(self._restarted(a, agg)))
-                    changed += self._incident(self._with_hosts(a))
+                    changed += self._incident(self._with_gpu(self._with_hosts(a)))
             out.anomalies += changed
             for a in changed:
                 self.anomalies[a.id] = a
@@ -665,6 +669,9 @@ class RunPipeline:
         """Keep each rank's new memory sample (a heartbeat's ``mem``) and feed the growth detector with it."""
         out: list[Anomaly] = []
         for r, hb in beats.items():
+            gpu = hb.get("gpu")
+            if isinstance(gpu, dict) and "absent" not in gpu:
+                self.gpu[r] = gpu
             mem, t = hb.get("mem"), hb.get("t")
             if not isinstance(mem, dict) or not isinstance(t, (int, float)):
                 continue
@@ -685,6 +692,20 @@ class RunPipeline:
             except Exception:  # see detector_errors
                 self._failed(self.memory_growth, self.current_step)
         return out
+
+    def _with_gpu(self, a: Anomaly) -> Anomaly:
+        """A straggler, slow node or rank outlier with what its GPUs show beside the others' (``evidence["gpu"]``,
+        :func:`~trainhealth.detectors.gpu_health.explain`), and the finding in its message when they show one."""
+        if a.kind not in ("straggler", "slow_node", "rank_outlier") or not a.active or not self.gpu or not a.ranks:
+            return a
+        who = (f"rank {a.ranks[0]}" if len(a.ranks) == 1 else f"ranks {fmt_ranks(a.ranks)}")
+        if a.kind == "slow_node" and a.hosts:
+            who = f"{a.hosts[0]}'s {who}"
+        found = explain_gpu(a.ranks, self.gpu, who)
+        if found is None:
+            return a
+        msg = f"{a.message}; {found['text']}" if found["abnormal"] else a.message
+        return replace(a, evidence={**a.evidence, "gpu": found}, message=msg)
 
     def _with_memory(self, a: Anomaly) -> Anomaly:
         """A dead rank or restart whose culprit died near its memory's limit, with ``evidence["memory"]`` (the

@@ -77,6 +77,24 @@ def fmt_rate(x: Any) -> str:
     return f"{x:,.0f}"
 
 
+def fmt_ranks(ranks: Any) -> str:
+    """Ranks as runs of consecutive numbers: ``[0, 1, 2, 3, 8]`` → ``0–3, 8``.
+
+    >>> fmt_ranks([8, 0, 1, 2, 3]), fmt_ranks([5]), fmt_ranks([])
+    ('0–3, 8', '5', '')
+    """
+    out: list[str] = []
+    values = sorted(set(ranks))
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        out.append(str(values[i]) if i == j else f"{values[i]}–{values[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
 def fmt_bytes(x: Any) -> str:
     """Bytes in binary units (memory as ``nvidia-smi`` and ``free -h`` show it): ``5e8`` → ``477 MiB``,
     ``8.6e10`` → ``80.1 GiB``, ``1.2e12`` → ``1.09 TiB``; missing → ``—``.
