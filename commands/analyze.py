@@ -24,6 +24,9 @@ def register(sub: Any) -> None:
     n.add_argument("--json", action="store_true", help="print the JSON report (docs/analyze.md) instead of the text")
     n.add_argument("--json-file", metavar="FILE", help="also write the JSON report to FILE")
     n.add_argument("--html", metavar="FILE", help="also write a standalone HTML report with charts to FILE")
+    n.add_argument("--tensorboard", metavar="DIR",
+                   help="also write the findings as TensorBoard scalars and text, one run directory per file under "
+                        "DIR (anomalies at their steps, goodput and badput by cause, the advice; the logs extra)")
     n.add_argument("--step-seconds", type=float, default=1.0,
                    help="assumed seconds per step where the log has no step times (default 1.0)")
     n.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
@@ -46,6 +49,12 @@ def run(args: argparse.Namespace) -> int:
         from trainhealth.commands.analyze_html import render
 
         write_text(render(reports), args.html, sys.stdout)
+    if args.tensorboard:
+        from trainhealth.commands.analyze_report import format_file
+        from trainhealth.commands.analyze_tensorboard import write
+
+        for f in write(reports, args.tensorboard, format_file):
+            print(f"TensorBoard: {f}", file=sys.stderr)
     if args.json:
         sys.stdout.write(to_json(reports))
     else:
