@@ -703,6 +703,41 @@ class Monitor:
             "host": self.host, "pid": os.getpid(), "inc": self.inc, "mem": mem, "gpu": gpu,
         }, default=_json_number)  # a step given as a numpy or tensor integer
 
+    def goodput_metrics(self, prefix: str = "trainhealth/") -> dict[str, float]:
+        """The run's goodput as the detector service last booked it, as flat metrics to log where the team reads its
+        curves (``wandb.log``, a Lightning logger, TensorBoard): ``{prefix}goodput_pct`` (% of the wall time
+        productive), ``{prefix}goodput_tokens_pct`` (% of the tokens kept, when counted), ``{prefix}throughput_tok_s``
+        and ``{prefix}goodput_tok_s`` (tokens/s), ``{prefix}badput_s/<cause>`` (seconds, each cause that cost time)
+        and ``{prefix}badput_usd`` (when priced).
+
+        No I/O here: the sender thread reads ``th:{run}:ledger:latest`` with each heartbeat once this was called,
+        so the first call returns ``{}`` and later ones the snapshot of at most one heartbeat ago (also ``{}``
+        before the service wrote one). Never raises.
+        """
+        try:
+            self._sender.want_ledger = True
+            snap = getattr(self._sender, "ledger", None)
+            if not isinstance(snap, dict):
+                return {}
+            out: dict[str, float] = {}
+            for key, name in (("goodput_pct", "goodput_pct"), ("throughput_tok_s", "throughput_tok_s"),
+                              ("goodput_tok_s", "goodput_tok_s"), ("badput_cost_usd", "badput_usd")):
+                v = snap.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    out[prefix + name] = float(v)
+            total, good = snap.get("tokens_total"), snap.get("tokens_good")
+            if isinstance(total, (int, float)) and total > 0 and isinstance(good, (int, float)):
+                out[prefix + "goodput_tokens_pct"] = 100.0 * good / total
+            seconds = snap.get("seconds")
+            if isinstance(seconds, dict):
+                for cause, v in seconds.items():
+                    if cause != "productive" and isinstance(v, (int, float)) and v > 0:
+                        out[f"{prefix}badput_s/{cause}"] = float(v)
+            return out
+        except Exception:  # never into the training loop
+            self._internal_error()
+            return {}
+
     @property
     def connected(self) -> bool:
         """Whether the last attempt to reach Redis succeeded."""

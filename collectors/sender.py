@@ -231,6 +231,10 @@ class Sender(threading.Thread):
         self._seq = 0
         self._seq_build = 0
         self.connected = False
+        #: Set by :meth:`Monitor.goodput_metrics`: read the run's latest ledger snapshot with each heartbeat into
+        #: :attr:`ledger` (the decoded ``th:{run}:ledger:latest``; None until the service wrote one).
+        self.want_ledger = False
+        self.ledger: dict[str, Any] | None = None
         #: CPU seconds this thread has used, and those it had used once first connected (start-up).
         self.cpu_s = 0.0
         self.cpu_startup_s: float | None = None
@@ -375,6 +379,15 @@ class Sender(threading.Thread):
                 return
             self._moving -= n
 
+    def _read_ledger(self, client: redis.Redis) -> None:
+        """The run's latest ledger snapshot into :attr:`ledger` (one GET per heartbeat, only once asked for)."""
+        try:
+            raw = client.get(self._keys.ledger_latest)
+            snap = json.loads(raw) if raw else None
+            self.ledger = snap if isinstance(snap, dict) else None
+        except (redis.RedisError, ValueError):
+            pass  # the next heartbeat tries again; a connection error shows on the next batch
+
     def _on_error(self, exc: BaseException) -> None:
         if self.connected or self._backoff.delay == 0.0:
             log.warning(
@@ -431,6 +444,8 @@ class Sender(threading.Thread):
                     self._log_once("heartbeat", "trainhealth collector: cannot build the heartbeat", exc_info=True)
             if len(pipe):
                 pipe.execute()
+            if hb_due and self.want_ledger:
+                self._read_ledger(client)
             self.sent += len(batch)
             self._seq = self._seq_build
             if self._inflight_from_spill:

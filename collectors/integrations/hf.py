@@ -43,6 +43,7 @@ Every hook swallows its own errors (logged once per hook): monitoring never stop
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -71,6 +72,10 @@ class TrainHealthCallback(TrainerCallback):
     time_forward : bool
         Time the model's forward passes as section ``forward`` (module hooks; off under
         ``torch_compile``).
+    log_goodput : bool
+        On the main process, with each logged step, log the run's goodput as the detector service last booked it
+        (:meth:`trainhealth.Monitor.goodput_metrics`) into the job's W&B run when there is one (``report_to``
+        ``wandb``): ``trainhealth/goodput_pct``, tokens/s, ``trainhealth/badput_s/<cause>`` beside the loss.
     **monitor_kwargs
         Passed to :class:`trainhealth.Monitor` (``redis_url``, ``gpu_hour_usd``, ``host``...);
         ``rank``/``world_size`` default to ``args.process_index``/``args.world_size``.
@@ -82,8 +87,9 @@ class TrainHealthCallback(TrainerCallback):
     """
 
     def __init__(self, monitor: Monitor | None = None, run: str | None = None, *, time_forward: bool = True,
-                 **monitor_kwargs: Any) -> None:
+                 log_goodput: bool = True, **monitor_kwargs: Any) -> None:
         self.monitor = monitor
+        self.log_goodput = log_goodput
         self.run = run
         self.time_forward = time_forward
         self.monitor_kwargs = monitor_kwargs
@@ -180,6 +186,18 @@ class TrainHealthCallback(TrainerCallback):
         self.monitor.log_step(int(state.global_step), loss=logs.get("loss"), grad_norm=logs.get("grad_norm"),
                               lr=logs.get("learning_rate"), tokens=tokens)
         self._t_last = perf_counter()
+        if self.log_goodput and state.is_world_process_zero:
+            self._goodput_to_wandb()
+
+    def _goodput_to_wandb(self) -> None:
+        # The Trainer's own WandbCallback logged this step already (reporting callbacks come before the user's):
+        # the goodput goes into the job's W&B run with the next commit. No Redis I/O here (see goodput_metrics).
+        wandb = sys.modules.get("wandb")
+        if wandb is None or getattr(wandb, "run", None) is None:
+            return
+        metrics = self.monitor.goodput_metrics()
+        if metrics:
+            wandb.run.log(metrics, commit=False)
 
     # -- evaluation and checkpoints ------------------------------------------------------------------
     @guarded

@@ -81,6 +81,11 @@ class TrainHealthCallback(Callback):
         ``count_tokens(batch) -> int``: tokens in one batch on this rank, summed over the
         step's micro-batches and recorded as the step's ``tokens`` (e.g.
         ``lambda b: b["input_ids"].numel()``). Lightning has no notion of tokens.
+    log_goodput : bool
+        On global rank 0, every ``log_every_n_steps`` steps, log the run's goodput as the detector service last
+        booked it (:meth:`trainhealth.Monitor.goodput_metrics`: ``trainhealth/goodput_pct``, tokens/s,
+        ``trainhealth/badput_s/<cause>``) to the trainer's loggers — W&B, TensorBoard, CSV, MLflow — beside the
+        loss. No Redis I/O in the hook: the collector's thread reads the snapshot with its heartbeats.
     **monitor_kwargs
         Passed to :class:`trainhealth.Monitor` (``redis_url``, ``gpu_hour_usd``, ``host``...);
         ``rank``/``world_size`` default to ``trainer.global_rank``/``trainer.world_size``.
@@ -92,8 +97,10 @@ class TrainHealthCallback(Callback):
     """
 
     def __init__(self, monitor: Monitor | None = None, run: str | None = None, *, grad_norm: bool = True,
-                 count_tokens: Callable[[Any], int] | None = None, **monitor_kwargs: Any) -> None:
+                 count_tokens: Callable[[Any], int] | None = None, log_goodput: bool = True,
+                 **monitor_kwargs: Any) -> None:
         self.run = run
+        self.log_goodput = log_goodput
         self.monitor = monitor
         self.grad_norm = grad_norm
         self.count_tokens = count_tokens
@@ -216,6 +223,11 @@ class TrainHealthCallback(Callback):
         st.__exit__(None, None, None)
         self.monitor.log_step(step, loss=None if self._loss is None else float(self._loss), grad_norm=self._gn,
                               lr=self._lr, tokens=self._tokens)
+        every = int(getattr(trainer, "log_every_n_steps", 50) or 50)
+        if self.log_goodput and trainer.is_global_zero and step % every == 0 and trainer.loggers:
+            metrics = self.monitor.goodput_metrics()
+            for logger in trainer.loggers if metrics else ():
+                logger.log_metrics(metrics, step=step)
 
     def _end_forward(self) -> None:
         if self._fwd_open:
