@@ -70,7 +70,8 @@ def test_lightning_logs_the_goodput_to_its_loggers(r: redis.Redis, redis_url: st
                          log_every_n_steps=5, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[cb], default_root_dir=str(tmp_path))
     trainer.fit(Net(), loader)
-    rows = list(csv.DictReader(open(Path(trainer.logger.log_dir) / "metrics.csv")))
+    with open(Path(trainer.logger.log_dir) / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
     logged = [row for row in rows if row.get("trainhealth/goodput_pct")]
     assert logged, rows[:3]
     assert {int(row["step"]) % 5 for row in logged} == {0}  # every log_every_n_steps
