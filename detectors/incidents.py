@@ -115,6 +115,11 @@ class Incident:
         Seconds of the job's time it cost so far, where the evidence says (:func:`badput`).
     badput_s_per_hour : float | None
         Seconds of the job's time it costs per hour while it lasts (3,600 for a stopped job).
+    data_position : dict | None
+        Where the data stream was when the onset step began: ``step`` (the last step before the onset whose
+        position the ranks logged), ``consumed_samples`` and ``batch_index`` after it (``log_step``'s
+        ``consumed_samples``/``batch_index``); None when the job logs no data position. What a rollback's skip
+        range starts from, and what to look at in the data.
     """
 
     id: str
@@ -132,6 +137,7 @@ class Incident:
     recommendation: str | None = None
     badput_s: float | None = None
     badput_s_per_hour: float | None = None
+    data_position: dict[str, int | None] | None = None
 
     @property
     def root(self) -> str:
@@ -160,6 +166,8 @@ class IncidentGrouper:
     ----------
     step_time : callable, optional
         ``step -> unix s`` the step ended, or None when unknown: gives :attr:`Incident.onset_t`.
+    position : callable, optional
+        ``onset step -> data position`` (see :attr:`Incident.data_position`), or None when unknown.
 
     Examples
     --------
@@ -188,14 +196,17 @@ rec:divergence:*:400:0
         Rank 13 (node-b) is a straggler, costing throughput 2.5 720.0
     """
 
-    def __init__(self, step_time: Callable[[int], float | None] | None = None) -> None:
+    def __init__(self, step_time: Callable[[int], float | None] | None = None,
+                 position: Callable[[int], dict[str, int | None] | None] | None = None) -> None:
         self.step_time = step_time
+        self.position = position
         #: Latest state of every member, by anomaly id.
         self._states: dict[str, Anomaly] = {}
         self._of: dict[str, str] = {}  # anomaly id -> incident id
         self._members: dict[str, list[str]] = {}  # incident id -> member ids, in the order they joined
         self._recs: dict[str, str] = {}  # anomaly id -> its recommendation's id
-        self._onset: dict[str, tuple[int, float | None]] = {}  # incident id -> (onset step, its time)
+        # incident id -> (onset step, its time, the data position when it began)
+        self._onset: dict[str, tuple[int, float | None, dict[str, int | None] | None]] = {}
         self._first_t: dict[str, float | None] = {}  # incident id -> data time it was first seen
         self._causes: list[str] = []  # recent cause anomalies (rule 3)
         self._lone: list[str] = []  # recent effects in their own incident (rule 3)
@@ -307,7 +318,8 @@ rec:divergence:*:400:0
         onset = min(m.step for m in members)
         if self._onset.get(iid, (None,))[0] != onset:
             known = self.step_time(onset) if self.step_time is not None else None
-            self._onset[iid] = (onset, known if known is not None else self._first_t[iid])
+            where = self.position(onset) if self.position is not None else None
+            self._onset[iid] = (onset, known if known is not None else self._first_t[iid], where)
         with_rec = [(STAGES.get(m.kind, 0), n, m.id) for n, m in enumerate(members) if m.id in self._recs]
         rec = self._recs[max(with_rec)[2]] if with_rec else None
         latest = max(((STAGES.get(m.kind, 0), n, m) for n, m in enumerate(members)), key=lambda x: x[:2])[2]
@@ -319,7 +331,7 @@ rec:divergence:*:400:0
             end_step=None if active else max(m.step if m.end_step is None else m.end_step for m in members),
             gen=root.gen, ranks=tuple(sorted({r for m in members for r in m.ranks})),
             hosts=tuple(sorted({h for m in members for h in m.hosts})), anomalies=tuple(ids), recommendation=rec,
-            badput_s=seconds, badput_s_per_hour=per_hour)
+            badput_s=seconds, badput_s_per_hour=per_hour, data_position=self._onset[iid][2])
 
 
 def group(anomalies: Iterable[Anomaly], recommendations: Iterable[Recommendation] = ()) -> dict[str, Incident]:

@@ -200,7 +200,16 @@ class RunPipeline:
         self.detector_errors: dict[str, int] = {}
         #: When the newest steps ended, and the run's incidents (:mod:`trainhealth.detectors.incidents`).
         self.step_times = StepTimes()
-        self.incidents = IncidentGrouper(self.step_times.get)
+        self.incidents = IncidentGrouper(self.step_times.get, self.position_before)
+
+    def position_before(self, step: int) -> dict[str, int | None] | None:
+        """The data position when ``step`` began: the consumed samples and batch index after the last step before
+        it that logged one (``{"step", "consumed_samples", "batch_index"}``), None when none did."""
+        for s in reversed(self.positions):
+            if s < step:
+                cs, bi = self.positions[s]
+                return {"step": s, "consumed_samples": cs, "batch_index": bi}
+        return None
 
     @property
     def world_size(self) -> int:

@@ -65,6 +65,8 @@ LOSS_INCIDENT = {
     "severity": "critical", "status": "active", "onset_step": 400, "onset_t": T0 + 410, "end_step": None, "gen": 0,
     "ranks": [], "hosts": [], "anomalies": ["loss_spike:*:400:0", "grad_norm_spike:*:400:0", "divergence:*:400:0"],
     "recommendation": "rec:divergence:*:400:0", "badput_s": None, "badput_s_per_hour": None,
+    # Where the data was when step 400 began: after step 399, 8 samples a step (the job logs consumed_samples).
+    "data_position": {"step": 399, "consumed_samples": 3200, "batch_index": None},
     "first_seen": T0 + 1000, "last_seen": T0 + 1000,
 }
 
@@ -117,7 +119,7 @@ def test_a_straggler_and_the_throughput_drop_it_causes_are_one_incident_naming_r
         "recommendation": "rec:straggler:13:200:0",
         # (0.2652 - 0.204) s more per step over the drop's 191 steps so far (200 to 390: an open incident's cost
         # is brought up to date every 10 steps); 23.08 % of every hour
-        "badput_s": 11.689, "badput_s_per_hour": 830.9,
+        "badput_s": 11.689, "badput_s_per_hour": 830.9, "data_position": None,
         "first_seen": T0 + 1000, "last_seen": T0 + 1000}}
     assert [(d["id"], d["action"], d["status"]) for d in recommendations.load(r, "slow")] == [
         ("rec:straggler:13:200:0", "replace_node", "proposed")]
@@ -204,7 +206,7 @@ def test_a_stop_of_the_job_is_one_incident_and_its_advice_closes_when_the_job_re
         "severity": "critical", "status": "active", "onset_step": 29, "onset_t": T0 + 39, "end_step": None, "gen": 0,
         "ranks": [0, 1], "hosts": ["node-0", "node-1"], "anomalies": ["hang:*:29:0", "dead_rank:*:29:0"],
         "recommendation": "rec:hang:*:29:0", "badput_s": 161.0, "badput_s_per_hour": 3600.0,
-        "first_seen": T0 + 200, "last_seen": T0 + 200}
+        "data_position": None, "first_seen": T0 + 200, "last_seen": T0 + 200}
     assert incidents(r, "hg") == {"inc:hang:*:29:0": hung}
     assert [(d["id"], d["action"], d["status"]) for d in recommendations.load(r, "hg")] == [
         ("rec:hang:*:29:0", "dump_stacks", "proposed")]
