@@ -246,6 +246,7 @@ def test_ledger_scripted_run_with_restart_sums_to_wall_time_exactly() -> None:
         "custom": 0.0,
         "hang": 0.0,
         "idle": 10.0,                                        # 1070 -> 1080, no step (under the hang threshold)
+        "unobserved": 0.0,                                   # the records cover every step
     }
     assert set(sec) == set(CATEGORIES)
     assert math.fsum(sec.values()) == snap["wall_s"] == 80.0
@@ -318,6 +319,20 @@ def test_ledger_straggler_wait_skipped_steps_hang_and_rollback_vs_disruption() -
         "hang": 100.0,                             # 14 -> 114
     }
     assert math.fsum(sec.values()) == 123.0
+
+
+def test_ledger_books_straggler_wait_against_the_median_of_the_other_ranks() -> None:
+    # 2 ranks: the other rank is the reference (the "median" of both used to be the slower rank: 0 s booked).
+    led = GoodputLedger(world_size=2)
+    led.note_start(0.0)
+    for s in range(1, 13):
+        led.add_step(agg(s, t_start=float(s - 1), t_end=float(s), tokens=100, busy=(0.4, 0.9)))
+    assert led.snapshot(now=12.0)["seconds"]["straggler_wait"] == pytest.approx(12 * 0.5)
+    # 4 ranks, one slow: it against the median of the other three (0.5 s), not the fastest (0.3 s).
+    led = GoodputLedger(world_size=4)
+    led.note_start(0.0)
+    led.add_step(agg(1, t_start=0.0, t_end=2.0, tokens=100, busy=(0.3, 0.5, 0.6, 1.5)))
+    assert led.snapshot(now=2.0)["seconds"]["straggler_wait"] == pytest.approx(1.0)
 
 
 def test_ledger_places_an_early_checkpoint_event_in_the_right_gap() -> None:
