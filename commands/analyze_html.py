@@ -101,9 +101,14 @@ def goodput_figure(rep: FileReport) -> go.Figure | None:
         x=[v for _, v in cats], y=[label(k) for k, _ in cats], orientation="h",
         marker_color=[category_color(k) for k, _ in cats], text=[f"{100 * v / wall:.1f}%" for _, v in cats],
         textposition="auto", hovertemplate="%{y}: %{x:,.1f} s<extra></extra>"))
-    fig.update_layout(height=max(180, min(420, 90 + 32 * len(cats))), margin={"l": 10, "r": 10, "t": 40, "b": 10},
-                      title={"text": f"Where the wall time went: goodput {snap['goodput_pct']:.1f}% of "
-                                     f"{wall:,.0f} s productive", "x": 0, "font": {"size": 14}},
+    title = f"Where the wall time went: goodput {snap['goodput_pct']:.1f}% of {wall:,.0f} s productive"
+    unobserved = snap["seconds"].get("unobserved", 0.0)
+    if unobserved > 0 and wall > unobserved:  # the log skips stretches: say what the time it covers gave
+        title += (f"<br><sup>{unobserved:,.0f} s unobserved (steps the log does not cover); "
+                  f"{100 * snap['seconds']['productive'] / (wall - unobserved):.1f}% of the rest productive</sup>")
+    top = 60 if "<br>" in title else 40
+    fig.update_layout(height=max(180, min(420, 90 + 32 * len(cats))), margin={"l": 10, "r": 10, "t": top, "b": 10},
+                      title={"text": title, "x": 0, "font": {"size": 14}},
                       xaxis={"title": "seconds", "rangemode": "tozero"}, yaxis={"automargin": True})
     return fig
 

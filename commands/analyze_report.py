@@ -34,6 +34,7 @@ from trainhealth import __version__
 from trainhealth.anomaly import Anomaly
 from trainhealth.collectors import importers
 from trainhealth.detectors.advisor import RollbackAdvisor
+from trainhealth.detectors.ledger import NOT_BADPUT
 from trainhealth.detectors.offline import OfflineRun
 from trainhealth.exceptions import ConfigError, InputFormatError, TrainHealthError
 from trainhealth.logpoint import LogEvent, LogPoint
@@ -287,9 +288,6 @@ class FileReport:
     ranks: list[int] = field(default_factory=list)
     records: int = 0
     events: dict[str, int] = field(default_factory=dict)
-    #: Stretches of steps the log does not cover (an excerpt's pasted blocks): (from step, to step),
-    #: the largest first, where the step jumps by more than 10x the log's usual interval.
-    gaps: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def points(self) -> int:
@@ -302,6 +300,14 @@ class FileReport:
         if self.points and self.timed_steps >= self.points:
             return "logged"
         return "partial" if self.timed_steps else "assumed"
+
+    @property
+    def gaps(self) -> dict[str, Any] | None:
+        """The stretches of steps the log does not cover (an excerpt's pasted blocks: a step jump over
+        ``defaults.LEDGER_GAP_FACTOR`` x the log's usual interval), as the goodput ledger booked them
+        (``unobserved_gaps``: ``count``, ``steps`` not logged, the ``largest`` [from, to]); None without any."""
+        gaps = (self.ledger or {}).get("unobserved_gaps")
+        return gaps if gaps and gaps.get("count") else None
 
     @property
     def critical(self) -> int:
@@ -328,12 +334,12 @@ class FileReport:
                     f"at {self.step_seconds:g} s per step")
         else:
             note = "estimated from the step times in the log"
-        if self.gaps:
-            missing = sum(b - a - 1 for a, b in self.gaps)
-            a, b = self.gaps[0]
-            note += (f"; the log skips {len(self.gaps)} stretch{'es' if len(self.gaps) > 1 else ''} of steps "
-                     f"({missing:,} steps not logged, the largest {a:,} -> {b:,}), counted as if they ran at the "
-                     "logged step times")
+        gaps = self.gaps
+        if gaps:
+            n, (a, b) = gaps["count"], gaps["largest"]
+            note += (f"; the log skips {n} stretch{'es' if n > 1 else ''} of steps ({gaps['steps']:,} steps not "
+                     f"logged, the largest {a:,} -> {b:,}): their time is unobserved, neither productive nor a hang, "
+                     "and the tokens the log counts for them are left out of the rates")
         return {"timeline": tl, "timed_steps": self.timed_steps, "assumed_step_seconds": self.step_seconds,
                 "note": note, "ledger": self.ledger}
 
@@ -487,8 +493,6 @@ def _analyze_run(rep: FileReport, fmt: str | None, mapping: Mapping[str, str | N
 
 #: Fewer steps than this get no goodput estimate (a launch's first step counts as its start-up).
 MIN_GOODPUT_STEPS = 10
-#: A step jump this many times the log's usual interval is a gap in the log, not its logging pace.
-GAP_FACTOR = 10
 
 
 def _feed(rep: FileReport, points: Iterable[LogPoint | LogEvent], step_seconds: float, bar: Any) -> None:
@@ -507,8 +511,6 @@ def _feed(rep: FileReport, points: Iterable[LogPoint | LogEvent], step_seconds: 
     log.addHandler(catcher)
     lo = hi = prev = None
     restarts = done = aggs = 0
-    intervals: list[int] = []  # the first 1,000 step intervals: the log's usual pace
-    jumps: list[tuple[int, int, int]] = []
     by_line = rep.format in LINE_FORMATS
     per_rank = False
     try:
@@ -528,12 +530,6 @@ def _feed(rep: FileReport, points: Iterable[LogPoint | LogEvent], step_seconds: 
                     s = p.step
                     if prev is not None and s <= prev and not per_rank:
                         restarts += 1
-                    elif prev is not None and s > prev and not per_rank:
-                        if len(intervals) < 1000:
-                            intervals.append(s - prev)
-                        jumps.append((s - prev, prev, s))  # bounded below: the 100 largest kept
-                        if len(jumps) > 200:
-                            jumps = sorted(jumps, reverse=True)[:100]
                     prev = s
                     lo = s if lo is None or s < lo else lo
                     hi = s if hi is None or s > hi else hi
@@ -575,9 +571,6 @@ def _feed(rep: FileReport, points: Iterable[LogPoint | LogEvent], step_seconds: 
         if per_rank:  # a step is the aggregate of its ranks' records; a restart, a new generation of them
             rep.steps, restarts = aggs, run.pipeline.aggregator.generation
         rep.first_step, rep.last_step, rep.restarts = lo, hi, restarts
-        if intervals:
-            usual = sorted(intervals)[len(intervals) // 2]
-            rep.gaps = [(a, b) for d, a, b in sorted(jumps, reverse=True) if d > GAP_FACTOR * usual]
         rep.anomalies = sorted(run.anomalies.values(), key=lambda a: (a.gen, a.step))
         order = {a.id: i for i, a in enumerate(rep.anomalies)}
         # As the live service dismisses advice whose anomaly needs no action any more (the spike
@@ -748,21 +741,35 @@ def format_file(rep: FileReport) -> list[str]:
         out.append(f"  goodput    {g['note']}")
     else:
         wall = snap["wall_s"]
-        # Causes that would print as 0.0 s / 0.0 % are left out.
-        bad = sorted(((k, v) for k, v in snap["seconds"].items() if k != "productive" and v >= 0.05),
+        unobserved = snap["seconds"].get("unobserved", 0.0)
+        observed = wall - unobserved
+        # Causes that would print as 0.0 s / 0.0 % are left out; unobserved time is no cause of badput: said apart.
+        bad = sorted(((k, v) for k, v in snap["seconds"].items() if k not in NOT_BADPUT and v >= 0.05),
                      key=lambda kv: -kv[1])
         line = f"  goodput    {snap['goodput_pct']:.1f}% of {fmt_duration(wall)} wall time productive"
         if tl == "partial":
             line += " (partly on the assumed pace)"
+        if unobserved >= 0.05:
+            line += (f"; {fmt_duration(unobserved)} ({100 * unobserved / wall:.1f}%) unobserved: steps the log does "
+                     "not cover")
         out.append(line)
+        if unobserved >= 0.05 and observed > 0:
+            out.append(f"             of the {fmt_duration(observed)} the log covers, "
+                       f"{100 * snap['seconds']['productive'] / observed:.1f}% productive")
         if bad:
-            out.append("             badput: " + ", ".join(
-                f"{category_label(k)} {fmt_duration(v)} ({100 * v / wall:.1f}%)" for k, v in bad[:5]))
+            # Shares of the time the figures rest on: the wall time, or the time the log covers when it skips some.
+            skips = unobserved >= 0.05 and observed > 0
+            base, of = (observed, " (of the time the log covers)") if skips else (wall, "")
+            out.append(f"             badput{of}: " + ", ".join(
+                f"{category_label(k)} {fmt_duration(v)} ({100 * v / base:.1f}%)" for k, v in bad[:5]))
         if snap.get("tokens_total"):
-            out.append(f"             {snap['tokens_total']:,} tokens; throughput {snap['throughput_tok_s']:,.0f} "
-                       f"tokens/s, goodput {snap['goodput_tok_s']:,.0f} tokens/s")
+            line = (f"             {snap['tokens_total']:,} tokens; throughput {snap['throughput_tok_s']:,.0f} "
+                    f"tokens/s, goodput {snap['goodput_tok_s']:,.0f} tokens/s")
+            if unobserved >= 0.05 and observed > 0:
+                line += f" ({snap['tokens_good'] / observed:,.0f} tokens/s over the time the log covers)"
+            out.append(line)
         if rep.gaps:
-            out.append("             note: " + g["note"].split("; ", 1)[1])
+            out.append("             note: " + g["note"][g["note"].index("the log skips"):])
     for r in rep.recommendations:
         out.append(f"  rollback   [{r.action}] {r.kind} at step {r.onset_step}: {r.summary}")
         for opt in r.options:

@@ -40,6 +40,7 @@ CATEGORY_COLORS = {
     "custom": "#e7ba52",
     "hang": "#393b79",
     "idle": "#b0b0b0",
+    "unobserved": "#e3e3e3",  # lighter than idle: time nobody saw
 }
 #: Colour of a category the ledger added after this dashboard was written.
 OTHER_CATEGORY_COLOR = "#7f7f7f"

@@ -175,7 +175,9 @@ GOODPUT_TOKENS_HELP = ("Goodput tokens/s = tokens of the steps the model keeps ร
                        "(straggler wait, data loading) slows throughput and goodput alike, so it is not in that gap: "
                        "it shows in Goodput (time) and the breakdown of wall time.")
 THROUGHPUT_HELP = ("Throughput tokens/s = all tokens processed รท seconds spent inside steps (straggler and data "
-                   "waits, skipped steps and steps later redone included): the tokens/s a framework prints.")
+                   "waits, skipped steps and steps later redone included): the tokens/s a framework prints. Tokens "
+                   "counted for time with no step time in the records (an untimed first step, skipped stretches "
+                   "of a log) are left out of both rates.")
 #: Under the throughput-vs-goodput chart: what its shaded gap is, and what it leaves out.
 TOKEN_GAP_NOTE = ("Shaded gap = tokens recomputed or discarded (redone, rolled-back, skipped steps) and time "
                   "outside steps (start-up, checkpoints, restarts, hangs, idle). Straggler wait and data loading "

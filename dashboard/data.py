@@ -58,11 +58,14 @@ LEDGER_COLUMNS = ["t", "started_at", "wall_s", "world_size", "gpu_hour_usd", "la
                   "steps_good", "restarts", "tokens_total", "tokens_good", "throughput_tok_s",
                   "goodput_tok_s", "goodput_pct", "badput_cost_usd"]
 #: Goodput ledger categories (seconds of wall time), in docs/goodput.md's order; everything but
-#: ``productive`` is badput. Categories a snapshot adds beyond these are shown too.
+#: :data:`NOT_BADPUT` is badput. Categories a snapshot adds beyond these are shown too.
 LEDGER_CATEGORIES = ("productive", "program_startup", "data_loading", "straggler_wait", "skipped_steps",
                      "checkpoint_save", "checkpoint_restore", "wasted_progress_from_disruption",
                      "wasted_progress_from_rollback", "infrastructure_recovery_from_disruption", "custom", "hang",
-                     "idle")
+                     "idle", "unobserved")
+#: Categories that are not badput: productive time, and ``unobserved`` time (steps the records do not cover: records
+#: lost, a log's skipped stretches), which is not known to be lost (docs/goodput.md).
+NOT_BADPUT = ("productive", "unobserved")
 #: Windows of the ledger's rolling rates (``rates`` keys) and the history columns they fill:
 #: ``rate.<window>.throughput_tok_s`` and ``rate.<window>.goodput_tok_s``.
 RATE_WINDOWS = ("60s", "600s", "3600s")
@@ -996,7 +999,7 @@ def with_latest(history: pd.DataFrame, snap: Mapping[str, Any] | None) -> pd.Dat
 
 
 def badput_by_cause(snapshot: Mapping[str, Any] | None) -> pd.DataFrame:
-    """What each cause of badput cost: one row per non-productive category of a ledger snapshot.
+    """What each cause of badput cost: one row per badput category of a ledger snapshot (all but :data:`NOT_BADPUT`).
 
     Columns :data:`CAUSE_COLUMNS`: ``category`` (the row's name), ``ledger_category`` (the
     ledger category it belongs to: ``custom`` for the custom names), ``seconds`` (s of wall
@@ -1015,7 +1018,7 @@ def badput_by_cause(snapshot: Mapping[str, Any] | None) -> pd.DataFrame:
     costs = snapshot.get("cost_usd") or {}
     hours = snapshot.get("gpu_hours") or {}
     by_name = snapshot.get("custom_by_name") or {}
-    names: Iterable[str] = [c for c in LEDGER_CATEGORIES if c != "productive"]
+    names: Iterable[str] = [c for c in LEDGER_CATEGORIES if c not in NOT_BADPUT]
     names = [*names, *sorted(k for k in seconds if k not in LEDGER_CATEGORIES)]
     world = _num(snapshot.get("world_size"))
 

@@ -8,6 +8,7 @@ discarded attempt is badput). Category names follow Google's ``ml-goodput-measur
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from typing import Any
@@ -32,13 +33,51 @@ CATEGORIES = (
     "custom",                                   # user-declared badput (evaluation, profiling)
     "hang",                                     # gaps longer than the hang threshold with nothing declared
     "idle",                                     # shorter unattributed gaps
+    "unobserved",                               # steps the records do not cover: neither productive nor badput
 )
+#: Categories of time inside step attempts (``step_s``, the throughput's denominator).
+STEP_CATEGORIES = ("productive", "data_loading", "straggler_wait", "skipped_steps", "wasted_progress_from_disruption",
+                   "wasted_progress_from_rollback")
+#: Categories that are not badput: the productive time, and the time nobody saw (not known to be lost).
+NOT_BADPUT = ("productive", "unobserved")
 #: Windows (s) of the rolling throughput and goodput rates.
 WINDOWS_S = (60, 600, 3600)
 #: Steps after a launch's first step whose mean step time tells its warm-up excess.
 WARMUP_STEPS = 9
 #: Steps of lineage kept in memory (a rollback further back than this is not re-attributed).
 LINEAGE_STEPS = 200_000
+#: Step increments whose most frequent is the run's usual one.
+INCREMENT_WINDOW = 200
+
+
+class _Increments:
+    """The step increments between consecutive steps of a generation, over the last ``size`` intervals, and the
+    usual one: the most frequent (the smallest of a tie), in O(distinct values). A run's increments take one or two
+    values (1 for a collector recording every step, a log's cadence); not their median, which an excerpt of
+    pasted blocks takes from its jumps (the 104B excerpt: 3 increments of 1 among 7, the median 749)."""
+
+    def __init__(self, size: int = INCREMENT_WINDOW) -> None:
+        self._size = size
+        self._window: deque[int] = deque()
+        self._counts: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._window)
+
+    def add(self, k: int) -> None:
+        self._window.append(k)
+        self._counts[k] = self._counts.get(k, 0) + 1
+        if len(self._window) > self._size:
+            old = self._window.popleft()
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]
+
+    def usual(self) -> int | None:
+        """The most frequent increment (steps; the smallest of a tie), None before any."""
+        if not self._counts:
+            return None
+        return min(self._counts, key=lambda k: (-self._counts[k], k))
 
 
 class GoodputLedger:
@@ -47,7 +86,10 @@ class GoodputLedger:
     Feed steps in completion order with :meth:`add_step` and events with :meth:`add_event`;
     :meth:`snapshot` returns the totals at any time. Each step accounts exactly for the
     interval from the previous step's end to its own end, so the categories always sum to
-    the wall time (run start to ``now``).
+    the wall time (run start to ``now``). Time before a step whose number jumped far past the usual
+    increment (records lost, a log's pasted blocks) is ``unobserved``, neither productive nor badput;
+    tokens count with the step time they were processed in, so goodput never exceeds throughput
+    (``docs/goodput.md``).
 
     Parameters
     ----------
@@ -119,6 +161,15 @@ class GoodputLedger:
         self._lineage: deque[tuple[int, int, dict[str, float]]] = deque(maxlen=LINEAGE_STEPS)
         self._tokens_total = 0
         self._tokens_good = 0
+        self._tokens_unobserved = 0  # tokens reported for time not booked as step time
+        # Step increments (the usual one tells a jump), the newest step seen (gen, step), steps held until the
+        # usual increment is known, whether any step arrived; stretches of steps not covered (count, steps, largest).
+        self._incs = _Increments()
+        self._prev_seen: tuple[int, int] | None = None
+        self._held: list[tuple[StepAggregate, int | None]] = []
+        self._received = False
+        self._gaps = self._gap_steps = 0
+        self._gap_largest: tuple[int, int] | None = None
         self._steps_done = 0
         self._restarts = 0
         # Declared badput not yet placed in a gap: (kind, step, name) -> (seconds, unix s it ended).
@@ -141,7 +192,7 @@ class GoodputLedger:
     # -- input -------------------------------------------------------------------------------
     def note_start(self, t: float) -> None:
         """The run (or its first process) started at unix time ``t``; the earliest value wins."""
-        if self._last_end is None and (self._start is None or t < self._start):
+        if not self._received and (self._start is None or t < self._start):
             self._start = t
 
     def add_event(self, ev: Event) -> None:
@@ -234,22 +285,85 @@ class GoodputLedger:
         return out
 
     def add_step(self, agg: StepAggregate) -> None:
-        """Account one completed step (steps in completion order)."""
+        """Account one completed step (steps in completion order).
+
+        A step more than ``defaults.LEDGER_GAP_FACTOR`` x the run's usual step increment (the most frequent of the
+        last 200 between consecutive steps of a generation) past the previous step of its generation skipped steps
+        the records do not cover: the time before its own is ``unobserved`` (see :meth:`_book`). The usual
+        increment needs a few increments to be known: until ``defaults.LEDGER_MIN_INCREMENTS`` are, steps after the
+        run's first are held (at most ``defaults.LEDGER_HOLD_STEPS``) and booked in order once they are; a
+        :meth:`snapshot` meanwhile books them on a copy. The progress timeout the ledger feeds (shared with the hang
+        detector) sees them then too: the first few steps of a run, while its timeout is the initial one anyway.
+        """
+        self._received = True
+        self._last_t = max(self._last_t, agg.t_end)
+        inc = None
+        prev = self._prev_seen
+        if prev is not None and prev[0] == agg.gen and agg.step > prev[1]:
+            inc = agg.step - prev[1]
+            self._incs.add(inc)
+        if prev is None or prev[0] != agg.gen or agg.step > prev[1]:
+            self._prev_seen = (agg.gen, agg.step)
+        if self._held or (inc is not None and len(self._incs) < defaults.LEDGER_MIN_INCREMENTS):
+            self._held.append((agg, inc))
+            if len(self._incs) >= defaults.LEDGER_MIN_INCREMENTS or len(self._held) >= defaults.LEDGER_HOLD_STEPS:
+                self._release()
+            return
+        # A jump needs an increment over GAP_FACTOR x the usual one, which is at least 1: most steps skip the count.
+        usual = self._incs.usual() if inc is not None and inc > defaults.LEDGER_GAP_FACTOR else None
+        self._book(agg, inc, usual)
+
+    def _release(self) -> None:
+        """Book the held steps, judged against the usual increment known now."""
+        usual = self._incs.usual()
+        held, self._held = self._held, []
+        for agg, inc in held:
+            self._book(agg, inc, usual)
+
+    def _own_s(self, agg: StepAggregate, usual: int, span: float) -> float:
+        """Seconds of an untimed step that follows a jump, at most ``span``: its usual increment of steps at the
+        job's own seconds per step (``step_s``), else the median of the recent steps' booked times, else 0 (not
+        known: the whole interval is unobserved)."""
+        per = agg.step_s
+        if per is not None and math.isfinite(per) and per > 0:
+            own = usual * per
+        elif self._durs:
+            own = sorted(self._durs)[len(self._durs) // 2]
+        else:
+            own = 0.0
+        return max(0.0, min(own, span))
+
+    def _book(self, agg: StepAggregate, inc: int | None, usual: int | None) -> None:
+        """Book one step: the interval from the previous step's end to its own end.
+
+        ``inc`` is its step increment over the previous step of its generation (None for the first of one), and
+        ``usual`` the run's usual increment (None when not needed: ``inc`` is no jump). After a jump (``inc`` over
+        ``defaults.LEDGER_GAP_FACTOR`` x ``usual``) the step's own time is its timed time, or (untimed)
+        :meth:`_own_s`; declared checkpoint and custom seconds before it are booked as such, the rest of the
+        interval is ``unobserved`` — the steps ran, as the step numbers say, but no record says how (the hang and
+        idle rules, which judge time the records cover, do not apply) — and the share of an untimed step's tokens
+        for that time (its count covers the steps since the previous record) is ``tokens_unobserved``.
+        """
         if self._start is None:
             self._start = min(agg.inc, agg.t_start if agg.t_start is not None else agg.t_end)
         last = self._last_end if self._last_end is not None else self._start
         end = max(agg.t_end, last)
+        jump = (inc is not None and usual is not None and inc > defaults.LEDGER_GAP_FACTOR * usual
+                and self._last_end is not None and agg.gen == self._gen)
         if agg.t_start is not None:
             start = min(max(agg.t_start, last), end)
         elif self._last_end is None or agg.gen != self._gen:
             # An untimed (log-only) first step of a launch: its compute time is unknown, so it
             # counts from its end (the wait before it is start-up or recovery, not progress).
             start = end
+        elif jump:
+            start = end - self._own_s(agg, usual or 1, end - last)  # usual is set: a jump
         else:
             # An untimed step: declared badput since the last step came first, then the step.
             start = min(last + sum(v for v, t in self._pending.values() if t < agg.t_end), end)
         gap = start - last
         sec = self._sec
+        unobserved = 0.0
         if self._last_end is None:
             if self.history_lost is not None:  # the time before this step is not known: not booked at all
                 self._start, gap = start, 0.0
@@ -278,11 +392,15 @@ class GoodputLedger:
             sec["custom"] += custom
             sec["checkpoint_restore"] += restore
             rest = gap - save - custom - restore
-            if agg.pause is None and rest + (end - start) > self.progress.timeout_s:
+            if jump:
+                unobserved = rest
+                sec["unobserved"] += rest
+                self._note_gap(agg.step - (inc or 0), agg.step, (inc or 0) - (usual or 0))
+            elif agg.pause is None and rest + (end - start) > self.progress.timeout_s:
                 # A stall longer than the progress timeout: hang, in the gap and in the step that held it (a rank
                 # frozen mid-step, the others blocked in its collective); the step keeps its usual length.
-                usual = min(self.progress.median_s or 0.0, end - start)
-                hang = rest + (end - start) - usual
+                usual_s = min(self.progress.median_s or 0.0, end - start)
+                hang = rest + (end - start) - usual_s
                 sec["hang"] += hang
                 start = min(start + max(hang - rest, 0.0), end)
             else:
@@ -295,24 +413,41 @@ class GoodputLedger:
             sec[cat] += v
         if agg.pause is not None:
             self._book_pause(agg.pause, parts, dur)
+        # Tokens go with the step time they were processed in: none for a step booked without any (an untimed
+        # launch's first step, whose time is start-up), and an untimed step's count after a jump (the steps
+        # since the previous record) only for its own share of the interval.
         tokens = agg.tokens or 0
-        good = 0 if parts.get("skipped_steps") else tokens
+        if dur <= 0:
+            counted = 0
+        elif unobserved > 0 and agg.t_start is None:
+            counted = round(tokens * dur / (dur + unobserved))
+        else:
+            counted = tokens
+        self._tokens_unobserved += tokens - counted
+        good = 0 if parts.get("skipped_steps") else counted
         self._rank_steps += agg.n_ranks
         if agg.n_ranks < self.world_size:
             self._partial_steps += 1  # closed with the ranks it had: the others' records were lost
         self._lineage.append((agg.step, good, parts))
-        self._tokens_total += tokens
+        self._tokens_total += counted
         self._tokens_good += good
         self._steps_done += 1
         self._last_end = end
         self._last_t = max(self._last_t, end)
-        if (agg.t_start is not None or dur > 0) and agg.pause is None:  # a pause step is not a usual step time
+        if dur > 0 and agg.pause is None:  # a pause step is not a usual step time
             self._durs.append(dur)
         self.progress.step(agg.gen, end, agg.pause is not None, dur)
-        self._recent.append([end, tokens, good, dur, agg.step, True])
+        self._recent.append([end, counted, good, dur, agg.step, True])
         while self._recent and self._recent[0][0] < end - WINDOWS_S[-1]:
             self._recent.popleft()
         self._warmup(parts, dur, new_launch)
+
+    def _note_gap(self, before: int, step: int, missing: int) -> None:
+        """A stretch of steps the records do not cover: from step ``before`` to ``step``, ``missing`` steps."""
+        self._gaps += 1
+        self._gap_steps += max(missing, 0)
+        if self._gap_largest is None or step - before > self._gap_largest[1] - self._gap_largest[0]:
+            self._gap_largest = (before, step)
 
     def _warmup(self, parts: dict[str, float], dur: float, new_launch: bool) -> None:
         """The first step of a launch is slow (compilation, allocator and autotuning warm-up): once
@@ -324,6 +459,8 @@ class GoodputLedger:
         if self._first is None:
             return
         first_parts, first_dur, later = self._first
+        if dur <= 0:
+            return  # a step booked without time (its tokens neither) says nothing of the launch's usual step
         later.append(dur)
         if len(later) < WARMUP_STEPS:
             return
@@ -355,13 +492,40 @@ class GoodputLedger:
             self._custom_by_name[pause] = self._custom_by_name.get(pause, 0.0) + extra
 
     def _split_step(self, agg: StepAggregate, dur: float) -> dict[str, float]:
-        """A step's seconds by category: data wait, straggler wait, then productive or skipped."""
+        """A step's seconds by category: data wait, straggler wait, then productive or skipped.
+
+        Straggler wait, per synchronous step: the slowest rank's section seconds minus the **median of the other
+        ranks'** (``agg.busy``; at most the step's time besides its data wait). Every rank waits at the collective
+        for the slowest; what the slowest adds to the step is what a typical rank waits for it. The reference
+        leaves the slowest rank out: the median of all ranks, used before, is the slowest rank itself in a 2-rank
+        job (its "median" of two was taken as the upper one), which booked 0 s for any 2-rank straggler; the other
+        rank is the reference there. Not the fastest rank: with many ranks it is an extreme, and the slowest minus
+        the fastest grows with the ranks' ordinary jitter (the expected range of N samples grows like
+        sqrt(2 ln N) standard deviations), so a 1,024-rank job would book its noise as waiting. Not the next
+        slowest: the 8 equally slow ranks of a slow node would book nothing. The best rank stays the reference
+        where a rank is *named* slow (:class:`~trainhealth.detectors.straggler.StragglerDetector`, NVIDIA
+        Resiliency Extension's relative performance score); the cost of an incident is priced against the typical
+        rank as here (:func:`trainhealth.detectors.incidents.badput`).
+
+        >>> led = GoodputLedger(world_size=2)
+        >>> a = StepAggregate(1, 0, 0.0, 0.0, 2.0, 2.0, 1.0, None, 10, None, 2, (0.5, 1.5), 0.0)
+        >>> led._split_step(a, 2.0)
+        {'data_loading': 0.0, 'straggler_wait': 1.0, 'productive': 1.0}
+
+        References
+        ----------
+        NVIDIA Resiliency Extension, straggler detection usage guide (relative performance score: the best rank as
+        reference, for naming a slow rank). Order statistics: the expected range of N normal samples (Tippett, 1925).
+        """
         data = min(max(agg.data_s, 0.0), dur)
         busy = sorted(b for b in agg.busy if b is not None)
         wait = 0.0
         if len(busy) >= 2:
             # Synchronous step: everyone waits at the collective for the slowest rank's sections.
-            wait = min(max(busy[-1] - busy[len(busy) // 2], 0.0), dur - data)
+            others = len(busy) - 1
+            mid = others // 2
+            typical = busy[mid] if others % 2 else (busy[mid - 1] + busy[mid]) / 2
+            wait = min(max(busy[-1] - typical, 0.0), dur - data)
         rest = dur - data - wait
         skipped = agg.skipped or bool(agg.bad_ranks)
         return {"data_loading": data, "straggler_wait": wait, ("skipped_steps" if skipped else "productive"): rest}
@@ -393,19 +557,44 @@ class GoodputLedger:
                 entry[5] = False
 
     def _rates(self, now: float, wall: float) -> dict[str, dict[str, float]]:
-        """Throughput (tokens per step-second) and goodput (kept tokens per wall second) per window."""
-        out = {}
-        for w in WINDOWS_S:
-            tok = good = dur = 0.0
-            for t_end, tokens, good_tokens, d, _, alive in reversed(self._recent):
-                if t_end <= now - w:
+        """Throughput (tokens per step-second) and goodput (kept tokens per wall second) over the last ``w`` s.
+
+        A step attempt counts with the share of its step time inside the window (its tokens and its seconds alike:
+        a 106 s step of which 60 s are in the last minute counts 60/106 of its tokens), so a window's goodput is at
+        most its throughput: the step times counted lie in the window, disjoint, so they are at most its wall time.
+        """
+        n = len(WINDOWS_S)
+        los = [now - w for w in WINDOWS_S]  # ascending windows: descending lower bounds
+        sums: list[tuple[float, float, float]] = []  # (tokens, step seconds, kept tokens) per window
+        tok = busy = good = 0.0  # of the attempts wholly inside the smallest window not closed yet
+        i, lo = 0, los[0]
+        for t_end, tokens, good_tokens, d, _, alive in reversed(self._recent):
+            if t_end - d >= lo and t_end > lo:  # wholly inside this window, and so inside the larger ones
+                if d > 0:
+                    tok, busy, good = tok + tokens, busy + d, good + (good_tokens if alive else 0)
+                continue
+            kept = good_tokens if alive else 0
+            while i < n:
+                if t_end <= lo:  # ended before the window: it is complete
+                    sums.append((tok, busy, good))
+                elif d <= 0:  # booked without step time: no tokens counted either
                     break
-                tok += tokens
-                dur += d
-                good += good_tokens if alive else 0
+                elif t_end - d >= lo:
+                    tok, busy, good = tok + tokens, busy + d, good + kept
+                    break
+                else:  # straddles the window's start: its share inside; the larger windows look again
+                    f = (t_end - lo) / d
+                    sums.append((tok + tokens * f, busy + d * f, good + kept * f))
+                i += 1
+                lo = los[i] if i < n else math.inf
+            if i == n:
+                break
+        sums += [(tok, busy, good)] * (n - len(sums))
+        out = {}
+        for w, (tok_w, busy_w, good_w) in zip(WINDOWS_S, sums, strict=True):
             span = min(w, wall)
-            out[f"{w}s"] = {"throughput_tok_s": tok / dur if dur > 0 else 0.0,
-                            "goodput_tok_s": good / span if span > 0 else 0.0}
+            out[f"{w}s"] = {"throughput_tok_s": tok_w / busy_w if busy_w > 0 else 0.0,
+                            "goodput_tok_s": good_w / span if span > 0 else 0.0}
         return out
 
     # -- output -----------------------------------------------------------------------------------
@@ -418,14 +607,22 @@ class GoodputLedger:
         """Totals at unix time ``now`` (use :attr:`last_activity` for an ended run).
 
         Returns a JSON-ready dict: ``wall_s``; ``seconds``, ``gpu_hours`` and ``cost_usd`` per
-        category (:data:`CATEGORIES`, summing to ``wall_s``); ``tokens_total``/``tokens_good``;
-        ``throughput_tok_s`` = tokens_total / step_s, the speed while stepping as frameworks
-        report it (``step_s`` = time inside step attempts: productive + data loading + wasted);
-        ``goodput_tok_s`` = tokens_good / wall_s, progress kept per wall-clock second;
-        ``goodput_pct`` = 100 · productive / wall_s; ``custom_by_name`` splits ``custom`` by the
-        names given to ``Monitor.badput`` (``evaluation``...); step and restart counts; what the figures rest on
-        (:meth:`_data_quality`: records the collectors dropped, steps missing ranks, coverage).
+        category (:data:`CATEGORIES`, summing to ``wall_s``); ``observed_s`` = wall_s minus ``unobserved``;
+        ``tokens_total``/``tokens_good``: the tokens of the step time booked (``tokens_unobserved``: the tokens
+        reported for time that is not, see :meth:`_book`); ``throughput_tok_s`` = tokens_total / step_s, the speed
+        while stepping as frameworks report it (``step_s`` = time inside step attempts, :data:`STEP_CATEGORIES`);
+        ``goodput_tok_s`` = tokens_good / wall_s, progress kept per wall-clock second; ``goodput_pct`` = 100 ·
+        productive / wall_s (unobserved time is not known to be productive); ``rates`` per window
+        (:meth:`_rates`); ``unobserved_gaps``: the stretches of steps the records skipped (``count``, ``steps``
+        not covered, the ``largest`` as [from step, to step]); ``badput_cost_usd`` sums every category but
+        :data:`NOT_BADPUT`; ``custom_by_name`` splits ``custom`` by the names given to ``Monitor.badput``
+        (``evaluation``...); step and restart counts; what the figures rest on (:meth:`_data_quality`: records the
+        collectors dropped, steps missing ranks, coverage). Goodput is never above throughput, whole run or window.
         """
+        if self._held:  # steps waiting for the usual increment: booked on a copy, as they will be
+            led = copy.deepcopy(self)
+            led._release()
+            return led.snapshot(now)
         start = self._start if self._start is not None else now
         end = max(now, self._last_end or start)
         sec = dict(self._sec)
@@ -447,26 +644,29 @@ class GoodputLedger:
         rest = tail - save - custom - restore
         sec["program_startup" if self._last_end is None else self._gap_kind(rest)] += rest
         wall = end - start
+        step_raw = sum(sec[k] for k in STEP_CATEGORIES)  # unrounded: a rate's denominator
         sec = {k: round(v, 6) for k, v in sec.items()}
-        step_s = sum(sec[k] for k in ("productive", "data_loading", "straggler_wait", "skipped_steps",
-                                       "wasted_progress_from_disruption", "wasted_progress_from_rollback"))
         gh = {k: v * self.world_size / 3600.0 for k, v in sec.items()}
         price = self.gpu_hour_usd
         cost = {k: v * price for k, v in gh.items()} if price is not None else None
+        largest = self._gap_largest
         return {
             "t": end, "started_at": start, "wall_s": round(wall, 6), "world_size": self.world_size,
             "gpu_hour_usd": price,
             "last_step": self._lineage[-1][0] if self._lineage else None,
             "steps_done": self._steps_done, "steps_good": len(self._lineage), "restarts": self._restarts,
             "tokens_total": self._tokens_total, "tokens_good": self._tokens_good,
-            "step_s": round(step_s, 6),
-            "throughput_tok_s": self._tokens_total / step_s if step_s > 0 else 0.0,
+            "tokens_unobserved": self._tokens_unobserved,
+            "step_s": round(step_raw, 6), "observed_s": round(wall - sec["unobserved"], 6),
+            "throughput_tok_s": self._tokens_total / step_raw if step_raw > 0 else 0.0,
             "goodput_tok_s": self._tokens_good / wall if wall > 0 else 0.0,
             "goodput_pct": round(100.0 * sec["productive"] / wall, 6) if wall > 0 else 0.0,
             "rates": self._rates(end, wall),
             "seconds": sec, "custom_by_name": {k: round(v, 6) for k, v in by_name.items()},
             "gpu_hours": gh, "cost_usd": cost,
-            "badput_cost_usd": (sum(v for k, v in cost.items() if k != "productive") if cost else None),
+            "badput_cost_usd": (sum(v for k, v in cost.items() if k not in NOT_BADPUT) if cost else None),
+            "unobserved_gaps": {"count": self._gaps, "steps": self._gap_steps,
+                                "largest": list(largest) if largest is not None else None},
             **self._data_quality(),
         }
 

@@ -379,13 +379,44 @@ def test_chart_series_is_bounded_and_keeps_spikes_gaps_and_pinned_steps() -> Non
         ChartSeries(buckets=1)
 
 
-def test_excerpt_with_gaps_says_the_goodput_counts_the_unlogged_steps(real_logs: Path) -> None:
-    out = cli(real_logs / "megatron_deepspeed_bloom176b_excerpt.log", "--json")
+def test_excerpt_with_gaps_books_the_unlogged_steps_as_unobserved(real_logs: Path) -> None:
+    """BLOOM's excerpt: blocks pasted from a 115k-step run (12,695 -> 31,214 -> ... -> 45,000). The time of the steps
+    between the blocks is unobserved, not a 39.7-day hang; each logged step is its own elapsed time per iteration,
+    and its tokens are one step's (the cumulative counter's jump over a stretch is left out of the rates)."""
+    path = real_logs / "megatron_deepspeed_bloom176b_excerpt.log"
+    out = cli(path, "--json")
     (f,) = json.loads(out.stdout)["files"]
     assert f["goodput"]["note"] == (
         "estimated from the step times in the log; the log skips 4 stretches of steps (32,288 steps not logged, the "
-        "largest 12,695 -> 31,214), counted as if they ran at the logged step times")
+        "largest 12,695 -> 31,214): their time is unobserved, neither productive nor a hang, and the tokens the log "
+        "counts for them are left out of the rates")
     assert f["recommendations"] == []  # the spike at 31219 recovered by itself: no stale rollback advice
+    pts = list(importers.read(path))
+    first, rest = pts[0], pts[1:]
+    jumps = [(b.step - a.step - 1) * b.step_seconds for a, b in zip(pts, rest, strict=False) if b.step - a.step > 10]
+    led = f["goodput"]["ledger"]
+    assert {k: v for k, v in led["seconds"].items() if v} == {
+        "program_startup": pytest.approx(first.step_seconds),  # the first logged step: its launch
+        "productive": pytest.approx(math.fsum(p.step_seconds for p in rest), abs=1e-5),
+        "unobserved": pytest.approx(math.fsum(jumps), abs=1e-5)}
+    assert led["unobserved_gaps"] == {"count": 4, "steps": 32_288, "largest": [12_695, 31_214]}
+    assert led["observed_s"] == pytest.approx(led["wall_s"] - led["seconds"]["unobserved"], abs=1e-5)
+    # 17 steps of 2,048 x 2,048 tokens; the rest of the counter's 155.65B is the stretches' and the history's.
+    assert (led["tokens_total"], led["tokens_good"]) == (17 * 4_194_304, 17 * 4_194_304)
+    assert led["tokens_total"] + led["tokens_unobserved"] == 155_652_554_752
+    assert led["throughput_tok_s"] == pytest.approx(17 * 4_194_304 / led["seconds"]["productive"])
+    assert led["goodput_tok_s"] == pytest.approx(17 * 4_194_304 / led["wall_s"])
+    # The last step (45,000: 111 s) is all the last minute holds: goodput and throughput are its 37.8k tokens/s.
+    assert led["rates"]["60s"] == {"throughput_tok_s": pytest.approx(4_194_304 / 111.0),
+                                   "goodput_tok_s": pytest.approx(4_194_304 / 111.0)}
+    for rate in led["rates"].values():
+        assert rate["goodput_tok_s"] <= rate["throughput_tok_s"]
+    text = cli(path).stdout
+    assert ("  goodput    0.1% of 39.7 d wall time productive; 39.7 d (99.9%) unobserved: steps the log does not "
+            "cover\n             of the 32.1 min the log covers, 94.5% productive\n             badput (of the time "
+            "the log covers): program startup 105 s (5.5%)\n             71,303,168 tokens; throughput 39,200 "
+            "tokens/s, goodput 21 tokens/s (37,056 tokens/s over the time the log covers)\n") in text
+    assert not re.search(r"\bhang\b", text.split("  goodput ")[1].split("  rollback")[0].replace("nor a hang", ""))
 
 
 def test_a_bad_trainer_state_entry_is_skipped_and_the_rest_analysed(tmp_path: Path) -> None:

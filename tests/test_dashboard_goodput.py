@@ -401,7 +401,8 @@ def test_goodput_page_kpis_rates_and_summary(seeded: dict) -> None:
         "wall time.")
     assert helps["Throughput"] == (
         "Throughput tokens/s = all tokens processed ÷ seconds spent inside steps (straggler and data waits, skipped "
-        "steps and steps later redone included): the tokens/s a framework prints.")
+        "steps and steps later redone included): the tokens/s a framework prints. Tokens counted for time with no "
+        "step time in the records (an untimed first step, skipped stretches of a log) are left out of both rates.")
     rates = at.dataframe[0].value
     assert list(rates.columns) == ["whole run", "last 1 min", "last 10 min", "last 1 h"]
     assert rates.to_dict("index") == {
@@ -758,3 +759,32 @@ def test_goodput_page_says_what_data_was_lost(r: redis.Redis, seeded: dict) -> N
     assert warning == ("**Data lost**: the run's history before step 3,729 is not in Redis (it restarted without its "
                        "data, or trimmed it): the figures cover the run from there. The figures rest on 100% of "
                        "the rank-steps.")
+
+
+def test_goodput_page_shows_unobserved_time_apart_from_badput(r: redis.Redis, seeded: dict) -> None:
+    # 30 min of steps the records skipped (a log's pasted blocks, records lost) on top of the seeded hour: a band
+    # of its own in the breakdown, but no cause of badput and no cost.
+    k = run_keys(RUN)
+    snap = json.loads(r.get(k.ledger_latest))
+    sec = {**snap["seconds"], "unobserved": 1800.0}
+    gh = {c: v * WORLD / 3600.0 for c, v in sec.items()}
+    snap.update(wall_s=5400.0, seconds=sec, gpu_hours=gh, cost_usd={c: v * PRICE for c, v in gh.items()},
+                observed_s=3600.0, unobserved_gaps={"count": 2, "steps": 180, "largest": [120, 260]})
+    r.set(k.ledger_latest, json.dumps(snap))
+    r.xadd(k.ledger, {"t": repr(T0 + 5400.0), "json": json.dumps({**snap, "t": T0 + 5400.0})})
+    at = goodput_page()
+    assert metrics(at)["Badput GPU-h"] == ("15.8", "of 96.0 GPU-h")  # 890 s of badput; the 1,800 s are not
+    assert metrics(at)["Badput cost"] == ("$39.56", "at $2.5/GPU-h")
+    [note] = [i.value for i in at.info if "Unobserved" in i.value]
+    assert note == ("**Unobserved**: 30 min (33.3% of the wall time) passed over 2 stretches of steps (180 steps) the "
+                    "records do not cover (records lost, or a log's skipped stretches): the steps ran, but nothing "
+                    "says how, so that time is neither productive nor badput. Of the 60 min the records cover, 75.3% "
+                    "was productive.")
+    summary = next(c.value for c in at.main.caption if c.value.startswith("wall time"))
+    assert summary.startswith("wall time 90 min · productive 45 min · badput 15 min · unobserved 30 min · ")
+    figs = figures(at)
+    assert "unobserved" not in [y.strip() for y in figs["cost"]["data"][0]["y"]]
+    band = next(tr for tr in figs["breakdown"]["data"] if tr["name"] == "unobserved")
+    assert band["fillcolor"] == charts.CATEGORY_COLORS["unobserved"]
+    assert arr(band["y"])[-1] == pytest.approx(100 * 1800 / 5400)
+    assert "unobserved" not in set(data.badput_by_cause(snap)["category"])

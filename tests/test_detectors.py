@@ -246,6 +246,7 @@ def test_ledger_scripted_run_with_restart_sums_to_wall_time_exactly() -> None:
         "custom": 0.0,
         "hang": 0.0,
         "idle": 10.0,                                        # 1070 -> 1080, no step (under the hang threshold)
+        "unobserved": 0.0,                                   # the records cover every step
     }
     assert set(sec) == set(CATEGORIES)
     assert math.fsum(sec.values()) == snap["wall_s"] == 80.0
@@ -318,6 +319,56 @@ def test_ledger_straggler_wait_skipped_steps_hang_and_rollback_vs_disruption() -
         "hang": 100.0,                             # 14 -> 114
     }
     assert math.fsum(sec.values()) == 123.0
+
+
+def test_ledger_tells_unobserved_time_from_a_hang_a_restart_and_a_checkpoint() -> None:
+    led = GoodputLedger(world_size=1, hang_floor_s=60.0)
+    led.note_start(0.0)
+    t = 0.0
+
+    def steps(first: int, n: int, *, gen: int = 0, inc: float = 0.0, every: int = 1) -> None:
+        nonlocal t
+        for s in range(first, first + n * every, every):
+            led.add_step(agg(s, gen=gen, inc=inc, t_start=t, t_end=t + 2.0, tokens=100))
+            t += 2.0
+
+    steps(1, 10)                 # t 0-20
+    t += 100.0                   # a 100 s stall, the step counter at its usual increment: hang
+    steps(11, 5)                 # t 120-130
+    t += 3000.0                  # 3,000 steps nobody recorded (records lost), of which 2 s of a checkpoint save
+    led.add_event(Event("checkpoint_save", 0, t - 500.0, 0.0, step=1500, seconds=2.0))
+    steps(3016, 5)               # t 3130-3140: step 3016 follows 15
+    inc = t + 5.0                # a crash: new processes at 3145 restore step 3020's checkpoint in 1 s
+    led.add_event(Event("checkpoint_load", 0, inc + 1.0, inc, step=3020, seconds=1.0))
+    t = inc + 2.0
+    steps(3021, 3, gen=1, inc=inc)  # t 3147-3153
+    snap = led.snapshot(now=t)
+    assert {k: v for k, v in snap["seconds"].items() if v} == {
+        "productive": 46.0,                                 # 23 steps of 2 s
+        "hang": 100.0,
+        "checkpoint_save": 2.0,
+        "unobserved": 2998.0,                               # the jump's 3,000 s less the declared save
+        "infrastructure_recovery_from_disruption": 5.0,     # 3140 -> 3145
+        "checkpoint_restore": 1.0,
+        "program_startup": 1.0,
+    }
+    assert snap["unobserved_gaps"] == {"count": 1, "steps": 3000, "largest": [15, 3016]}
+    assert (snap["observed_s"], snap["wall_s"]) == (155.0, 3153.0)
+    assert snap["tokens_total"] == 2300 and snap["tokens_unobserved"] == 0  # timed steps: their own tokens
+
+
+def test_ledger_books_straggler_wait_against_the_median_of_the_other_ranks() -> None:
+    # 2 ranks: the other rank is the reference (the "median" of both used to be the slower rank: 0 s booked).
+    led = GoodputLedger(world_size=2)
+    led.note_start(0.0)
+    for s in range(1, 13):
+        led.add_step(agg(s, t_start=float(s - 1), t_end=float(s), tokens=100, busy=(0.4, 0.9)))
+    assert led.snapshot(now=12.0)["seconds"]["straggler_wait"] == pytest.approx(12 * 0.5)
+    # 4 ranks, one slow: it against the median of the other three (0.5 s), not the fastest (0.3 s).
+    led = GoodputLedger(world_size=4)
+    led.note_start(0.0)
+    led.add_step(agg(1, t_start=0.0, t_end=2.0, tokens=100, busy=(0.3, 0.5, 0.6, 1.5)))
+    assert led.snapshot(now=2.0)["seconds"]["straggler_wait"] == pytest.approx(1.0)
 
 
 def test_ledger_places_an_early_checkpoint_event_in_the_right_gap() -> None:

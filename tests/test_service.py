@@ -69,7 +69,9 @@ def test_service_writes_aggregates_anomalies_ledger_and_heartbeat(r: redis.Redis
         ("opened", "straggler:1:0:0"), ("opened", "loss_spike:*:80:0"), ("resolved", "loss_spike:*:80:0"),
         ("opened", "nan_inf:*:100:0"), ("resolved", "nan_inf:*:100:0")]
     snap = json.loads(r.get("th:{svc}:ledger:latest"))
-    assert (snap["steps_done"], snap["tokens_total"], snap["last_step"]) == (120, 240_000, 119)
+    # The first untimed step's time is start-up, so its tokens are not throughput: 119 steps' are.
+    assert (snap["steps_done"], snap["tokens_total"], snap["last_step"]) == (120, 238_000, 119)
+    assert snap["tokens_unobserved"] == 2_000
     assert snap["seconds"]["program_startup"] == 10.0  # T0 -> first step start (untimed steps start at the last end)
     assert abs(sum(snap["seconds"].values()) - snap["wall_s"]) < 1e-6
     svc.beat()  # the heartbeat thread's write (run_forever starts it)

@@ -82,6 +82,18 @@ READ_COUNT = 5_000
 READ_RECORDS = 50_000
 #: Seconds between ledger snapshots written per run.
 LEDGER_SNAPSHOT_INTERVAL_S = 2.0
+#: A step number more than this many times the run's usual step increment past the previous step of its generation
+#: (a record logged every step jumping 28 steps; a log written every 200 steps jumping 18,519) skipped steps the
+#: records do not cover: records lost, or an excerpt's pasted blocks. The goodput ledger books the time before the
+#: step as ``unobserved``, and ``trainhealth analyze`` says the log skips those stretches. 10x: a log's cadence
+#: varies by less (the word_lm log's 200 and 383 at epoch ends, 1.9x; every other real log's is constant), and a
+#: jump of 10 logged intervals is one nobody reads as the log's pace.
+LEDGER_GAP_FACTOR = 10
+#: Step increments the ledger waits for before judging the first jumps of a run (the usual increment is the most
+#: frequent; the first interval of an excerpt can be its largest jump, 12,695 -> 31,214); LEDGER_HOLD_STEPS at most
+#: are held.
+LEDGER_MIN_INCREMENTS = 3
+LEDGER_HOLD_STEPS = 16
 #: TTL in seconds of the service's own heartbeat key.
 SERVICE_HEARTBEAT_TTL_S = 30
 #: The service writes its heartbeat this often (s), from a thread of its own: a long batch (a catch-up after an

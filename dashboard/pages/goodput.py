@@ -39,7 +39,7 @@ from trainhealth.dashboard.common import (
 )
 from trainhealth.dashboard.frame import page_run
 from trainhealth.defaults import DASHBOARD_REFRESH_S
-from trainhealth.text import fmt_duration, fmt_gpu_hours, fmt_pct, fmt_rate, fmt_usd, plural
+from trainhealth.text import fmt_duration, fmt_gpu_hours, fmt_int, fmt_pct, fmt_rate, fmt_usd, plural
 
 #: History windows offered (label → ledger snapshots read: one per 2 s, None: the whole retained stream,
 #: sampled evenly in time) and how long a read is reused (s): the charts' history is one read per period,
@@ -83,12 +83,33 @@ def history(url: str, run: str, window: str) -> tuple[pd.DataFrame, list[str]]:
 
 
 def badput_gpu_hours(snap: dict) -> tuple[float, float]:
-    """(badput GPU-hours, total GPU-hours) of a snapshot: every category but productive, and all."""
+    """(badput GPU-hours, total GPU-hours) of a snapshot: every category but productive and unobserved
+    (:data:`~trainhealth.dashboard.data.NOT_BADPUT`), and all."""
     hours = snap.get("gpu_hours") or {}
     vals = {k: float(v) for k, v in hours.items() if v is not None}
     if not vals and snap.get("world_size"):  # not written: the same definition from the seconds
         vals = {k: float(v) * snap["world_size"] / 3600.0 for k, v in (snap.get("seconds") or {}).items()}
-    return sum(v for k, v in vals.items() if k != "productive"), sum(vals.values())
+    return sum(v for k, v in vals.items() if k not in data.NOT_BADPUT), sum(vals.values())
+
+
+def unobserved_note(snap: dict) -> str | None:
+    """What the ``unobserved`` time is, when a snapshot has any (shown as at least 1 s): steps the records do not
+    cover, so neither productive nor badput; with the productive share of the time they do cover. None otherwise."""
+    seconds = snap.get("seconds") or {}
+    unobserved, wall = seconds.get("unobserved") or 0.0, snap.get("wall_s") or 0.0
+    if unobserved < 0.5 or wall <= 0:
+        return None
+    gaps = snap.get("unobserved_gaps") or {}
+    what = (f"{plural(gaps['count'], 'stretch', 'stretches')} of steps ({fmt_int(gaps.get('steps') or 0)} steps) "
+            if gaps.get("count") else "steps ")
+    text = (f"**Unobserved**: {fmt_duration(unobserved, minute_digits=0)} ({fmt_pct(100 * unobserved / wall)} of "
+            f"the wall time) passed over {what}the records do not cover (records lost, or a log's skipped "
+            "stretches): the steps ran, but nothing says how, so that time is neither productive nor badput.")
+    observed = wall - unobserved
+    if observed > 0:
+        text += (f" Of the {fmt_duration(observed, minute_digits=0)} the records cover, "
+                 f"{fmt_pct(100 * (seconds.get('productive') or 0.0) / observed)} was productive.")
+    return text
 
 
 def kpis(snap: dict, meta: dict) -> None:
@@ -109,22 +130,26 @@ def kpis(snap: dict, meta: dict) -> None:
     cost = snap.get("badput_cost_usd")
     if cost is not None:
         cols[3].metric("Badput cost", fmt_usd(cost), delta=f"at ${price:g}/GPU-h" if price else None, **unit,
-                       help="USD spent on badput: non-productive wall time × GPUs × the GPU-hour price.")
+                       help="USD spent on badput: non-productive wall time (unobserved time aside) × GPUs × the "
+                            "GPU-hour price.")
     else:
         cols[3].metric("Badput cost", "n/a", delta="no price set", **unit,
                        help="Set `gpu_hour_usd` on the Monitor to get USD figures.")
     bad, total = badput_gpu_hours(snap)
     cols[4].metric("Badput GPU-h", fmt_gpu_hours(bad), delta=f"of {fmt_gpu_hours(total)} GPU-h", **unit,
-                   help="GPU-hours of non-productive wall time: seconds × GPUs / 3600.")
+                   help="GPU-hours of non-productive wall time (unobserved time aside): seconds × GPUs / 3600.")
 
 
 def summary_line(snap: dict, meta: dict, now: float) -> str:
     """Wall time, productive and badput time, GPUs and price, restarts, and how old the snapshot is."""
     wall = snap.get("wall_s") or 0.0
     productive = (snap.get("seconds") or {}).get("productive") or 0.0
+    unobserved = (snap.get("seconds") or {}).get("unobserved") or 0.0
     bits = [f"wall time {fmt_duration(wall, minute_digits=0)}",
             f"productive {fmt_duration(productive, minute_digits=0)}",
-            f"badput {fmt_duration(max(0.0, wall - productive), minute_digits=0)}"]
+            f"badput {fmt_duration(max(0.0, wall - productive - unobserved), minute_digits=0)}"]
+    if unobserved >= 0.5:
+        bits.append(f"unobserved {fmt_duration(unobserved, minute_digits=0)}")
     world = snap.get("world_size") or meta.get("world_size")
     if world:
         price = snap.get("gpu_hour_usd") or meta.get("gpu_hour_usd")
@@ -217,6 +242,9 @@ def live(run: str) -> None:
     lost = data_lost_text(snap)
     if lost:
         st.warning(f"**Data lost**: {lost}", icon=":material/database_off:")
+    gap = unobserved_note(snap)
+    if gap:
+        st.info(gap, icon=":material/visibility_off:")
     kpis(snap, meta)
     if data.has_token_counts(snap):
         rates = rates_table(snap)

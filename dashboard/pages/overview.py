@@ -134,11 +134,14 @@ def kpis(snap: dict | None, anomalies: pd.DataFrame, meta: dict, state: JobState
     if cost is not None:
         price = snap.get("gpu_hour_usd") or meta.get("gpu_hour_usd")
         cols[4].metric("Badput cost", fmt_usd(cost), delta=f"at ${price:g}/GPU-h" if price else None, **unit,
-                       help="USD spent on badput: non-productive wall time × ranks × the GPU-hour price.")
+                       help="USD spent on badput: non-productive wall time (unobserved time aside) × ranks × "
+                            "the GPU-hour price.")
     else:
-        badput_s = (snap.get("wall_s") or math.nan) - ((snap.get("seconds") or {}).get("productive") or 0.0)
+        seconds = snap.get("seconds") or {}
+        badput_s = (snap.get("wall_s") or math.nan) - sum(seconds.get(c) or 0.0 for c in data.NOT_BADPUT)
         cols[4].metric("Badput time", fmt_duration(badput_s, minute_digits=0), delta="no price set", **unit,
-                       help="Wall time not spent productively. Set `gpu_hour_usd` on the Monitor for USD cost.")
+                       help="Wall time not spent productively (unobserved time aside: steps the records do not "
+                            "cover). Set `gpu_hour_usd` on the Monitor for USD cost.")
 
 
 def status_line(tail: dict[str, Any] | None, meta: dict, state: JobState | None = None) -> None:
