@@ -1,7 +1,7 @@
 """The ``trainhealth`` commands: the top floor, the only place that wires the parts together.
 
-One module per command (``demo``, ``serve``, ``dashboard``, ``replay``, ``analyze``, ``doctor``, ``redis``,
-``advise``, ``alerts``/``silence``/``deadletters``), each with ``register(sub)`` adding its parser and the
+One module per command (``demo``, ``serve``, ``dashboard``, ``exporter``, ``replay``, ``analyze``, ``doctor``,
+``redis``, ``advise``, ``alerts``/``silence``/``deadletters``), each with ``register(sub)`` adding its parser and the
 function it runs. :func:`main` is the ``trainhealth`` console script and ``python -m trainhealth``. Nothing
 else in the package imports from here.
 
@@ -27,6 +27,7 @@ from trainhealth.commands import (
     dashboard,
     demo,
     doctor,
+    exporter,
     redis_server,
     replay,
     serve,
@@ -38,7 +39,8 @@ __all__ = ["EXTRAS", "build_parser", "main"]
 #: The third-party modules of each optional extra (pyproject.toml), checked before a command that needs the
 #: extra runs, and used to name the extra when one of them is missing.
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "server": ("numpy", "pandas", "sklearn", "streamlit", "plotly", "tsdownsample", "msgspec", "httpx", "tqdm"),
+    "server": ("numpy", "pandas", "sklearn", "streamlit", "plotly", "tsdownsample", "msgspec", "httpx", "tqdm",
+               "prometheus_client"),
     "logs": ("tensorboard",),
     "torch": ("torch",),
     "hf": ("transformers",),
@@ -55,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"trainhealth {__version__}")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, serve, dashboard, replay, analyze, doctor, redis_server, advise, alerts):
+    for module in (demo, serve, dashboard, exporter, replay, analyze, doctor, redis_server, advise, alerts):
         module.register(sub)
     return p
 
