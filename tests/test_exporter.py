@@ -27,9 +27,12 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainhealth import Monitor
+from trainhealth.detectors.exporter import ExporterCollector
 from trainhealth.embedded_redis import free_port
 from trainhealth.keys import RUNS, SERVICES, run_keys
 
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "deploy" / "grafana" / "trainhealth.json"
 T0 = 1_800_000_000.0
 RUN = "llama-70b"
 #: The newest aggregate's per-rank busy seconds: rank 2 did not report; ranks 3, 5 and 1 are the slowest.
@@ -69,7 +72,7 @@ def redis_ms(r: redis.Redis) -> int:
 
 def documented_metrics() -> set[str]:
     """The metric names of docs/metrics.md's tables (first column)."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+    text = (ROOT / "docs" / "metrics.md").read_text()
     return set(re.findall(r"^\| `(trainhealth_[a-z_]+)` \|", text, flags=re.M))
 
 
@@ -415,3 +418,82 @@ def test_prometheus_scrapes_the_service_and_promql_returns_the_ledgers_goodput(r
                             'trainhealth_productive_seconds{run="prom-job"}')
         assert float(total[0]["value"][1]) == pytest.approx(snap["wall_s"], abs=1e-6)
         assert [float(s["value"][1]) for s in query(base, 'up{job="trainhealth"}')] == [1.0]
+        # Every query of the Grafana dashboard parses and runs in Prometheus, its variables set as Grafana would.
+        answers = {}
+        for title, expr in dashboard_queries():
+            answers[title] = query(base, expr.replace("$run", ".+").replace("$window", "600s"))
+    for title in ("Goodput (time)", "Goodput vs throughput", "Badput by cause (whole run)", "Money lost by cause",
+                  "Straggler score of the slowest ranks (newest step)", "Detector lag", "$run"):
+        assert answers[title], title
+    assert {s["metric"]["rank"] for s in answers["Straggler score of the slowest ranks (newest step)"]} == {"0", "1"}
+
+
+# --- the Grafana dashboard ---------------------------------------------------------------------------------
+
+#: PromQL's keywords and modifiers: words of an expression that are not metric names.
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
+                "unless", "inf", "nan"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: its identifiers once strings, label matchers, ranges and
+    grouping clauses are removed, other than functions and aggregations (followed by ``(``) and keywords."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    e = re.sub(r"\{[^}]*\}", "", e)
+    e = re.sub(r"\[[^\]]*\]", "", e)
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", e)
+    e = re.sub(r"\boffset\s+-?\w+", "", e)
+    names = set()
+    for m in re.finditer(r"(?<![\w.$])[A-Za-z_:][A-Za-z0-9_:]*", e):
+        if not e[m.end():].lstrip().startswith("(") and m.group().lower() not in PROMQL_WORDS:
+            names.add(m.group())
+    return names
+
+
+def test_metric_names_of_an_expression() -> None:
+    assert metric_names('sum by (run) (rate(a_total{x="y", z=~"$run"}[5m])) / on (run) group_left () b') == {
+        "a_total", "b"}
+    assert metric_names("time() - c_seconds offset 5m > 1e3 and on (run) d == 1") == {"c_seconds", "d"}
+    assert metric_names('label_replace(e, "dst", "$1", "src", "(.*)")') == {"e"}
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, expression) of every query of deploy/grafana/trainhealth.json, and of its variables."""
+    dash = json.loads(DASHBOARD.read_text())
+    out = []
+    for panel in dash["panels"]:
+        for sub in [panel, *panel.get("panels", [])]:
+            out += [(sub["title"], t["expr"]) for t in sub.get("targets", [])]
+    for var in dash["templating"]["list"]:
+        if var["type"] == "query":
+            inner = re.fullmatch(r"label_values\((.+), *\w+\)", var["query"]["query"])
+            out.append((f"${var['name']}", inner.group(1)))
+    return out
+
+
+def exported_names(r: redis.Redis) -> set[str]:
+    """The names of the samples the exporter exposes (a counter's with ``_total``): every family is in every
+    scrape that reads Redis, with samples or not."""
+    seed(r)
+    return {f.name + "_total" if f.type == "counter" else f.name for f in ExporterCollector(r).collect()}
+
+
+def test_grafana_dashboard_queries_name_only_exported_metrics(r: redis.Redis) -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] == "trainhealth-goodput" and dash["__inputs"][0]["pluginId"] == "prometheus"
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    assert all(p["targets"] and p["datasource"]["uid"] == "${DS_PROMETHEUS}" for p in panels)
+    titles = {p["title"] for p in panels}
+    assert {"Goodput vs throughput", "Badput by cause (whole run)", "Active incidents by kind",
+            "Straggler score of the slowest ranks (newest step)"} <= titles
+    exported = exported_names(r)
+    used: set[str] = set()
+    for title, expr in dashboard_queries():
+        names = metric_names(expr)
+        assert names, (title, expr)
+        assert names <= exported, (title, expr, names - exported)
+        used |= names
+    # What the issue asks the dashboard to show: goodput vs throughput, badput by cause, incidents, slowest ranks.
+    assert {"trainhealth_goodput_tokens_per_second", "trainhealth_throughput_tokens_per_second",
+            "trainhealth_badput_seconds", "trainhealth_incidents_active", "trainhealth_rank_straggler_score"} <= used
