@@ -8,10 +8,10 @@ a fixed number of round trips whatever the number of ranks) and :func:`families`
 families. Every metric is listed in docs/metrics.md.
 
 What one scrape reads, per run it exports: the meta's status and end time (``HMGET``), the ledger's newest snapshot
-(``GET th:{run}:ledger:latest``), the incidents (``HVALS th:{run}:incidents``), the job's state (``GET``), and one
-script (:data:`RUN_LUA`) that answers from inside Redis with a few numbers: the newest aggregate's step and end,
-the consumer group's backlog and lag, and the k slowest ranks of the newest step. No per-rank list and no stream
-crosses the network: a scrape's size depends on the runs and their incidents, not on the ranks.
+(``GET th:{run}:ledger:latest``), the job's state (``GET``), and one script (:data:`RUN_LUA`) that answers from
+inside Redis with a few numbers: the newest aggregate's step and end, the consumer group's backlog and lag, the k
+slowest ranks of the newest step and the active incidents by kind and severity. No per-rank list, no stream and no
+incident crosses the network: a scrape's size depends on the runs, not on their ranks or their history.
 """
 
 from __future__ import annotations
@@ -44,15 +44,21 @@ DROP_CAUSE_LABELS = (*DROP_CAUSES, "unknown")
 WHOLE_RUN = "all"
 #: The most ranks ``slowest_ranks`` may ask for: the per-rank series stay few per run.
 MAX_SLOWEST_RANKS = 100
+#: Runs read per pipeline: Redis runs a pipeline's scripts back to back, so the collectors' and the service's
+#: commands wait at most this many runs' scripts (about 0.5 ms each at 1,024 ranks, bench/exporter_scrape.py).
+RUNS_PER_ROUND_TRIP = 10
 
 #: One run's readings from inside Redis, in one call (its keys share the run's hash tag: Redis Cluster safe).
-#: KEYS: agg, steps, events. ARGV: consumer group, k.
-#: Returns strings: the newest aggregate's ``step``, ``t_end``; the age (ms, Redis clock) of the oldest input entry
-#: the group has not finished (not yet delivered, or delivered and not acknowledged), 0 when none; the entries not
-#: yet delivered of ``steps`` and of ``events`` (Redis 7's group ``lag``; on 6.2 only 0 when none, else ''); the
-#: fastest busy seconds of the newest step; then rank, busy seconds of its k slowest ranks, slowest first (ties:
-#: lower rank first). Floats as ``%.17g``, which reads back as the same double.
-RUN_LUA = """
+#: KEYS: agg, steps, events, incidents. ARGV: consumer group, k.
+#: Returns three arrays of strings. First: the newest aggregate's ``step``, ``t_end``; the age (ms, Redis clock) of
+#: the oldest input entry the group has not finished (not yet delivered, or delivered and not acknowledged), 0 when
+#: none; the entries not yet delivered of ``steps`` and of ``events`` (Redis 7's group ``lag``; on 6.2 only 0 when
+#: none, else ''); the fastest busy seconds of the newest step. Second: rank, busy seconds of the newest step's k
+#: slowest ranks, slowest first (ties: lower rank first). Floats as ``%.17g``, which reads back as the same double.
+#: Third: kind, severity, active count of the incidents, per kind and severity any incident has (an active one is
+#: decoded with cjson; a resolved one is only matched for its kind and severity, for its zero; one that is neither
+#: is left out), so a run's many resolved incidents never cross the network.
+RUN_LUA = r"""
 local k = tonumber(ARGV[2])
 local out = {'', '', '0', '', '', ''}
 local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
@@ -102,6 +108,33 @@ for i = 2, 3 do
   end
 end
 if oldest then out[3] = tostring(math.max(0, now_ms - oldest)) end
+local slowest, counts, order = {}, {}, {}
+for _, v in ipairs(redis.call('HVALS', KEYS[4])) do
+  local kind, severity, active = nil, nil, 0
+  if string.find(v, '"status"%s*:%s*"active"') then
+    local ok, inc = pcall(cjson.decode, v)
+    if ok and type(inc) == 'table' and inc['status'] == 'active' then
+      kind, severity, active = inc['kind'], inc['severity'], 1
+    end
+  else
+    kind = string.match(v, '"kind"%s*:%s*"([^"\\]*)"')
+    severity = string.match(v, '"severity"%s*:%s*"([^"\\]*)"')
+  end
+  if type(kind) == 'string' and type(severity) == 'string' then
+    local key = kind .. '\n' .. severity
+    if counts[key] == nil then
+      counts[key] = 0
+      order[#order + 1] = {kind, severity, key}
+    end
+    counts[key] = counts[key] + active
+  end
+end
+local incidents = {}
+for _, e in ipairs(order) do
+  incidents[#incidents + 1] = e[1]
+  incidents[#incidents + 1] = e[2]
+  incidents[#incidents + 1] = tostring(counts[e[3]])
+end
 if busy and k > 0 then
   local ok, list = pcall(cjson.decode, busy)
   if ok and type(list) == 'table' then
@@ -121,13 +154,13 @@ if busy and k > 0 then
     if best then
       out[6] = string.format('%.17g', best)
       for _, rv in ipairs(top) do
-        out[#out + 1] = tostring(rv[1])
-        out[#out + 1] = string.format('%.17g', rv[2])
+        slowest[#slowest + 1] = tostring(rv[1])
+        slowest[#slowest + 1] = string.format('%.17g', rv[2])
       end
     end
   end
 end
-return out
+return {out, slowest, incidents}
 """
 
 
@@ -135,17 +168,17 @@ return out
 class RunReading:
     """What one scrape read of one run (None: not stored, or unreadable).
 
-    ``ledger`` is the newest ledger snapshot (docs/goodput.md); ``incidents`` the incidents' JSON
-    (``th:{run}:incidents``); ``job_state`` the job's state (``running``, ``hung``, ...); ``step`` and ``step_t``
-    the newest aggregated step and its end (unix s); ``lag_s`` the age of the oldest input entry the detector
-    service has not finished (s, Redis clock; 0 caught up); ``backlog`` the entries of each input stream not yet
-    read by the service; ``fastest_busy_s`` and ``slowest`` the newest step's shortest busy seconds and the
-    ``(rank, busy seconds)`` of its slowest ranks, slowest first.
+    ``ledger`` is the newest ledger snapshot (docs/goodput.md); ``incidents`` the active incidents
+    (``th:{run}:incidents``) per ``(kind, severity)`` any incident of the run has; ``job_state`` the job's state
+    (``running``, ``hung``, ...); ``step`` and ``step_t`` the newest aggregated step and its end (unix s); ``lag_s``
+    the age of the oldest input entry the detector service has not finished (s, Redis clock; 0 caught up);
+    ``backlog`` the entries of each input stream not yet read by the service; ``fastest_busy_s`` and ``slowest`` the
+    newest step's shortest busy seconds and the ``(rank, busy seconds)`` of its slowest ranks, slowest first.
     """
 
     run: str
     ledger: dict[str, Any] | None = None
-    incidents: list[dict[str, Any]] = field(default_factory=list)
+    incidents: dict[tuple[str, str], int] = field(default_factory=dict)
     job_state: str | None = None
     step: int | None = None
     step_t: float | None = None
@@ -248,9 +281,9 @@ class ExporterCollector:
         yield from families(self.read())
 
     def read(self) -> Scrape:
-        """Read every run to export in three round trips: the registry and Redis' clock; each run's meta and the
-        live services; each exported run's ledger, incidents, state and :data:`RUN_LUA`. Redis errors give a
-        :class:`Scrape` with ``redis_up`` False (logged once per distinct error)."""
+        """Read every run to export: the registry and Redis' clock; each run's meta and the live services; each
+        exported run's ledger, state and :data:`RUN_LUA`, :data:`RUNS_PER_ROUND_TRIP` runs at a time. Redis errors
+        give a :class:`Scrape` with ``redis_up`` False (logged once per distinct error)."""
         started = time.perf_counter()
         try:
             scrape = self._read()
@@ -279,15 +312,21 @@ class ExporterCollector:
         pipe.zcount(SERVICES, now - defaults.SERVICE_LIVE_S, "+inf")
         *metas, services = pipe.execute()
         chosen = [keys for keys, meta in zip(runs, metas, strict=True) if self._exported(meta, now)]
-        pipe = self.client.pipeline(transaction=False)
-        for keys in chosen:
-            pipe.get(keys.ledger_latest)
-            pipe.hvals(keys.incidents)
-            pipe.get(keys.state)
-            self._script(keys=[keys.agg, keys.steps, keys.events], args=[self.group, self.slowest_ranks],
-                         client=pipe)
-        replies = pipe.execute()
-        readings = [self._reading(keys.run, *replies[4 * i:4 * i + 4]) for i, keys in enumerate(chosen)]
+        readings = []
+        for start in range(0, len(chosen), RUNS_PER_ROUND_TRIP):
+            part = chosen[start:start + RUNS_PER_ROUND_TRIP]
+            pipe = self.client.pipeline(transaction=False)
+            for keys in part:
+                pipe.get(keys.ledger_latest)
+                pipe.get(keys.state)
+                self._script(keys=[keys.agg, keys.steps, keys.events, keys.incidents],
+                             args=[self.group, self.slowest_ranks], client=pipe)
+            replies = pipe.execute(raise_on_error=False)
+            for i, keys in enumerate(part):
+                ledger, state, script = (self._answer(keys.run, what, reply) for what, reply in
+                                         zip(("ledger:latest", "state", "the run script"), replies[3 * i:3 * i + 3],
+                                             strict=True))
+                readings.append(self._reading(keys.run, ledger, state, script or [[""] * 6, [], []]))
         return Scrape(runs=readings, services=int(services))
 
     def _exported(self, meta: list[Any], now: float) -> bool:
@@ -298,6 +337,17 @@ class ExporterCollector:
         ended = _num(updated_at) if ended is None else ended
         return ended is None or now - ended <= self.ended_keep_s
 
+    def _answer(self, run: str, what: str, reply: Any) -> Any:
+        """``reply``, or None when Redis answered this command with an error (a key of the wrong type, a script
+        refused): that run's record is left out, logged once; the scrape and the other runs go on. A lost
+        connection raises, so the whole scrape reports Redis down."""
+        if isinstance(reply, (redis.ConnectionError, redis.TimeoutError)):
+            raise reply
+        if isinstance(reply, Exception):
+            self._warn(f"{run}:{what}:{reply}", "run %s: reading %s failed (%s); left out", run, what, reply)
+            return None
+        return reply
+
     def _json(self, run: str, what: str, raw: Any) -> Any:
         try:
             return json.loads(raw)
@@ -305,20 +355,17 @@ class ExporterCollector:
             self._warn(f"{run}:{what}", "run %s: %s is not JSON (%s); left out", run, what, exc)
             return None
 
-    def _reading(self, run: str, ledger: Any, incidents: list[Any], state: Any, script: list[Any]) -> RunReading:
+    def _reading(self, run: str, ledger: Any, state: Any, script: list[Any]) -> RunReading:
         out = RunReading(run)
         if ledger is not None:
             snap = self._json(run, "ledger:latest", ledger)
             out.ledger = snap if isinstance(snap, dict) else None
-        for raw in incidents:
-            inc = self._json(run, "an incident", raw)
-            if isinstance(inc, dict):
-                out.incidents.append(inc)
         if state is not None:
             job = self._json(run, "state", state)
             if isinstance(job, dict) and job.get("state") in STATES:
                 out.job_state = job["state"]
-        step, step_t, lag_ms, steps_backlog, events_backlog, fastest, *slow = [_s(v) for v in script]
+        head, slow, incidents = ([_s(v) for v in part] for part in script)
+        step, step_t, lag_ms, steps_backlog, events_backlog, fastest = head
         step_n = _num(step)
         out.step = int(step_n) if step_n is not None else None
         out.step_t = _num(step_t)
@@ -329,6 +376,8 @@ class ExporterCollector:
                 out.backlog[name] = int(n)
         out.fastest_busy_s = _num(fastest)
         out.slowest = [(int(slow[i]), float(slow[i + 1])) for i in range(0, len(slow) - 1, 2)]
+        out.incidents = {(incidents[i], incidents[i + 1]): int(incidents[i + 2])
+                         for i in range(0, len(incidents) - 2, 3)}
         return out
 
 
@@ -427,12 +476,7 @@ def _add_run(fam: Mapping[str, Any], r: RunReading) -> None:
     if r.job_state is not None:
         for state in STATES:
             fam["job"].add_metric([run, state], 1.0 if state == r.job_state else 0.0)
-    active: dict[tuple[str, str], int] = {}
-    for inc in r.incidents:
-        kind, severity = inc.get("kind"), inc.get("severity")
-        if isinstance(kind, str) and isinstance(severity, str):
-            active[(kind, severity)] = active.get((kind, severity), 0) + (inc.get("status") == "active")
-    for (kind, severity), n in sorted(active.items()):
+    for (kind, severity), n in sorted(r.incidents.items()):
         fam["incidents"].add_metric([run, kind, severity], float(n))
     if r.ledger is not None:
         _add_ledger(fam, run, r.ledger)

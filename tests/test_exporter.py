@@ -91,6 +91,8 @@ def seed(r: redis.Redis) -> int:
     r.hset(run_keys("ended-lately").meta, mapping={"status": "failed", "updated_at": repr(now_s - 600)})
     r.hset(run_keys("bad-ledger").meta, mapping={"status": "running"})
     r.set(run_keys("bad-ledger").ledger_latest, "{not json")
+    r.set(run_keys("bad-ledger").agg, "not a stream")  # the run script fails on it (WRONGTYPE)
+    r.set(run_keys("bad-ledger").state, json.dumps({"state": "finished", "since": T0}))
     for name in ("ended-long-ago", "ended-lately"):
         r.set(run_keys(name).ledger_latest, json.dumps({**SNAPSHOT, "goodput_pct": 50.0}))
     for step in (297, 298, 299):
@@ -169,13 +171,20 @@ def one(samples: dict, name: str, run: str | None = RUN, **labels: str) -> float
     return next(iter(found.values()))
 
 
-def test_exporter_serves_the_seeded_run_with_exact_values(r: redis.Redis, redis_url: str, caplog) -> None:
+def test_exporter_serves_the_seeded_run_with_exact_values(r: redis.Redis, redis_url: str) -> None:
     oldest = seed(r)
-    with running(["exporter", "--port", "0", "--slowest-ranks", "3"], redis_url) as url:
+    proc, url = start(["exporter", "--port", "0", "--slowest-ranks", "3"], redis_url)
+    try:
         assert url.startswith("http://127.0.0.1:")
         before = redis_ms(r)
         m = scrape(url)
         after = redis_ms(r)
+        assert scrape(url).keys() == m.keys()  # the second scrape: bad records are logged once, not every time
+    finally:
+        log = stop(proc)
+    assert log.count("run bad-ledger: ledger:latest is not JSON") == 1
+    failed = [line for line in log.splitlines() if "run bad-ledger: reading the run script failed (" in line]
+    assert len(failed) == 1 and "WRONGTYPE" in failed[0]
 
     # Which runs: live ones and one that ended 10 min ago; not the one that ended 2 h ago (--keep-ended 3600).
     assert one(m, "trainhealth_exporter_runs", None) == 3.0
@@ -184,9 +193,10 @@ def test_exporter_serves_the_seeded_run_with_exact_values(r: redis.Redis, redis_
     assert one(m, "trainhealth_goodput_time_ratio", "ended-lately") == 0.5
     assert one(m, "trainhealth_exporter_redis_up", None) == 1.0
     assert one(m, "trainhealth_detector_services", None) == 1.0
-    # A run whose ledger is not JSON: its other series are there, its ledger's are not.
+    # A run whose ledger is not JSON and whose agg is not a stream: what can be read of it is there, the rest not.
     assert of(m, "trainhealth_wall_seconds", "bad-ledger") == {}
-    assert one(m, "trainhealth_detector_lag_seconds", "bad-ledger") == 0.0
+    assert of(m, "trainhealth_step", "bad-ledger") == of(m, "trainhealth_detector_lag_seconds", "bad-ledger") == {}
+    assert one(m, "trainhealth_job_state", "bad-ledger", state="finished") == 1.0
 
     # Progress, from the newest aggregate.
     assert one(m, "trainhealth_step") == 299.0
