@@ -55,9 +55,10 @@ RUNS_PER_ROUND_TRIP = 10
 #: none; the entries not yet delivered of ``steps`` and of ``events`` (Redis 7's group ``lag``; on 6.2 only 0 when
 #: none, else ''); the fastest busy seconds of the newest step. Second: rank, busy seconds of the newest step's k
 #: slowest ranks, slowest first (ties: lower rank first). Floats as ``%.17g``, which reads back as the same double.
-#: Third: kind, severity, active count of the incidents, per kind and severity any incident has (an active one is
-#: decoded with cjson; a resolved one is only matched for its kind and severity, for its zero; one that is neither
-#: is left out), so a run's many resolved incidents never cross the network.
+#: Third: kind, severity, active count of the incidents, per kind and severity any incident has, so a run's many
+#: resolved incidents never cross the network. A resolved incident is only searched for its ``"kind": "…"``,
+#: ``"severity"`` and ``"status"`` as the service writes them (``json.dumps``); an active one, or one written
+#: otherwise, is decoded with cjson (an incident that is not a JSON object with both is left out).
 RUN_LUA = r"""
 local k = tonumber(ARGV[2])
 local out = {'', '', '0', '', '', ''}
@@ -109,16 +110,18 @@ for i = 2, 3 do
 end
 if oldest then out[3] = tostring(math.max(0, now_ms - oldest)) end
 local slowest, counts, order = {}, {}, {}
+local function field(v, name)
+  local at = string.find(v, '"' .. name .. '": "', 1, true)
+  if at then
+    local from = at + #name + 5
+    return string.sub(v, from, string.find(v, '"', from, true) - 1)
+  end
+end
 for _, v in ipairs(redis.call('HVALS', KEYS[4])) do
-  local kind, severity, active = nil, nil, 0
-  if string.find(v, '"status"%s*:%s*"active"') then
+  local kind, severity, status = field(v, 'kind'), field(v, 'severity'), field(v, 'status')
+  if not (kind and severity and status) or status == 'active' then
     local ok, inc = pcall(cjson.decode, v)
-    if ok and type(inc) == 'table' and inc['status'] == 'active' then
-      kind, severity, active = inc['kind'], inc['severity'], 1
-    end
-  else
-    kind = string.match(v, '"kind"%s*:%s*"([^"\\]*)"')
-    severity = string.match(v, '"severity"%s*:%s*"([^"\\]*)"')
+    if ok and type(inc) == 'table' then kind, severity, status = inc['kind'], inc['severity'], inc['status'] end
   end
   if type(kind) == 'string' and type(severity) == 'string' then
     local key = kind .. '\n' .. severity
@@ -126,7 +129,7 @@ for _, v in ipairs(redis.call('HVALS', KEYS[4])) do
       counts[key] = 0
       order[#order + 1] = {kind, severity, key}
     end
-    counts[key] = counts[key] + active
+    if status == 'active' then counts[key] = counts[key] + 1 end
   end
 end
 local incidents = {}

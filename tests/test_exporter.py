@@ -102,6 +102,10 @@ def seed(r: redis.Redis) -> int:
     for iid, kind, severity, status in INCIDENTS:
         r.hset(k.incidents, iid, json.dumps({"id": iid, "kind": kind, "severity": severity, "status": status,
                                              "ranks": [], "hosts": [], "anomalies": [iid[4:]]}))
+    # Written otherwise than the service does (compact), and not an incident at all: decoded, and left out.
+    r.hset(k.incidents, "inc:slow_node:*:200:1", json.dumps({"kind": "slow_node", "severity": "warning",
+                                                              "status": "active"}, separators=(",", ":")))
+    r.hset(k.incidents, "inc:garbage", "not json")
     r.set(k.state, json.dumps({"state": "hung", "since": T0 + 990, "step": 299, "culprit": None, "message": "",
                                "gen": 1}))
     # The inputs: the service created its group, read one steps entry (not acknowledged) and nothing after.
@@ -235,7 +239,7 @@ def test_exporter_serves_the_seeded_run_with_exact_values(r: redis.Redis, redis_
     # Incidents by kind and severity: a resolved-only pair reads 0, not nothing.
     assert of(m, "trainhealth_incidents_active") == {
         (("kind", "hang"), ("severity", "critical")): 1.0, (("kind", "loss_spike"), ("severity", "critical")): 0.0,
-        (("kind", "straggler"), ("severity", "warning")): 2.0}
+        (("kind", "straggler"), ("severity", "warning")): 2.0, (("kind", "slow_node"), ("severity", "warning")): 1.0}
     assert of(m, "trainhealth_job_state") == {(("state", s),): float(s == "hung")
                                               for s in ("running", "hung", "crashed", "restarted", "finished")}
 
