@@ -40,6 +40,9 @@ LIVE_STATUSES = ("running", "crashed")
 #: Drop causes of the ledger's ``records_dropped`` (trainhealth.wire.DROP_CAUSES, and ``unknown`` for collectors
 #: that did not say): each exported from 0, so ``rate()`` sees a drop's first increase.
 DROP_CAUSE_LABELS = (*DROP_CAUSES, "unknown")
+#: Ledger categories that are not badput: ``productive``, and ``unobserved`` (time the records do not cover, in
+#: ledgers that book it: neither productive nor badput), each exported as a metric of its own.
+NOT_BADPUT = ("productive", "unobserved")
 #: The ``window`` label of the whole run's token rates, beside the ledger's rolling windows (``60s``, ...).
 WHOLE_RUN = "all"
 #: The most ranks ``slowest_ranks`` may ask for: the per-rank series stay few per run.
@@ -416,6 +419,8 @@ def families(scrape: Scrape) -> list[Metric]:
         "wall": g("wall_seconds", "Wall-clock seconds the goodput ledger covers (run start to its newest snapshot)."),
         "productive": g("productive_seconds", "Productive seconds of the ledger (steps kept in the final lineage, "
                         "minus the badput inside them)."),
+        "unobserved": g("unobserved_seconds", "Seconds the run's records do not cover (a jump in the step numbers): "
+                        "neither productive nor badput; only from ledgers that book them."),
         "badput": g("badput_seconds", "Seconds lost, by cause (the ledger's badput categories; a gauge: a crash "
                     "moves steps already counted into wasted progress).", "cause"),
         "badput_gpu": g("badput_gpu_seconds", "GPU-seconds lost, by cause: badput seconds x world size (/ 3600 for "
@@ -500,8 +505,9 @@ def _add_ledger(fam: Mapping[str, Any], run: str, snap: Mapping[str, Any]) -> No
     cost = snap.get("cost_usd") if isinstance(snap.get("cost_usd"), dict) else {}
     world = _num(snap.get("world_size"))
     put("productive", seconds.get("productive"))
+    put("unobserved", seconds.get("unobserved"))
     for cause in seconds:
-        if cause != "productive":
+        if cause not in NOT_BADPUT:
             put("badput", seconds[cause], cause)
             lost = _num(seconds[cause])
             if lost is not None and world is not None:  # the ledger's GPU-hours x 3600, without the round trip

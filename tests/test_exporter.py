@@ -93,8 +93,10 @@ def seed(r: redis.Redis) -> int:
     r.set(run_keys("bad-ledger").ledger_latest, "{not json")
     r.set(run_keys("bad-ledger").agg, "not a stream")  # the run script fails on it (WRONGTYPE)
     r.set(run_keys("bad-ledger").state, json.dumps({"state": "finished", "since": T0}))
-    for name in ("ended-long-ago", "ended-lately"):
-        r.set(run_keys(name).ledger_latest, json.dumps({**SNAPSHOT, "goodput_pct": 50.0}))
+    r.set(run_keys("ended-long-ago").ledger_latest, json.dumps({**SNAPSHOT, "goodput_pct": 50.0}))
+    # A ledger that books time its records do not cover: unobserved is neither productive nor a cause of badput.
+    r.set(run_keys("ended-lately").ledger_latest, json.dumps({
+        **SNAPSHOT, "goodput_pct": 50.0, "seconds": {**SECONDS, "productive": 500.0, "unobserved": 400.0}}))
     for step in (297, 298, 299):
         r.xadd(k.agg, {"step": step, "gen": 1, "t_start": repr(T0 + step), "t_end": repr(T0 + step + 0.75),
                        "busy": json.dumps(BUSY if step == 299 else [1.0] * WORLD), "n_ranks": 7}, id=f"2-{step}")
@@ -195,6 +197,9 @@ def test_exporter_serves_the_seeded_run_with_exact_values(r: redis.Redis, redis_
     assert sorted({dict(lab)["run"] for (n, lab) in m if n == "trainhealth_wall_seconds"}) == [
         "ended-lately", RUN]
     assert one(m, "trainhealth_goodput_time_ratio", "ended-lately") == 0.5
+    assert one(m, "trainhealth_unobserved_seconds", "ended-lately") == 400.0
+    assert "unobserved" not in {dict(lab).get("cause") for n, lab in m if n.startswith("trainhealth_badput_")}
+    assert of(m, "trainhealth_unobserved_seconds") == {}  # a ledger without the category: no series
     assert one(m, "trainhealth_exporter_redis_up", None) == 1.0
     assert one(m, "trainhealth_detector_services", None) == 1.0
     # A run whose ledger is not JSON and whose agg is not a stream: what can be read of it is there, the rest not.
