@@ -1,9 +1,9 @@
 """The ``trainhealth`` commands: the top floor, the only place that wires the parts together.
 
-One module per command (``demo``, ``serve``, ``dashboard``, ``replay``, ``follow``, ``analyze``, ``doctor``,
-``redis``, ``advise``, ``alerts``/``silence``/``deadletters``, ``completion``), each with ``register(sub)`` adding
-its parser and the function it runs. :func:`main` is the ``trainhealth`` console script and ``python -m
-trainhealth``. Nothing else in the package imports from here.
+One module per command (``demo``, ``serve``, ``dashboard``, ``exporter``, ``replay``, ``follow``, ``analyze``,
+``doctor``, ``redis``, ``advise``, ``alerts``/``silence``/``deadletters``, ``completion``), each with
+``register(sub)`` adding its parser and the function it runs. :func:`main` is the ``trainhealth`` console
+script and ``python -m trainhealth``. Nothing else in the package imports from here.
 
 A command imports the parts it needs when it runs, so the base install (``pip install trainhealth``: the
 collectors and redis-py) has a working CLI: a command that needs an extra says which one to install.
@@ -28,6 +28,7 @@ from trainhealth.commands import (
     dashboard,
     demo,
     doctor,
+    exporter,
     follow,
     redis_server,
     replay,
@@ -40,7 +41,8 @@ __all__ = ["EXTRAS", "build_parser", "main"]
 #: The third-party modules of each optional extra (pyproject.toml), checked before a command that needs the
 #: extra runs, and used to name the extra when one of them is missing.
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "server": ("numpy", "pandas", "sklearn", "streamlit", "plotly", "tsdownsample", "msgspec", "httpx", "tqdm"),
+    "server": ("numpy", "pandas", "sklearn", "streamlit", "plotly", "tsdownsample", "msgspec", "httpx", "tqdm",
+               "prometheus_client"),
     "logs": ("tensorboard",),
     "torch": ("torch",),
     "hf": ("transformers",),
@@ -60,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text (default), or json: one JSON object per line (timestamp, level, logger, message, "
                         "exc_info) for a log shipper (Loki, Elasticsearch, Cloud Logging)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, serve, dashboard, replay, follow, analyze, doctor, redis_server, advise, alerts,
-                   completion):
+    for module in (demo, serve, dashboard, exporter, replay, follow, analyze, doctor, redis_server, advise,
+                   alerts, completion):
         module.register(sub)
     return p
 

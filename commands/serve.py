@@ -7,6 +7,7 @@ from typing import Any
 
 from trainhealth import defaults
 from trainhealth.commands._shared import command, release_embedded, resolve, with_url
+from trainhealth.commands.exporter import DEFAULT_HOST, add_exporter_options, metrics_url, start_metrics
 
 
 def register(sub: Any) -> None:
@@ -16,22 +17,37 @@ def register(sub: Any) -> None:
     s.add_argument("--consumer", help="consumer name in the group (default: <host>-<pid>)")
     s.add_argument("--hang-floor", type=float, default=defaults.HANG_FLOOR_S,
                    help=f"minimum seconds without progress before a hang (default {defaults.HANG_FLOOR_S:.0f})")
+    s.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="also serve the Prometheus metrics (docs/metrics.md) on this port, as `trainhealth "
+                        "exporter` does (default: not served)")
+    s.add_argument("--metrics-host", default=DEFAULT_HOST,
+                   help=f"address of --metrics-port (default {DEFAULT_HOST}: this machine only; 0.0.0.0 lets a "
+                        "Prometheus on another machine scrape it)")
+    add_exporter_options(s, prefix="metrics-")
     s.set_defaults(func=run, extra="server")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or Ctrl-C; returns 0."""
+    """Serve until SIGTERM or Ctrl-C (with the metrics on ``--metrics-port`` when given); returns 0."""
     from trainhealth.detectors.hang import HangDetector
     from trainhealth.detectors.service import DetectorService
     from trainhealth.embedded_redis import connect
 
     url, embedded = resolve(args)
     floor = args.hang_floor
-    service = DetectorService(connect(url), consumer=args.consumer,
-                              hang_factory=lambda: HangDetector(floor_s=floor))
-    service.install_signal_handlers()
+    client = connect(url)
+    service = DetectorService(client, consumer=args.consumer, hang_factory=lambda: HangDetector(floor_s=floor))
+    metrics = None
     try:
+        if args.metrics_port is not None:
+            metrics, _ = start_metrics(client, args.metrics_host, args.metrics_port, args.metrics_slowest_ranks,
+                                       args.metrics_keep_ended, flag="--metrics-port")
+            print(f"Metrics: {metrics_url(metrics, args.metrics_host)}", flush=True)
+        service.install_signal_handlers()
         service.run_forever()
     finally:
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
         release_embedded(embedded, url)
     return 0

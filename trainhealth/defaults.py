@@ -450,6 +450,17 @@ DASHBOARD_REFRESH_S = 2.0
 DASHBOARD_STEPS = 2_000
 DASHBOARD_PORT = 8501
 
+# --- Prometheus exporter (detectors/exporter.py, docs/metrics.md) ---------------------------------------------
+#: ``trainhealth exporter --port``: ours (Prometheus' register of exporter ports, 9100-9999, is full; change it
+#: with the flag when another exporter of the host has it).
+EXPORTER_PORT = 9479
+#: Per run, the newest step's k slowest ranks get a series each (``trainhealth_rank_straggler_score``): a few
+#: series per run whatever the world size, enough to name a straggler and its runners-up.
+EXPORTER_SLOWEST_RANKS = 5
+#: An ended run stays exported this long (s), so its final figures reach Prometheus at any scrape interval; then
+#: its series end (Prometheus keeps their history).
+EXPORTER_ENDED_KEEP_S = 3600.0
+
 # --- Alerts (issue 6; detectors/alerts, docs/alerts.md) -------------------------------------------
 #: Grouping timers, Prometheus Alertmanager's defaults (prometheus.io/docs/alerting/latest/configuration/
 #: ``route``): wait before a new group's first notification, between notifications about changes of a
