@@ -116,10 +116,11 @@ def other_users(url: str, own_run: str) -> str:
     """Who else uses the embedded server: live detector services or runs with fresh heartbeats ("" if none)."""
     import redis
 
+    from trainhealth.connection import connect
     from trainhealth.keys import RUNS, run_keys
 
     try:
-        client = redis.Redis.from_url(url, socket_timeout=2)
+        client = connect(url, socket_timeout=2)
         if live_services(client):
             return "another detector service uses it"
         # Anyone else connected (a dashboard, a job's collectors, redis-cli): our own client is one.
@@ -188,7 +189,7 @@ def parse_map(items: list[str] | None) -> dict[str, str | None] | None:
 
 def redis_client(args: argparse.Namespace) -> redis.Redis:
     """A client of the Redis the command's ``--redis-url`` names (never starts the embedded one)."""
-    from trainhealth.embedded_redis import connect
+    from trainhealth.connection import connect
 
     url, _ = resolve(args, start=False)
     return connect(url)
