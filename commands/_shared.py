@@ -34,8 +34,9 @@ DASHBOARD_APP = Path(importlib.util.find_spec("trainhealth.dashboard").origin).p
 
 def with_url(sp: argparse.ArgumentParser, starts: bool = True) -> argparse.ArgumentParser:
     """Add ``--redis-url`` to ``sp`` (``starts``: the command starts the embedded server when none is given)."""
-    sp.add_argument("--redis-url", help="redis://, rediss:// or unix:// URL (default: $TRAINHEALTH_REDIS_URL, "
-                    "else the embedded server" + (", started if needed)" if starts else ")"))
+    sp.add_argument("--redis-url", help="redis://, rediss://, unix://, redis+sentinel://host,host/<service> or "
+                    "redis+cluster://host,host URL (default: $TRAINHEALTH_REDIS_URL, else the embedded server"
+                    + (", started if needed)" if starts else ")"))
     return sp
 
 

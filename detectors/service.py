@@ -149,6 +149,9 @@ class _Run:
     events_caught_up: bool = False
     #: Per (rank, incarnation) of a sender: the ``seq`` its next steps entry should carry (see :meth:`_note_seq`).
     seq_next: dict[tuple[int, Any], int] = field(default_factory=dict)
+    #: Per (rank, incarnation): the newest record time (unix s) read, to tell a batch written twice (see
+    #: :meth:`_note_seq`).
+    seq_newest_t: dict[tuple[int, Any], float] = field(default_factory=dict)
 
 
 def fair_share(runs: int, services: list[str], me: str) -> int:
@@ -571,9 +574,11 @@ class DetectorService:
         ``trimmed``, written with the read's acknowledgement, so the ledger counts them once and a rebuild
         reads the count back. The first entry seen of a sender is not judged: what came before it is the run's
         history (:meth:`~trainhealth.detectors.pipeline.RunPipeline.check_history`). An entry whose records all
-        come before the expected ``seq`` is a batch written twice — the sender retries a MULTI/EXEC whose reply it
-        did not get, as when a primary fails over under it — and is left out: fed again, its older steps would look
-        like a rollback. Entries without ``seq`` (older collectors, hand-written) are not judged.
+        come before the expected ``seq`` and are no newer than the newest record read of that sender is a batch
+        written twice — the sender retries a MULTI/EXEC whose reply it did not get, as when a primary fails over
+        under it — and is left out: fed again, its older steps would look like a rollback. (A second ``Monitor``
+        of the same rank and incarnation counts ``seq`` from 0 again, but its records are newer: they are read.)
+        Entries without ``seq`` (older collectors, hand-written) are not judged.
         """
         raw = fields.get(b"seq")
         if raw is None:
@@ -586,7 +591,9 @@ class DetectorService:
         first = rows[0]
         key = (first[_ROW_RANK], first[_ROW_INC])
         expected = run.seq_next.get(key)
-        if expected is not None and n > 0 and seq + n <= expected:
+        newest, seen = max(map(_t, rows)), run.seq_newest_t.get(key, -math.inf)
+        run.seq_newest_t[key] = max(newest, seen)
+        if expected is not None and n > 0 and seq + n <= expected and newest <= seen:
             if live:
                 self.repeated += 1
                 log.info("run %s: steps entry of rank %s (records %d-%d) repeats records already read (a batch "
