@@ -60,6 +60,7 @@ from trainhealth.alerts.notification import FIRING, Alert, Notification
 from trainhealth.alerts.outbox import claim_all, enqueue
 from trainhealth.alerts.watchdog import SERVICE_DOWN_KEY, check_service, service_down_alert
 from trainhealth.anomaly import SEVERITIES
+from trainhealth.connection import read_groups
 from trainhealth.keys import ALERTS_GROUPS, ALERTS_SILENCES, ALERTS_STATE, RUNS, run_keys, run_of
 from trainhealth.silences import Silence
 from trainhealth.text import fmt_duration
@@ -271,8 +272,8 @@ class Intake:
             nxt = self.grouper.next_due()
             if nxt is not None:
                 block_ms = max(0, min(block_ms, int((nxt - self.clock()) * 1000)))
-            reply = self.client.xreadgroup(self.group, self.consumer, streams, count=self.count,
-                                           block=block_ms or None)
+            # One XREADGROUP over every run's log; on Redis Cluster one per run's slot (connection.read_groups).
+            reply = read_groups(self.client, self.group, self.consumer, streams, count=self.count, block_ms=block_ms)
             for stream_raw, items in reply or []:
                 run = run_of(stream_raw)
                 entries += [(run, _s(i), f) for i, f in items]
@@ -378,17 +379,18 @@ class Intake:
             return
         window = max([self.catch_up] + [r.timers.group_wait for r in self.config.route.walk()])
         order = sorted(runs)
+        # Entry ids are Redis's clock: compare them with Redis's now (not in the pipeline: a cluster's pipeline
+        # takes only commands with keys).
+        redis_now = _redis_time(self.client.time())
         pipe = self.client.pipeline(transaction=False)
-        pipe.time()  # entry ids are Redis's clock: compare them with Redis's now
         for run in order:
             keys = run_keys(run)
             pipe.hget(keys.meta, "status")
             pipe.xrevrange(keys.anomaly_log, count=1)
         replies = pipe.execute()
-        redis_now = _redis_time(replies[0])
         ended: set[str] = set()
         for i, run in enumerate(order):
-            status, last = replies[1 + 2 * i], replies[2 + 2 * i]
+            status, last = replies[2 * i], replies[1 + 2 * i]
             status = _s(status) if status is not None else "running"  # as the detector service reads it
             last_t = _sid(_s(last[0][0]))[0] / 1000.0 if last else -math.inf
             # A crashed job is not over: it waits for someone to relaunch it, and its page keeps repeating.

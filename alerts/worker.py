@@ -42,12 +42,13 @@ from trainhealth.alerts.forwarding import Forwarder, alertmanager_sinks
 from trainhealth.alerts.intake import Intake
 from trainhealth.alerts.outbox import Deliverer
 from trainhealth.alerts.secrets import redact
+from trainhealth.connection import REDIS_DOWN
 from trainhealth.keys import ALERTS_LEADER, alerts_worker_heartbeat
 from trainhealth.loop import LEASE_LUA, RELEASE_LUA, Backoff, stop_on_signals
 
 log = logging.getLogger(__name__)
 
-_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+_REDIS_ERRORS = (*REDIS_DOWN, OSError)
 
 
 class AlertWorker:

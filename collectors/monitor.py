@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from trainhealth import config, defaults
+from trainhealth import config, connection, defaults
 from trainhealth.collectors import ranks
 from trainhealth.collectors.cuda_timing import GpuTimer, torch_event_factory
 from trainhealth.collectors.gpu_health import GpuHealthSampler
@@ -373,7 +373,7 @@ class Monitor:
             url = config.redis_url(redis_url)
             if url is None:
                 raise redis.ConnectionError("no Redis URL configured")
-            return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+            return connection.connect(url, socket_timeout=5, socket_connect_timeout=2)
 
         registry: dict[str, Any] = {"_rank": self.rank, "_inc": repr(self.inc), "status": "running",
                                     "world_size": self.world_size, "updated_at": repr(self.inc)}

@@ -41,6 +41,7 @@ import redis
 
 from trainhealth import defaults
 from trainhealth.collectors.spill import STEP_LINE_PREFIX, Spill, record_line
+from trainhealth.connection import REDIS_DOWN
 from trainhealth.keys import RUNS, RunKeys
 from trainhealth.loop import Backoff
 from trainhealth.text import show
@@ -316,7 +317,7 @@ class Sender(threading.Thread):
                 try:
                     self._cycle()
                     self._backoff.reset()
-                except (redis.RedisError, OSError) as exc:
+                except (redis.RedisError, OSError, *REDIS_DOWN) as exc:
                     self._on_error(exc)
                 except Exception:  # never let the thread die: log and keep going
                     if not self._salvage():
@@ -444,8 +445,12 @@ class Sender(threading.Thread):
                     self._log_once("heartbeat", "trainhealth collector: cannot build the heartbeat", exc_info=True)
             if len(pipe):
                 pipe.execute()
-            if hb_due and self.want_ledger:
-                self._read_ledger(client)
+            if hb_due:
+                # Outside the MULTI/EXEC: th:runs is not in the run's slot (Redis Cluster refuses a transaction
+                # over two slots); ZADD NX is idempotent, so a failure here only waits for the next heartbeat.
+                client.zadd(RUNS, self._registry_entry(), nx=True)
+                if self.want_ledger:
+                    self._read_ledger(client)
             self.sent += len(batch)
             self._seq = self._seq_build
             if self._inflight_from_spill:
@@ -652,16 +657,22 @@ class Sender(threading.Thread):
             return None
         return out
 
+    def _registry_entry(self) -> dict[str, float]:
+        """The run's member of ``th:runs`` and its score (the run's start, unix s; now when this rank does not
+        know it)."""
+        return {self._keys.run: float(self._registry.get("started_at") or time.time())}
+
     def _register(self, client: redis.Redis, pipe: Any = None) -> None:
-        """Put the run in the registry and its metadata in ``th:{run}:meta``: on (re)connect, written over; with
-        ``pipe`` (every heartbeat), only what is missing — a Redis that restarted without its data behind a
-        connection redis-py re-opened by itself gets the run back within one heartbeat interval, and nothing another
-        writer set (rank 0's final status) is overwritten."""
+        """Put the run's metadata in ``th:{run}:meta`` and, without ``pipe``, the run in the registry ``th:runs``:
+        on (re)connect, written over; with ``pipe`` (every heartbeat's transaction, where the caller adds the run to
+        the registry after it: another slot on Redis Cluster), only what is missing — a Redis that restarted
+        without its data behind a connection redis-py re-opened by itself gets the run back within one heartbeat
+        interval, and nothing another writer set (rank 0's final status) is overwritten."""
         meta = {k: v for k, v in self._registry.items() if not k.startswith("_") and v is not None}
         missing_only = pipe is not None
         if pipe is None:
-            pipe = client.pipeline(transaction=False)
-        pipe.zadd(RUNS, {self._keys.run: float(meta.get("started_at", time.time()))}, nx=True)
+            pipe = client.pipeline(transaction=False)  # not a transaction: its keys may be in two slots
+            pipe.zadd(RUNS, self._registry_entry(), nx=True)
         started = meta.pop("started_at", None)
         if started is not None:
             pipe.hsetnx(self._keys.meta, "started_at", repr(float(started)))

@@ -34,8 +34,9 @@ DASHBOARD_APP = Path(importlib.util.find_spec("trainhealth.dashboard").origin).p
 
 def with_url(sp: argparse.ArgumentParser, starts: bool = True) -> argparse.ArgumentParser:
     """Add ``--redis-url`` to ``sp`` (``starts``: the command starts the embedded server when none is given)."""
-    sp.add_argument("--redis-url", help="redis://, rediss:// or unix:// URL (default: $TRAINHEALTH_REDIS_URL, "
-                    "else the embedded server" + (", started if needed)" if starts else ")"))
+    sp.add_argument("--redis-url", help="redis://, rediss://, unix://, redis+sentinel://host,host/<service> or "
+                    "redis+cluster://host,host URL (default: $TRAINHEALTH_REDIS_URL, else the embedded server"
+                    + (", started if needed)" if starts else ")"))
     return sp
 
 
@@ -116,10 +117,11 @@ def other_users(url: str, own_run: str) -> str:
     """Who else uses the embedded server: live detector services or runs with fresh heartbeats ("" if none)."""
     import redis
 
+    from trainhealth.connection import connect
     from trainhealth.keys import RUNS, run_keys
 
     try:
-        client = redis.Redis.from_url(url, socket_timeout=2)
+        client = connect(url, socket_timeout=2)
         if live_services(client):
             return "another detector service uses it"
         # Anyone else connected (a dashboard, a job's collectors, redis-cli): our own client is one.
@@ -188,7 +190,7 @@ def parse_map(items: list[str] | None) -> dict[str, str | None] | None:
 
 def redis_client(args: argparse.Namespace) -> redis.Redis:
     """A client of the Redis the command's ``--redis-url`` names (never starts the embedded one)."""
-    from trainhealth.embedded_redis import connect
+    from trainhealth.connection import connect
 
     url, _ = resolve(args, start=False)
     return connect(url)

@@ -34,7 +34,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``trainhealth advise``, on the Redis of ``--redis-url`` (never starting the embedded one)."""
-    from trainhealth.embedded_redis import connect, resolve_url
+    from trainhealth.connection import connect
+    from trainhealth.embedded_redis import resolve_url
 
     url, _ = resolve_url(args.redis_url, start=False)
     return run_advise(connect(url), args)

@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
 
     import streamlit  # noqa: F401 - fail here, with the extra to install, not in a child process
 
-    from trainhealth.embedded_redis import connect
+    from trainhealth.connection import connect
     from trainhealth.keys import run_keys
 
     if not 2 <= args.ranks <= 64:

@@ -73,16 +73,17 @@ def report(url: str | None, now: float | None = None) -> dict[str, Any]:
     import redis
 
     from trainhealth.alerts.health import doctor_report
+    from trainhealth.connection import REDIS_DOWN, connect
     from trainhealth.keys import RUNS
 
     now = time.time() if now is None else now
     if url is None:
         return {"ok": False, "redis": {"url": None, "ok": False, "error": "none configured"}}
     shown = config.redact_url(url)
-    client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
     try:
+        client = connect(url, socket_timeout=2, socket_connect_timeout=2)
         info = client.info("server")
-    except redis.RedisError as exc:
+    except (redis.RedisError, *REDIS_DOWN) as exc:
         return {"ok": False, "redis": {"url": shown, "ok": False, "error": config.redact_url(str(exc))}}
     services = [{"pid": s.get("pid"), "host": s.get("host"), "runs": s.get("runs"),
                  "heartbeat_age_s": round(now - float(s.get("t", 0)), 1)} for s in live_services(client)]

@@ -86,7 +86,7 @@ def metrics_url(server: WSGIServer, host: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C; returns 0."""
-    from trainhealth.embedded_redis import connect
+    from trainhealth.connection import connect
 
     url, _ = resolve(args, start=False)
     server, _thread = start_metrics(connect(url), args.host, args.port, args.slowest_ranks, args.keep_ended)

@@ -154,7 +154,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Follow ``args.path`` until Ctrl-C or SIGTERM; 0 (the run is then marked ``stopped``)."""
-    from trainhealth.embedded_redis import connect
+    from trainhealth.connection import connect
 
     path = Path(args.path)
     why = check_followable(path)

@@ -311,7 +311,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Parse every PATH, then push it into Redis as a run; 0, or 130 when interrupted."""
-    from trainhealth.embedded_redis import connect
+    from trainhealth.connection import connect
 
     check_speed(args.speed, "--speed")
     err = step_seconds_error(args.step_seconds, "--step-seconds")

@@ -29,9 +29,9 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C (with the metrics on ``--metrics-port`` when given); returns 0."""
+    from trainhealth.connection import connect
     from trainhealth.detectors.hang import HangDetector
     from trainhealth.detectors.service import DetectorService
-    from trainhealth.embedded_redis import connect
 
     url, embedded = resolve(args)
     floor = args.hang_floor

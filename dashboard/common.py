@@ -14,7 +14,7 @@ import pandas as pd
 import redis
 import streamlit as st
 
-from trainhealth import config
+from trainhealth import config, connection
 from trainhealth.config import redact_url
 from trainhealth.dashboard import data
 from trainhealth.text import fmt_rate
@@ -47,8 +47,7 @@ def get_client(url: str) -> redis.Redis:
 
     Short timeouts: a dashboard refresh should fail fast and say so rather than hang.
     """
-    return redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=5.0,
-                                health_check_interval=30)
+    return connection.connect(url, socket_connect_timeout=2.0, socket_timeout=5.0)
 
 
 def resolve_url() -> str | None:

@@ -1190,15 +1190,19 @@ def service_heartbeats(client: redis.Redis) -> list[dict[str, Any]]:
 
     Each a dict ``consumer`` (the key's suffix), ``t`` (unix s, NaN if missing), ``host``,
     ``pid``, ``runs``, ``processed`` as the service wrote them. One ``SCAN`` walk over the
-    keyspace with ``MATCH th:service:*`` and one ``MGET``; keys that expired in between or do
-    not decode are skipped.
+    keyspace with ``MATCH th:service:*`` (every primary's, on Redis Cluster) and one pipeline of
+    ``GET``s (not ``MGET``: the keys are in many slots); keys that expired in between or do not
+    decode are skipped.
     """
     keys = list(client.scan_iter(match=SERVICE_HEARTBEAT_PATTERN, count=SERVICE_SCAN_COUNT))
     if not keys:
         return []
     out = []
     prefix = len(SERVICE_HEARTBEAT_PATTERN) - 1
-    for key, raw in zip(keys, client.mget(keys), strict=True):
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.get(key)
+    for key, raw in zip(keys, pipe.execute(), strict=True):
         if raw is None:
             continue
         try:
@@ -1885,7 +1889,8 @@ def run_board(client: redis.Redis, limit: int = RUNS_LIMIT, problems: list[str] 
         pipe.get(k.state)
         pipe.hvals(k.anomalies)
         pipe.hvals(k.incidents)
-        pipe.eval(NEWEST_BEAT_SCRIPT, 2, k.meta, k.heartbeats)
+        # EVAL as a plain command: a cluster's pipeline has no eval(); both keys are in the run's slot.
+        pipe.execute_command("EVAL", NEWEST_BEAT_SCRIPT, 2, k.meta, k.heartbeats)
     replies = pipe.execute(raise_on_error=False)
     rows, bad = [], []
     for i, (run, started) in enumerate(runs):

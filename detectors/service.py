@@ -30,6 +30,7 @@ import redis
 
 from trainhealth import defaults
 from trainhealth.anomaly import Anomaly
+from trainhealth.connection import REDIS_DOWN, read_groups
 from trainhealth.detectors.advisor import RollbackAdvisor
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.incidents import LABELS, Incident
@@ -52,8 +53,9 @@ LIVE_STATUSES = ("running", "crashed")
 _LAZY_IMPORTS = ("sklearn.ensemble",)
 #: A run whose newest heartbeat or step is older than this is not watched for hangs any more.
 RUN_INACTIVE_S = 6 * 3600.0
-#: Errors that mean Redis itself is away: the loop backs off and rebuilds, no run is to blame.
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+#: Errors that mean Redis itself is away (a failover under way too): the loop backs off and rebuilds, no run is to
+#: blame.
+_REDIS_DOWN = REDIS_DOWN
 
 
 def _sid(entry_id: bytes | str) -> tuple[int, int]:
@@ -147,6 +149,9 @@ class _Run:
     events_caught_up: bool = False
     #: Per (rank, incarnation) of a sender: the ``seq`` its next steps entry should carry (see :meth:`_note_seq`).
     seq_next: dict[tuple[int, Any], int] = field(default_factory=dict)
+    #: Per (rank, incarnation): the newest record time (unix s) read, to tell a batch written twice (see
+    #: :meth:`_note_seq`).
+    seq_newest_t: dict[tuple[int, Any], float] = field(default_factory=dict)
 
 
 def fair_share(runs: int, services: list[str], me: str) -> int:
@@ -230,6 +235,8 @@ class DetectorService:
         self.processed = 0
         #: Entries skipped because they could not be decoded (logged, acknowledged; in the heartbeat).
         self.malformed = 0
+        #: Steps entries left out as a batch written twice (:meth:`_note_seq`).
+        self.repeated = 0
         self._stop = threading.Event()
         self._last_tick = 0.0
         #: When the last batch was processed (unix s; None before the first), in the heartbeat.
@@ -253,7 +260,8 @@ class DetectorService:
     def run_forever(self) -> None:
         """Process until :meth:`stop`; back off exponentially (capped) while Redis is away."""
         backoff = Backoff()
-        with contextlib.suppress(redis.RedisError, OSError):  # before the first batch: a starting service is alive
+        # Before the first batch: a starting service is alive.
+        with contextlib.suppress(redis.RedisError, OSError, *_REDIS_DOWN):
             self.beat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="trainhealth-service-heartbeat",
                                                   daemon=True)
@@ -269,7 +277,7 @@ class DetectorService:
                 try:
                     self.run_once()
                     backoff.reset()
-                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                except (*_REDIS_DOWN, OSError) as exc:
                     wait = backoff.failed()
                     log.warning("Redis unreachable (%s); retrying in %.1f s", exc, wait)
                     self.runs.clear()  # rebuild from the streams after reconnecting
@@ -285,7 +293,7 @@ class DetectorService:
             self._stop.set()
             if self._heartbeat_thread is not None:  # its last beat must not land after the key is deleted
                 self._heartbeat_thread.join(timeout=defaults.SERVICE_HEARTBEAT_INTERVAL_S + 5.0)
-            with contextlib.suppress(redis.RedisError):
+            with contextlib.suppress(redis.RedisError, *_REDIS_DOWN):
                 self.client.delete(service_heartbeat(self.consumer))
                 self.client.zrem(SERVICES, self.consumer)  # the others' shares grow at once
                 for run in list(self.runs.values()):  # hand the runs over now instead of after the lease
@@ -353,7 +361,8 @@ class DetectorService:
         if n == 0 or (n + 1) % 10 == 0:  # the traceback once, then every 10th retry
             log.error("run %s: error while %s (%d so far): %s; set aside, retried in %.0f s from its streams; the "
                       "other runs go on", run, doing, n + 1, exc, defaults.RUN_RETRY_S, exc_info=exc)
-        with contextlib.suppress(redis.RedisError):  # another service (a fixed version) may take it meanwhile
+        # Another service (a fixed version) may take it meanwhile.
+        with contextlib.suppress(redis.RedisError, *_REDIS_DOWN):
             self._release(keys=[run_keys(run).owner], args=[self.consumer])
 
     def _meta_num(self, run: str, meta: dict[str, str], name: str, kind: type, ok: Callable[[Any], bool]) -> Any:
@@ -452,7 +461,8 @@ class DetectorService:
             self._stop.wait(block_ms / 1000.0)
             return 0
         count = self._read_count(len(self.runs))
-        reply = self.client.xreadgroup(self.group, self.consumer, streams, count=count, block=block_ms or None)
+        # One XREADGROUP over every run's streams; on Redis Cluster one per run's slot (connection.read_groups).
+        reply = read_groups(self.client, self.group, self.consumer, streams, count=count, block_ms=block_ms)
         by_run: dict[str, list[tuple[tuple[int, int], str, dict]]] = {}
         ids: dict[str, list[bytes]] = {}
         n = 0
@@ -531,8 +541,8 @@ class DetectorService:
             if stream == keys.steps:
                 step_entries += 1
                 step_records += len(recs)
-                if recs:
-                    self._note_seq(run, fields, recs, pipe, collect is None)
+                if recs and not self._note_seq(run, fields, recs, pipe, collect is None):
+                    continue  # a batch written twice: its records were read already
             if group and sid[0] != group_ms:
                 ordered += _time_order(group)
                 group = []
@@ -552,8 +562,9 @@ class DetectorService:
                 out.anomalies, out.recommendations, out.incidents = [], {}, {}
             self._write(run, out, pipe)
 
-    def _note_seq(self, run: _Run, fields: dict, rows: list[tuple], pipe: Any, live: bool) -> None:
-        """Records Redis trimmed before this service read them: a gap in one sender's ``seq``.
+    def _note_seq(self, run: _Run, fields: dict, rows: list[tuple], pipe: Any, live: bool) -> bool:
+        """Records Redis trimmed before this service read them: a gap in one sender's ``seq``; and batches written
+        twice. Returns False for an entry whose records were all read before (skipped), else True.
 
         A collector's sender numbers the step records it has written (acknowledged by Redis): each entry's
         ``seq`` is the count before its first record, ``n`` its records. An entry whose ``seq`` is beyond the
@@ -562,24 +573,35 @@ class DetectorService:
         seen once, live, never by a rebuild). They are reported as a ``collector_drops`` event with cause
         ``trimmed``, written with the read's acknowledgement, so the ledger counts them once and a rebuild
         reads the count back. The first entry seen of a sender is not judged: what came before it is the run's
-        history (:meth:`~trainhealth.detectors.pipeline.RunPipeline.check_history`). A ``seq`` below the
-        expected one is a batch written twice (its reply lost), not a loss. Entries without ``seq`` (older
-        collectors, hand-written) are not judged.
+        history (:meth:`~trainhealth.detectors.pipeline.RunPipeline.check_history`). An entry whose records all
+        come before the expected ``seq`` and are no newer than the newest record read of that sender is a batch
+        written twice — the sender retries a MULTI/EXEC whose reply it did not get, as when a primary fails over
+        under it — and is left out: fed again, its older steps would look like a rollback. (A second ``Monitor``
+        of the same rank and incarnation counts ``seq`` from 0 again, but its records are newer: they are read.)
+        Entries without ``seq`` (older collectors, hand-written) are not judged.
         """
         raw = fields.get(b"seq")
         if raw is None:
-            return
+            return True
         try:
             seq = int(raw)
             n = int(fields.get(b"n", len(rows)))
         except (TypeError, ValueError):
-            return
+            return True
         first = rows[0]
         key = (first[_ROW_RANK], first[_ROW_INC])
         expected = run.seq_next.get(key)
+        newest, seen = max(map(_t, rows)), run.seq_newest_t.get(key, -math.inf)
+        run.seq_newest_t[key] = max(newest, seen)
+        if expected is not None and n > 0 and seq + n <= expected and newest <= seen:
+            if live:
+                self.repeated += 1
+                log.info("run %s: steps entry of rank %s (records %d-%d) repeats records already read (a batch "
+                         "written again after its reply was lost); left out", run.keys.run, key[0], seq, seq + n - 1)
+            return False
         run.seq_next[key] = max(expected or 0, seq + n)
         if expected is None or seq <= expected or not live:
-            return
+            return True
         gap = seq - expected
         log.warning("run %s: %d step records of rank %s were trimmed from Redis before this service read them "
                     "(the collectors' retention, $%s); counted as dropped", run.keys.run, gap, key[0],
@@ -587,6 +609,7 @@ class DetectorService:
         pipe.xadd(run.keys.events, {"kind": "collector_drops", "count": gap, "trimmed": gap, "rank": key[0],
                                     "t": repr(self.clock()), "inc": repr(key[1]), "by": "service"},
                   maxlen=defaults.EVENTS_RETENTION_ENTRIES, approximate=True)
+        return True
 
     def _bad_record(self, run: str, sid: tuple[int, int], stream: str, count: bool, index: int | None,
                     exc: Exception) -> None:
@@ -780,7 +803,7 @@ class DetectorService:
         while not self._stop.wait(defaults.SERVICE_HEARTBEAT_INTERVAL_S):
             try:
                 self.beat()
-            except (redis.RedisError, OSError):
+            except (redis.RedisError, OSError, *_REDIS_DOWN):
                 pass  # the main loop backs off and says so
             except Exception:  # e.g. a run dict changing size under the snapshot: the next beat is in 2 s
                 log.debug("heartbeat not written", exc_info=True)

@@ -1,4 +1,5 @@
-"""End to end: a multi-process job instrumented by the collectors → Redis → `trainhealth serve` → anomalies."""
+"""End to end: a multi-process job instrumented by the collectors → Redis → `trainhealth serve` → anomalies; on one
+redis-server and on a local Redis Cluster (3 primaries, 3 replicas)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,32 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import redis
+import pytest
 
 from trainhealth.commands.demo import DemoConfig, run_job
+from trainhealth.connection import connect
 
 FAST = dict(ranks=4, ranks_per_node=2, steps=260, data_s=0.002, fb_s=0.01, optim_s=0.001, spike_step=120,
             straggler_rank=2, straggler_from=40, straggler_to=180, straggler_factor=3.0, crash_step=230,
             ckpt_every=50, ckpt_s=0.1, load_s=0.2, restart_delay_s=0.5, heartbeat_interval=0.5)
 
 
-def test_demo_job_through_serve_flags_spike_straggler_and_restart(r: redis.Redis, redis_url: str,
-                                                                   tmp_path: Path, wait_for) -> None:
+@pytest.fixture(params=["server", "cluster"])
+def topology(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
+    """``(url, client)`` of a clean Redis: the session's redis-server, or its Redis Cluster (``redis+cluster://``)."""
+    url = request.getfixturevalue("redis_url" if request.param == "server" else "cluster_url")
+    client = connect(url)
+    yield url, client
+    client.close()
+
+
+def test_demo_job_through_serve_flags_spike_straggler_and_restart(topology: tuple[str, Any], tmp_path: Path,
+                                                                   wait_for) -> None:
+    redis_url, r = topology
     serve = subprocess.Popen([sys.executable, "-m", "trainhealth", "serve", "--redis-url", redis_url,
                               "--consumer", "e2e"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -104,7 +104,8 @@ def test_cli_errors_are_one_line_with_exit_2(redis_url: str, real_logs: Path) ->
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == ("trainhealth: error: TRAINHEALTH_REDIS_URL='http://nope' is not a Redis URL: "
-                                  "expected redis://, rediss:// or unix://")
+                                  "expected redis://, rediss://, unix://, redis+sentinel://, rediss+sentinel://, "
+                                  "redis+cluster:// or rediss+cluster://")
 
 
 def test_doctor_reports_redis_and_missing_service(redis_url: str) -> None:

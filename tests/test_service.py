@@ -555,3 +555,26 @@ def test_rollup_buckets_are_written_once_and_refilled_by_a_rebuild(r: redis.Redi
     assert got[0] == first  # not written again
     # The open bucket 100-149 was filled again by the rebuild's replay: every step of it is there, the NaN too.
     assert (got[1]["loss_nonfinite"], got[1]["loss_nonfinite_step"], got[1]["tokens"]) == ("1", "120", "200000")
+
+
+def test_a_batch_written_twice_after_a_lost_reply_is_read_once(r: redis.Redis) -> None:
+    # A collector that loses the reply to its MULTI/EXEC (a primary failing over under it) sends the batch again:
+    # the same entry twice in the stream. Fed again, its older steps would look like a rollback of rank 0.
+    write_run(r, "twice", range(0, 30))
+    entries = r.xrange("th:{twice}:steps")
+    fields = next(f for _, f in entries if f[b"rank"] == b"0" and b'"step":20' in f[b"recs"])
+    r.xadd("th:{twice}:steps", fields)
+    write_run(r, "twice", range(30, 40))  # a second Monitor of the same ranks and incarnation: newer records, read
+    svc = DetectorService(r, consumer="a", clock=lambda: T0 + 100, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc)
+    assert svc.repeated == 1
+    aggs = r.xrange("th:{twice}:agg")
+    assert [i.decode() for i, _ in aggs] == [f"1-{s}" for s in range(40)]
+    assert {f[b"n_ranks"] for _, f in aggs} == {b"2"}
+    assert r.hkeys("th:{twice}:anomalies") == []
+    # A rebuild replays the stream (here with the steps' aggregates gone) and leaves the repeat out again.
+    r.delete("th:{twice}:agg", "th:{twice}:owner")
+    svc2 = DetectorService(r, consumer="b", clock=lambda: T0 + 100, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc2)
+    assert [i.decode() for i, _ in r.xrange("th:{twice}:agg")] == [f"1-{s}" for s in range(40)]
+    assert r.hkeys("th:{twice}:anomalies") == []

@@ -9,14 +9,29 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from trainhealth import defaults
 from trainhealth.exceptions import ConfigError
 
-_SCHEMES = ("redis://", "rediss://", "unix://")
+#: One server (redis-py's own ``from_url`` schemes).
+SERVER_SCHEMES = ("redis://", "rediss://", "unix://")
+#: A primary found through Sentinel: ``redis+sentinel://[user:pass@]host[:port][,host[:port]…]/service[/db][?opts]``.
+SENTINEL_SCHEMES = ("redis+sentinel://", "rediss+sentinel://")
+#: A Redis Cluster from seed nodes: ``redis+cluster://[user:pass@]host[:port][,host[:port]…][/0][?opts]``.
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+_SCHEMES = SERVER_SCHEMES + SENTINEL_SCHEMES + CLUSTER_SCHEMES
+_EXPECTED = ("expected redis://, rediss://, unix://, redis+sentinel://, rediss+sentinel://, redis+cluster:// or "
+             "rediss+cluster://")
+#: Default ports of a Sentinel and of a cluster node when a host of the list names none.
+SENTINEL_PORT, CLUSTER_PORT = 26379, 6379
+#: Query options of a Sentinel or Cluster URL that are strings (redis-py's typed ones come from its own parsers).
+_STRING_OPTIONS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "client_name",
+                   "sentinel_username", "sentinel_password")
 
 
 def home_dir() -> Path:
@@ -35,10 +50,17 @@ def redact_url(url: Any) -> str:
     ('redis://:***@db.example:6380/2', 'redis://***@h:99999999/0')
     >>> redact_url("redis://127.0.0.1:6390/0"), redact_url("rediss//:pw@h"), redact_url("redis://h/0?password=pw")
     ('redis://127.0.0.1:6390/0', '***@h', 'redis://h/0?password=***')
+    >>> redact_url("redis+sentinel://:pw@s1:26379,s2:26379/mymaster/0?sentinel_password=spw")
+    'redis+sentinel://:***@s1:26379,s2:26379/mymaster/0?sentinel_password=***'
     """
     if not isinstance(url, str):
         return f"<{type(url).__name__}>"
     url = _PASSWORD_PARAM.sub(r"\1***", url)
+    scheme, sep, rest = url.partition("://")
+    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if sep and "," in netloc and "@" in netloc:  # a Sentinel or Cluster URL's list of hosts: no port to parse
+        userinfo, _, hosts = netloc.rpartition("@")
+        return f"{scheme}://{userinfo.partition(':')[0]}:***@{hosts}{rest[len(netloc):]}"
     try:
         parts = urlsplit(url)
         if "://" not in url:
@@ -55,18 +77,130 @@ def redact_url(url: Any) -> str:
         return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
 
 
-_PASSWORD_PARAM = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+_PASSWORD_PARAM = re.compile(r"([?&](?:sentinel_)?password=)[^&#]*", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """Where one Redis URL points (:func:`parse_redis_url`); the secrets are left out of its ``repr``.
+
+    ``kind`` is ``server`` (one Redis: redis-py's ``from_url`` reads the URL itself), ``sentinel`` (the primary
+    the Sentinels at ``nodes`` name for ``service``, database ``db``) or ``cluster`` (a Redis Cluster found from
+    the seed ``nodes``). ``tls`` for a ``rediss+`` scheme; ``username`` / ``password`` those of the data nodes;
+    ``options`` the query's redis-py connection options, typed, with ``sentinel_username`` /
+    ``sentinel_password`` for Sentinels that require their own.
+    """
+
+    kind: str
+    nodes: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    db: int = 0
+    tls: bool = False
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+
+def parse_redis_url(url: Any, field: str = "redis_url") -> RedisTarget:
+    """Parse a Redis URL into a :class:`RedisTarget`, or raise :class:`ConfigError` naming ``field`` and the URL
+    with its password hidden (:func:`redact_url`).
+
+    Three topologies, one URL each (the Sentinel form is the one redis-sentinel-url and Prefect's docket read;
+    the Cluster form is the same with a list of seed nodes):
+
+    - one server: ``redis://[user:pass@]host[:port][/db]``, ``rediss://…`` (TLS), ``unix:///path.sock``;
+    - Sentinel: ``redis+sentinel://[user:pass@]host[:port][,host[:port]…]/service_name[/db][?options]``
+      (Sentinels default to port 26379; ``sentinel_username`` / ``sentinel_password`` options when the Sentinels
+      have credentials of their own; ``rediss+sentinel://`` for TLS to all of them);
+    - Cluster: ``redis+cluster://[user:pass@]host[:port][,host[:port]…][?options]`` (any reachable nodes of
+      the cluster; port 6379 by default; database 0 only, as Redis Cluster has no other).
+
+    Options are redis-py's connection options (``socket_timeout=5``, ``ssl_ca_certs=/etc/ca.pem``, …); an
+    unknown one is refused, not ignored.
+
+    >>> t = parse_redis_url("redis+sentinel://:pw@s1,s2:26380/mymaster/2?socket_timeout=5")
+    >>> t.kind, t.nodes, t.service, t.db, t.password, dict(t.options)
+    ('sentinel', (('s1', 26379), ('s2', 26380)), 'mymaster', 2, 'pw', {'socket_timeout': 5.0})
+    >>> parse_redis_url("redis+cluster://10.0.0.1:7000,10.0.0.2:7000")
+    RedisTarget(kind='cluster', nodes=(('10.0.0.1', 7000), ('10.0.0.2', 7000)), service='', db=0, tls=False, \
+username=None)
+    """
+    if not isinstance(url, str) or not url.lower().startswith(_SCHEMES):
+        raise ConfigError(f"{field}={redact_url(url)!r} is not a Redis URL: {_EXPECTED}")
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{field}={redact_url(url)!r} is not a Redis URL: {why}")
+
+    scheme = url[:url.index("://")].lower()
+    if scheme + "://" in SERVER_SCHEMES:
+        try:
+            urlsplit(url).port  # noqa: B018 - parsing it raises for a port that is no number or out of range
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+        return RedisTarget("server")
+    kind = "sentinel" if scheme + "://" in SENTINEL_SCHEMES else "cluster"
+    rest = url[len(scheme) + 3:]
+    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    tail = urlsplit("x://h" + rest[len(netloc):])
+    userinfo, at, hosts = netloc.rpartition("@")
+    username, _, password = userinfo.partition(":") if at else ("", "", "")
+    nodes = tuple(_host_port(h, SENTINEL_PORT if kind == "sentinel" else CLUSTER_PORT, bad) for h in hosts.split(","))
+    segments = [unquote(s) for s in tail.path.split("/") if s]
+    options = _options(tail.query, bad)
+    db = options.pop("db", None)
+    service = ""
+    if kind == "sentinel":
+        if not segments or len(segments) > 2:
+            raise bad("a Sentinel URL names the service and optionally the database: /<service_name>[/<db>]")
+        service = segments[0]
+        if len(segments) == 2:
+            if not segments[1].isdigit():
+                raise bad(f"database {segments[1]!r} is not a number")
+            db = int(segments[1]) if db is None else db
+    elif segments not in ([], ["0"]) or db not in (None, 0):
+        raise bad("Redis Cluster has only database 0")
+    return RedisTarget(kind, nodes, service, int(db or 0), scheme.startswith("rediss"), unquote(username) or None,
+                       unquote(password) if password else None, options)
+
+
+def _host_port(text: str, default: int, bad: Any) -> tuple[str, int]:
+    """``host``, ``host:port`` or ``[v6]:port`` of a URL's list of hosts."""
+    host, port = text, ""
+    if text.startswith("["):
+        host, _, port = text[1:].partition("]")
+        port = port[1:] if port.startswith(":") else port
+    elif ":" in text:
+        host, _, port = text.rpartition(":")
+    if not host:
+        raise bad(f"host {text!r} of the list has no name")
+    if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise bad(f"host {text!r} has no valid port (1-65535)")
+    return host, int(port) if port else default
+
+
+def _options(query: str, bad: Any) -> dict[str, Any]:
+    """The query options of a Sentinel or Cluster URL, typed with redis-py's own parsers."""
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+
+    out: dict[str, Any] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        parse = URL_QUERY_ARGUMENT_PARSERS.get(name)
+        if name in _STRING_OPTIONS:
+            out[name] = value
+        elif parse is None or name == "timeout":
+            raise bad(f"unknown option {name!r}")
+        else:
+            try:
+                out[name] = parse(value)
+            except (TypeError, ValueError):
+                raise bad(f"option {name}={value!r} is not valid") from None
+    return out
 
 
 def validate_url(url: str, field: str = "redis_url") -> str:
-    """Return ``url`` when it is a ``redis://``, ``rediss://`` or ``unix://`` URL with a valid port, else raise
-    :class:`ConfigError` naming ``field`` and the URL with its password hidden (:func:`redact_url`)."""
-    if not isinstance(url, str) or not url.startswith(_SCHEMES):
-        raise ConfigError(f"{field}={redact_url(url)!r} is not a Redis URL: expected redis://, rediss:// or unix://")
-    try:
-        urlsplit(url).port  # noqa: B018 - parsing it raises for a port that is no number or out of range
-    except ValueError as exc:
-        raise ConfigError(f"{field}={redact_url(url)!r} is not a Redis URL: {exc}") from None
+    """Return ``url`` when it is a Redis URL :func:`parse_redis_url` reads (one server, Sentinel or Cluster), else
+    raise :class:`ConfigError` naming ``field`` and the URL with its password hidden (:func:`redact_url`)."""
+    parse_redis_url(url, field)
     return url
 
 

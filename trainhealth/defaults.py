@@ -74,6 +74,9 @@ DATA_SECTIONS = ("data", "data_loading", "dataloader", "data_wait")
 CONSUMER_GROUP = "th-detectors"
 #: Milliseconds one ``XREADGROUP`` blocks waiting for new entries.
 READ_BLOCK_MS = 1_000
+#: On Redis Cluster, where one blocking read cannot span the runs' slots: seconds between the non-blocking reads
+#: of every run's streams while nothing comes (trainhealth.connection.read_groups); the latency it adds, at most.
+CLUSTER_POLL_S = 0.05
 #: Entries read per stream per ``XREADGROUP`` call, at most (see READ_RECORDS).
 READ_COUNT = 5_000
 #: Records one read brings in, about: the entries per stream are READ_RECORDS divided by the records an entry

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import redis
 
-from trainhealth import config, defaults
+from trainhealth import config, connection, defaults
 from trainhealth.exceptions import RedisUnavailableError
 
 log = logging.getLogger(__name__)
@@ -67,12 +67,12 @@ def free_port(preferred: int = 0) -> int:
 def ping(url: str, timeout: float = 1.0) -> bool:
     """True when a Redis server answers PING at ``url`` within ``timeout`` seconds."""
     try:
-        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        client = connection.connect(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         try:
             return bool(client.ping())
         finally:
             client.close()
-    except (redis.RedisError, OSError):
+    except (redis.RedisError, OSError, *connection.REDIS_DOWN):
         return False
 
 
@@ -152,7 +152,7 @@ class EmbeddedRedis:
         url = self.url or self.running_url()
         if url:
             try:
-                redis.Redis.from_url(url).shutdown(save=True)
+                connection.connect(url).shutdown(save=True)
             except redis.ConnectionError:
                 pass  # SHUTDOWN closes the connection: that is success
             except redis.RedisError as exc:
@@ -180,7 +180,3 @@ def resolve_url(explicit: str | None = None, *, start: bool = True) -> tuple[str
         return url, embedded
     return embedded.ensure_running(), embedded
 
-
-def connect(url: str) -> redis.Redis:
-    """A redis-py client for ``url`` (``redis://``, ``rediss://`` with password, or ``unix://``)."""
-    return redis.Redis.from_url(config.validate_url(url), health_check_interval=30)
