@@ -12,15 +12,18 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 from urllib.parse import urlencode
 
 from trainhealth.matchers import LABELS, labels_of
 
-FIRING, RESOLVED = "firing", "resolved"
+#: An alert's and a notification's status: some alert fires, or all are resolved.
+AlertStatus = Literal["firing", "resolved"]
+FIRING, RESOLVED = get_args(AlertStatus)
 #: Why a notification was sent: first of its group, the group changed (new or escalated alerts, or
 #: resolved ones), only resolved alerts, or the unchanged firing group after ``repeat_interval``.
-REASONS = ("new", "update", "resolved", "repeat")
+Reason = Literal["new", "update", "resolved", "repeat"]
+REASONS: tuple[str, ...] = get_args(Reason)
 
 
 def json_safe(value: Any) -> Any:
