@@ -18,7 +18,7 @@ FAST = dict(ranks=4, ranks_per_node=2, steps=260, data_s=0.002, fb_s=0.01, optim
 
 
 def test_demo_job_through_serve_flags_spike_straggler_and_restart(r: redis.Redis, redis_url: str,
-                                                                   tmp_path: Path, wait_for) -> None:
+                                                                   tmp_path: Path, wait_for, valid_run) -> None:
     serve = subprocess.Popen([sys.executable, "-m", "trainhealth", "serve", "--redis-url", redis_url,
                               "--consumer", "e2e"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -62,6 +62,10 @@ def test_demo_job_through_serve_flags_spike_straggler_and_restart(r: redis.Redis
         assert abs(sum(sec.values()) - snap["wall_s"]) < 1e-4
         assert snap["goodput_tok_s"] < snap["throughput_tok_s"]
         assert r.hget("th:{e2e}:meta", "status") == b"finished"
+        # Every record the job's ranks and the service wrote is a document of its published schema.
+        counts = valid_run(r, "e2e")
+        assert counts["heartbeat"] == 4 and counts["anomaly"] >= 5 and counts["incident"] >= 3
+        assert counts["step-records"] > 0 and counts["event"] > 0 and counts["ledger-snapshot"] > 0
     finally:
         serve.send_signal(signal.SIGTERM)
         out, _ = serve.communicate(timeout=20)
