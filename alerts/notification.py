@@ -85,8 +85,9 @@ class Alert:
     labels : dict[str, str]
         :data:`~trainhealth.matchers.LABELS`.
     anomaly : dict
-        The anomaly's full JSON (``run``, ``kind``, ``severity``, ``status``, ``step``, ``end_step``,
-        ``ranks``, ``hosts``, ``evidence``, ``message``, ``first_seen``, ``last_seen``, maybe ``recommendation``).
+        The anomaly's full JSON as ``th:{run}:anomalies`` stores it (``id``, ``kind``, ``severity``, ``status``,
+        ``step``, ``end_step``, ``ranks``, ``hosts``, ``evidence``, ``message``, ``gen``, ``first_seen``,
+        ``last_seen``, maybe ``recommendation``; docs/schemas/anomaly.json).
     status : str
         ``firing`` while the anomaly is active, ``resolved`` once over.
     point : bool

@@ -223,15 +223,21 @@ def _not_null(prop: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the documents ------------------------------------------------------------------------------------
-def _stored_anomaly(defs: dict[str, dict[str, Any]], extra: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _as_recommendations(defs: dict[str, dict[str, Any]], *names: str) -> None:
+    """The components ``names`` hold fields of a recommendation: each property takes the recommendation's schema
+    (its ``action`` enum...), keeping its own description."""
     from trainhealth.recommendations import Recommendation
 
     _, rec_defs = _components(Recommendation)
     rec = rec_defs["Recommendation"]["properties"]
-    ref = extra["RecommendationRef"]
-    for name in ref["properties"]:  # the stable part of the recommendation: its fields mean the same
-        ref["properties"][name] = {**rec[name], "description": ref["properties"][name]["description"]}
-    defs["RecommendationRef"] = ref
+    for ref in (defs[n] for n in names):
+        for name, prop in ref["properties"].items():
+            ref["properties"][name] = {**rec[name], "description": prop["description"]}
+
+
+def _stored_anomaly(defs: dict[str, dict[str, Any]], extra: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    defs["RecommendationRef"] = extra["RecommendationRef"]
+    _as_recommendations(defs, "RecommendationRef")
     return _merged(defs["Anomaly"], extra["StoredFields"], "StoredAnomaly",
                    "An anomaly as the detector service stores it in `th:{run}:anomalies` (and in the `json` of its "
                    "`th:{run}:anomaly_log` transitions): `Anomaly.to_dict()`, then `first_seen`, `last_seen` and, "
@@ -371,14 +377,23 @@ def analyze_report_schema() -> dict[str, Any]:
 
 def webhook_payload_schema() -> dict[str, Any]:
     """The JSON webhook sink's body."""
+    from trainhealth.alerts.intake import AlertRecommendation
     from trainhealth.alerts.sinks.webhook import WebhookPayload
     from trainhealth.alerts.watchdog import ServiceDownAnomaly
     from trainhealth.anomaly import Anomaly, StoredFields
 
-    (root, *_), defs = _components(WebhookPayload, ServiceDownAnomaly, Anomaly, StoredFields)
-    defs["StoredAnomaly"] = _stored_anomaly(defs, defs)
+    (root, *_), defs = _components(WebhookPayload, ServiceDownAnomaly, Anomaly, StoredFields, AlertRecommendation)
+    alerted = _stored_anomaly(defs, defs)
+    # The alert's copy: its recommendation with the summary the intake adds.
+    _as_recommendations(defs, "AlertRecommendation")
+    alerted["properties"]["recommendation"] = {**_ref("AlertRecommendation"),
+                                               "description": defs["AlertRecommendation"]["description"]}
+    alerted["title"] = "AlertedAnomaly"
+    alerted["description"] = ("An anomaly as an alert carries it: as the detector service stored it "
+                              "(`th:{run}:anomalies`), its recommendation with the summary the alert worker adds.")
+    defs["AlertedAnomaly"] = alerted
     alert = defs["WebhookAlert"]["properties"]
-    alert["anomaly"] = {"anyOf": [_ref("StoredAnomaly"), _ref("ServiceDownAnomaly")],
+    alert["anomaly"] = {"anyOf": [_ref("AlertedAnomaly"), _ref("ServiceDownAnomaly")],
                         "description": alert["anomaly"]["description"]}
     return _document("trainhealth webhook payload", "The body of the JSON webhook sink's POST, payload version 1 "
                      "(docs/alerts.md, JSON webhook).", root, defs)
