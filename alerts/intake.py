@@ -59,7 +59,7 @@ from trainhealth.alerts.grouping import Grouper
 from trainhealth.alerts.notification import FIRING, Alert, Notification
 from trainhealth.alerts.outbox import claim_all, enqueue
 from trainhealth.alerts.watchdog import SERVICE_DOWN_KEY, check_service, service_down_alert
-from trainhealth.anomaly import SEVERITIES
+from trainhealth.anomaly import SEVERITIES, RecommendationRef
 from trainhealth.connection import read_groups
 from trainhealth.keys import ALERTS_GROUPS, ALERTS_SILENCES, ALERTS_STATE, RUNS, run_keys, run_of
 from trainhealth.silences import Silence
@@ -143,6 +143,27 @@ def load_silences(client: redis.Redis) -> list[Silence]:
             log.warning("ignoring malformed silence %s: %s", _s(sid), exc)
     return out
 
+
+
+class AlertRecommendation(RecommendationRef, total=False):
+    """An alert's copy of its anomaly's recommendation: the stable part the anomaly carries, and the recommendation's
+    summary the intake adds for the sinks (:meth:`Intake._enrich`; display only, never stored with the anomaly).
+
+    Attributes
+    ----------
+    id : str
+        ``rec:<anomaly id>``: the field of ``th:{run}:recommendations`` holding the whole recommendation.
+    action : str
+        What to do (``rollback``, ``wait``, ``restart``, ...).
+    checkpoint_step : int | None
+        Checkpoint to restart from.
+    skip_steps : list[int] | None
+        Inclusive ``[first, last]`` range of steps whose batches to skip after restarting.
+    summary : str
+        The advice in one paragraph, with its figures (the stored recommendation's ``summary``).
+    """
+
+    summary: str
 
 class Intake:
     """The grouping stage of the alert worker (see the module doc).
@@ -429,7 +450,8 @@ class Intake:
             except (ValueError, AttributeError):
                 summary = None
             if summary:
-                a.anomaly["recommendation"] = {**rec, "summary": summary}
+                enriched: AlertRecommendation = {**rec, "summary": summary}
+                a.anomaly["recommendation"] = enriched
 
     def _watch(self, now: float) -> list[Notification]:
         check = check_service(self.client, now, self.config.watchdog.service_stale)

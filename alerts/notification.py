@@ -12,15 +12,18 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 from urllib.parse import urlencode
 
 from trainhealth.matchers import LABELS, labels_of
 
-FIRING, RESOLVED = "firing", "resolved"
+#: An alert's and a notification's status: some alert fires, or all are resolved.
+AlertStatus = Literal["firing", "resolved"]
+FIRING, RESOLVED = get_args(AlertStatus)
 #: Why a notification was sent: first of its group, the group changed (new or escalated alerts, or
 #: resolved ones), only resolved alerts, or the unchanged firing group after ``repeat_interval``.
-REASONS = ("new", "update", "resolved", "repeat")
+Reason = Literal["new", "update", "resolved", "repeat"]
+REASONS: tuple[str, ...] = get_args(Reason)
 
 
 def json_safe(value: Any) -> Any:
@@ -82,8 +85,9 @@ class Alert:
     labels : dict[str, str]
         :data:`~trainhealth.matchers.LABELS`.
     anomaly : dict
-        The anomaly's full JSON (``run``, ``kind``, ``severity``, ``status``, ``step``, ``end_step``,
-        ``ranks``, ``hosts``, ``evidence``, ``message``, ``first_seen``, ``last_seen``, maybe ``recommendation``).
+        The anomaly's full JSON as ``th:{run}:anomalies`` stores it (``id``, ``kind``, ``severity``, ``status``,
+        ``step``, ``end_step``, ``ranks``, ``hosts``, ``evidence``, ``message``, ``gen``, ``first_seen``,
+        ``last_seen``, maybe ``recommendation``; docs/schemas/anomaly.json).
     status : str
         ``firing`` while the anomaly is active, ``resolved`` once over.
     point : bool

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import redis
 
 from trainhealth.alerts.notification import FIRING, RESOLVED, Alert
+from trainhealth.anomaly import Status
 from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys
 
 SERVICE_DOWN_KEY = "*/service_down:*:0:0"
@@ -85,6 +86,64 @@ def live_job(meta: list[Any]) -> bool:
     return status in (None, "running") and not (source or "").startswith("replay:")
 
 
+class ServiceDownEvidence(TypedDict):
+    """What the ``service_down`` alert rests on.
+
+    Attributes
+    ----------
+    service_heartbeat_age_s : float | None
+        Seconds since the newest detector service heartbeat (null: none at all).
+    runs_sending : list[str]
+        The live runs whose ranks sent heartbeats meanwhile.
+    """
+
+    service_heartbeat_age_s: float | None
+    runs_sending: list[str]
+
+
+class ServiceDownAnomaly(TypedDict):
+    """The ``service_down`` alert's anomaly, shaped like a stored one (``th:{run}:anomalies``) for the sinks: raised by
+    the alert worker itself when no detector service heartbeat is fresh while runs send data.
+
+    Attributes
+    ----------
+    id : str
+        ``service_down:*:0:0``.
+    run : str
+        ``*``: every run.
+    kind : str
+        ``service_down``.
+    severity : str
+        ``critical``.
+    status : str
+        ``active`` while no service is up, ``resolved`` once a heartbeat is back.
+    step, end_step : None
+        No step: the condition is the service's, not a run's.
+    ranks, hosts : list
+        Empty.
+    evidence : ServiceDownEvidence
+        The numbers it rests on.
+    message : str
+        One line for a human on call.
+    first_seen, last_seen : float
+        Unix s the worker first and last saw it.
+    """
+
+    id: Literal["service_down:*:0:0"]
+    run: Literal["*"]
+    kind: Literal["service_down"]
+    severity: Literal["critical"]
+    status: Status
+    step: None
+    end_step: None
+    ranks: list[int]
+    hosts: list[str]
+    evidence: ServiceDownEvidence
+    message: str
+    first_seen: float
+    last_seen: float
+
+
 def service_down_alert(check: ServiceCheck, now: float, first_seen: float | None = None) -> Alert:
     """The ``service_down`` alert for ``check`` (firing when down, else resolved)."""
     age = check.service_age_s
@@ -93,7 +152,7 @@ def service_down_alert(check: ServiceCheck, now: float, first_seen: float | None
     else:
         why = f"the last detector service heartbeat is {age:.0f} s old"
     runs = ", ".join(check.runs_sending) or "-"
-    anomaly = {
+    anomaly: ServiceDownAnomaly = {
         "id": "service_down:*:0:0", "run": "*", "kind": "service_down", "severity": "critical",
         "status": "active" if check.down else "resolved", "step": None, "end_step": None, "ranks": [], "hosts": [],
         "evidence": {"service_heartbeat_age_s": None if age is None else round(age, 1),

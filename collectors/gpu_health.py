@@ -13,6 +13,8 @@ import os
 import threading
 from typing import Any
 
+from trainhealth.wire import GpuSample
+
 #: NVML's clock event ("throttle") reason bits, as ``nvml.h`` defines them, with their names in words.
 THROTTLE_REASONS = {
     0x1: "idle",
@@ -99,7 +101,7 @@ class GpuHealthSampler:
         self.local_rank = local_rank
         self._handle: Any = None
 
-    def sample(self) -> dict[str, Any]:
+    def sample(self) -> GpuSample:
         """``{"device", "sm_clock_mhz", "sm_clock_max_mhz", "power_w", "power_limit_w", "temp_c", "util_pct",
         "throttle": [reasons], "throttle_bits", "ecc_uncorrected"}`` (each part left out when the device does not
         report it), or ``{"absent": why}``."""
@@ -120,7 +122,7 @@ class GpuHealthSampler:
         except Exception as exc:
             return {"absent": f"NVML device unavailable: {exc}"}
         h = self._handle
-        out: dict[str, Any] = {"device": self._device}
+        out: GpuSample = {"device": self._device}
         reads = (
             ("sm_clock_mhz", lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)),
             ("sm_clock_max_mhz", lambda: nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_SM)),

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import resource
 import sys
-from typing import Any
+
+from trainhealth.wire import CudaMemory, MemorySample
 
 #: ``torch.cuda.memory_stats`` keys sent, under their short names (bytes, or counts).
 CUDA_STATS = {
@@ -80,7 +81,7 @@ class MemorySampler:
             self._host_total = limit
         self._device_total: dict[int, int] = {}
 
-    def sample(self) -> dict[str, Any]:
+    def sample(self) -> MemorySample:
         """``{"rss": bytes, "rss_anon": bytes, "host_total": bytes, "cuda": {...}}`` or, without CUDA,
         ``"cuda_absent": why``.
 
@@ -93,7 +94,7 @@ class MemorySampler:
         ``retries`` and ``ooms``). Never raises: a part that cannot be read is left out.
         """
         rss, anon = self._rss()
-        out: dict[str, Any] = {"rss": rss, "rss_anon": anon, "host_total": self._host_total}
+        out: MemorySample = {"rss": rss, "rss_anon": anon, "host_total": self._host_total}
         cuda = self._cuda()
         if isinstance(cuda, str):
             out["cuda_absent"] = cuda
@@ -115,7 +116,7 @@ class MemorySampler:
             except (OSError, ValueError):
                 return 0, 0
 
-    def _cuda(self) -> dict[str, int] | str:
+    def _cuda(self) -> CudaMemory | str:
         torch = sys.modules.get("torch")
         if torch is None:
             return "torch not imported"
@@ -133,7 +134,7 @@ class MemorySampler:
                 total = self._device_total[dev] = int(cuda.get_device_properties(dev).total_memory)
         except Exception as exc:  # a broken torch, a lost device: memory is not worth an error in the job
             return f"CUDA memory unreadable: {type(exc).__name__}"
-        out = {"device": dev, "total": total}
+        out: CudaMemory = {"device": dev, "total": total}
         for key, name in CUDA_STATS.items():
             if key in stats:
                 out[name] = int(stats[key])

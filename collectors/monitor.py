@@ -36,6 +36,7 @@ from trainhealth.exceptions import ConfigError
 from trainhealth.keys import run_keys
 from trainhealth.text import show
 from trainhealth.warn_once import WarnOnce
+from trainhealth.wire import Heartbeat
 
 #: Section that :meth:`Monitor.step`'s ``data_from`` fills (the first of ``defaults.DATA_SECTIONS``).
 DATA_SECTION = defaults.DATA_SECTIONS[0]
@@ -698,10 +699,11 @@ class Monitor:
             gpu = self._gpu_health.sample()
         except Exception:
             gpu = None
-        return self.rank, json.dumps({
+        body: Heartbeat = {
             "t": time.time(), "step": self._last_step, "step_t": self._last_step_t, "phase": self._phase,
             "host": self.host, "pid": os.getpid(), "inc": self.inc, "mem": mem, "gpu": gpu,
-        }, default=_json_number)  # a step given as a numpy or tensor integer
+        }
+        return self.rank, json.dumps(body, default=_json_number)  # a step given as a numpy or tensor integer
 
     def goodput_metrics(self, prefix: str = "trainhealth/") -> dict[str, float]:
         """The run's goodput as the detector service last booked it, as flat metrics to log where the team reads its

@@ -1,7 +1,7 @@
 """The ``trainhealth`` commands: the top floor, the only place that wires the parts together.
 
 One module per command (``demo``, ``serve``, ``dashboard``, ``exporter``, ``replay``, ``follow``, ``analyze``,
-``doctor``, ``redis``, ``advise``, ``alerts``/``silence``/``deadletters``, ``completion``), each with
+``doctor``, ``redis``, ``advise``, ``alerts``/``silence``/``deadletters``, ``schemas``, ``completion``), each with
 ``register(sub)`` adding its parser and the function it runs. :func:`main` is the ``trainhealth`` console
 script and ``python -m trainhealth``. Nothing else in the package imports from here.
 
@@ -32,6 +32,7 @@ from trainhealth.commands import (
     follow,
     redis_server,
     replay,
+    schemas,
     serve,
 )
 from trainhealth.exceptions import TrainHealthError
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "exc_info) for a log shipper (Loki, Elasticsearch, Cloud Logging)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (demo, serve, dashboard, exporter, replay, follow, analyze, doctor, redis_server, advise,
-                   alerts, completion):
+                   alerts, schemas, completion):
         module.register(sub)
     return p
 

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO, TypedDict
 
 from trainhealth import __version__
 from trainhealth.anomaly import Anomaly
@@ -37,10 +37,12 @@ from trainhealth.detectors.advisor import RollbackAdvisor
 from trainhealth.detectors.ledger import NOT_BADPUT
 from trainhealth.detectors.offline import OfflineRun
 from trainhealth.exceptions import ConfigError, InputFormatError, TrainHealthError
+from trainhealth.goodput import LedgerSnapshot
 from trainhealth.logpoint import LogEvent, LogPoint
 from trainhealth.recommendations import Recommendation
 from trainhealth.text import category_label, fmt_duration
 from trainhealth.timeline import arrange, step_seconds_error
+from trainhealth.wire import EventKind
 
 #: Name and version of the JSON document (``docs/analyze.md``); the version changes when a field
 #: is renamed or removed or changes meaning (added fields do not change it).
@@ -59,6 +61,216 @@ LINE_FORMATS = frozenset({"megatron", "nanogpt", "modded_nanogpt", "word_lm", "c
                           "torchelastic", "llmc", "hf_stdout", "mmengine", "text_kv"})
 #: Fields of a train point counted in the run summary (``metrics``).
 METRICS = ("loss", "grad_norm", "lr", "tokens", "consumed_samples", "skipped")
+
+# -- the JSON document's types (docs/analyze.md; its JSON Schema: docs/schemas/analyze-report.json) ---------------
+Timeline = Literal["logged", "partial", "assumed"]
+
+
+class ReportSummary(TypedDict):
+    """Over all the files analysed.
+
+    Attributes
+    ----------
+    files : int
+        Files given.
+    failed : int
+        Files with an ``error``.
+    anomalies : int
+        Anomalies over all files.
+    critical : int
+        Those of severity ``critical``.
+    exit_status : int
+        The process's exit status: 0 nothing critical, 1 some anomaly critical, 2 an input error and nothing
+        critical.
+    """
+
+    files: int
+    failed: int
+    anomalies: int
+    critical: int
+    exit_status: Literal[0, 1, 2]
+
+
+Metrics = TypedDict("Metrics", dict.fromkeys(METRICS, int))  # type: ignore[misc]
+Metrics.__doc__ = ("Train points carrying each field (per-rank records for a per-rank log).\n\nAttributes\n----------\n"
+                   + "".join(f"{m} : int\n    Points carrying ``{m}``.\n" for m in METRICS))
+
+
+class NonFinite(TypedDict):
+    """Train points whose value is NaN or ±Inf.
+
+    Attributes
+    ----------
+    loss : int
+        Points with a non-finite loss.
+    grad_norm : int
+        Points with a non-finite grad norm.
+    """
+
+    loss: int
+    grad_norm: int
+
+
+class Timings(TypedDict):
+    """Which timings the log has.
+
+    Attributes
+    ----------
+    step_seconds : int
+        Train points whose step time the log gives (an iteration time, a timer, wall-clock stamps).
+    eval_seconds : int
+        Evaluations with a logged runtime.
+    """
+
+    step_seconds: int
+    eval_seconds: int
+
+
+class _FileSummary(TypedDict):
+    steps: int
+    evaluations: int
+    first_step: int | None
+    last_step: int | None
+    restarts: int
+    metrics: Metrics
+    non_finite: NonFinite
+    timings: Timings
+    timeline: Timeline
+    warnings: list[str]
+    anomalies: int
+    critical: int
+
+
+class FileSummary(_FileSummary, total=False):
+    """What was read from one file (or one ``--one-run`` group).
+
+    Attributes
+    ----------
+    steps : int
+        Training steps logged; for a per-rank log, the steps across ranks.
+    ranks : list[int]
+        Only for a per-rank log: the ranks seen.
+    records : int
+        Only for a per-rank log: per-rank points read (one per rank and step).
+    evaluations : int
+        Evaluation entries.
+    events : dict[str, int]
+        Only for a log that reports events: events read, by kind, in order of first appearance.
+    first_step, last_step : int | None
+        Smallest and largest step (null without steps).
+    restarts : int
+        Times the step went back in the file (a resumed run logged into the same file).
+    metrics : Metrics
+        Points carrying each field.
+    non_finite : NonFinite
+        Points whose loss or grad norm is NaN or ±Inf.
+    timings : Timings
+        Which timings the log has.
+    timeline : str
+        ``logged`` (every step timed by the log), ``partial``, or ``assumed`` (no step time: placed at
+        ``--step-seconds``).
+    warnings : list[str]
+        The importers' warnings (malformed lines skipped, a file cut short).
+    anomalies : int
+        Anomalies of this file.
+    critical : int
+        Those of severity ``critical``.
+    """
+
+    ranks: list[int]
+    records: int
+    events: dict[EventKind, int]
+
+
+class Goodput(TypedDict):
+    """The goodput estimate of one file.
+
+    Attributes
+    ----------
+    timeline : str
+        As ``summary.timeline``.
+    timed_steps : int
+        As ``summary.timings.step_seconds``.
+    assumed_step_seconds : float
+        ``--step-seconds``: seconds per step assumed where the log has no step times.
+    note : str
+        One line: estimated from the log's step times, partly, or not estimated and why.
+    ledger : LedgerSnapshot | None
+        The goodput ledger's snapshot at the last step (seconds on the log's timeline, from 0); null when not
+        estimated.
+    """
+
+    timeline: Timeline
+    timed_steps: int
+    assumed_step_seconds: float
+    note: str
+    ledger: LedgerSnapshot | None
+
+
+class _FileEntry(TypedDict):
+    path: str
+    format: str | None
+    run: str
+    error: str | None
+    summary: FileSummary
+    anomalies: list[Anomaly]
+    recommendations: list[Recommendation]
+    goodput: Goodput
+
+
+class FileEntry(_FileEntry, total=False):
+    """One file of the report (one ``--one-run`` group), in the order given.
+
+    Attributes
+    ----------
+    path : str
+        As given on the command line (the first file of a ``--one-run`` group).
+    paths : list[str]
+        Only for a ``--one-run`` group: every file of the run, in the order given.
+    format : str | None
+        Importer format (``hf_trainer_state``, ``megatron``, ...); null when it could not be detected.
+    run : str
+        Run id used in the recommendations: the file name up to its first dot.
+    error : str | None
+        The one-line input error (file, place, field); null when the file was read to the end.
+    summary : FileSummary
+        What was read.
+    anomalies : list[Anomaly]
+        Each anomaly's final state, in onset order: ``Anomaly.to_dict()``, the form ``th:{run}:anomalies`` holds
+        without the service's additions.
+    recommendations : list[Recommendation]
+        The rollback advisor's latest recommendation per anomaly that still needs action at the end of the log, in
+        the anomalies' order: ``Recommendation.to_dict()``.
+    goodput : Goodput
+        The goodput estimate.
+    """
+
+    paths: list[str]
+
+
+class AnalyzeReport(TypedDict):
+    """The JSON report of ``trainhealth analyze --json`` (docs/analyze.md): a post-mortem of training logs.
+
+    Attributes
+    ----------
+    schema : str
+        The document's name, ``trainhealth.analyze``.
+    schema_version : int
+        Its version: changes when a field is removed, renamed or changes meaning (fields may be added within one).
+    trainhealth_version : str
+        The trainhealth that wrote it.
+    summary : ReportSummary
+        Over all the files.
+    files : list[FileEntry]
+        One per PATH (one per ``--one-run`` group), in the order given.
+    """
+
+    schema: Literal["trainhealth.analyze"]
+    schema_version: Literal[1]
+    trainhealth_version: str
+    summary: ReportSummary
+    files: list[FileEntry]
+
 
 #: A chart row: (restart generation, step, loss, grad norm, step seconds or None).
 Row = tuple[int, int, "float | None", "float | None", "float | None"]
@@ -314,7 +526,7 @@ class FileReport:
         """Critical anomalies."""
         return sum(a.severity == "critical" for a in self.anomalies)
 
-    def goodput(self) -> dict[str, Any]:
+    def goodput(self) -> Goodput:
         """The ``goodput`` object of the JSON report (``docs/analyze.md``)."""
         tl = self.timeline
         few = self.steps < MIN_GOODPUT_STEPS
@@ -343,14 +555,14 @@ class FileReport:
         return {"timeline": tl, "timed_steps": self.timed_steps, "assumed_step_seconds": self.step_seconds,
                 "note": note, "ledger": self.ledger}
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> FileEntry:
         """The file's entry in the JSON report (``docs/analyze.md``).
 
         ``paths`` (after ``path``) only for a ``--one-run`` group, ``ranks`` and ``records`` (after
         ``steps``) only for a per-rank log, ``events`` (after ``evaluations``) only for a log that reports
         events: a single-stream file of steps has the keys it always had.
         """
-        summary: dict[str, Any] = {"steps": self.steps}
+        summary: FileSummary = {"steps": self.steps}
         if self.ranks:
             summary.update(ranks=list(self.ranks), records=self.records)
         summary["evaluations"] = self.evals
@@ -364,7 +576,7 @@ class FileReport:
             "timeline": self.timeline, "warnings": list(self.warnings),
             "anomalies": len(self.anomalies), "critical": self.critical,
         })
-        d: dict[str, Any] = {"path": self.path}
+        d: FileEntry = {"path": self.path}
         if self.paths:
             d["paths"] = list(self.paths)
         d.update({
@@ -640,8 +852,8 @@ def exit_status(reports: Iterable[FileReport]) -> int:
     return 2 if any(r.error for r in reports) else 0
 
 
-def to_dict(reports: list[FileReport]) -> dict[str, Any]:
-    """The whole JSON document (``docs/analyze.md``)."""
+def to_dict(reports: list[FileReport]) -> AnalyzeReport:
+    """The whole JSON document (``docs/analyze.md``; JSON Schema: ``docs/schemas/analyze-report.json``)."""
     files = [r.to_dict() for r in reports]
     return {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "trainhealth_version": __version__,

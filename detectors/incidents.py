@@ -42,9 +42,9 @@ import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypedDict
 
-from trainhealth.anomaly import SEVERITIES, Anomaly
+from trainhealth.anomaly import SEVERITIES, Anomaly, Kind, Severity, Status
 from trainhealth.recommendations import Recommendation
 from trainhealth.text import fmt_int, fmt_pct
 
@@ -79,6 +79,24 @@ LABELS = {"loss_spike": "Loss spike", "grad_norm_spike": "Grad-norm spike", "div
 _BECAME = {"grad_norm_spike": "a grad-norm spike", "skipped_steps": "skipped steps", "loss_spike": "a loss spike",
            "grad_norm_explosion": "a grad-norm explosion", "divergence": "a divergence",
            "loss_collapse": "a loss collapse", "nan_inf": "NaN/Inf"}
+
+
+class DataPosition(TypedDict):
+    """Where the data stream was when an incident's onset step began.
+
+    Attributes
+    ----------
+    step : int
+        The last step before the onset whose data position the ranks logged.
+    consumed_samples : int | None
+        Global samples consumed after that step (``log_step(consumed_samples=)``).
+    batch_index : int | None
+        The data loader's batch index after that step (``log_step(batch_index=)``).
+    """
+
+    step: int
+    consumed_samples: int | None
+    batch_index: int | None
 
 
 @dataclass(frozen=True)
@@ -123,10 +141,10 @@ class Incident:
     """
 
     id: str
-    kind: str
+    kind: Kind
     title: str
-    severity: str
-    status: str
+    severity: Severity
+    status: Status
     onset_step: int
     onset_t: float | None
     end_step: int | None
@@ -137,7 +155,7 @@ class Incident:
     recommendation: str | None = None
     badput_s: float | None = None
     badput_s_per_hour: float | None = None
-    data_position: dict[str, int | None] | None = None
+    data_position: DataPosition | None = None
 
     @property
     def root(self) -> str:
@@ -197,7 +215,7 @@ rec:divergence:*:400:0
     """
 
     def __init__(self, step_time: Callable[[int], float | None] | None = None,
-                 position: Callable[[int], dict[str, int | None] | None] | None = None) -> None:
+                 position: Callable[[int], DataPosition | None] | None = None) -> None:
         self.step_time = step_time
         self.position = position
         #: Latest state of every member, by anomaly id.
@@ -206,7 +224,7 @@ rec:divergence:*:400:0
         self._members: dict[str, list[str]] = {}  # incident id -> member ids, in the order they joined
         self._recs: dict[str, str] = {}  # anomaly id -> its recommendation's id
         # incident id -> (onset step, its time, the data position when it began)
-        self._onset: dict[str, tuple[int, float | None, dict[str, int | None] | None]] = {}
+        self._onset: dict[str, tuple[int, float | None, DataPosition | None]] = {}
         self._first_t: dict[str, float | None] = {}  # incident id -> data time it was first seen
         self._causes: list[str] = []  # recent cause anomalies (rule 3)
         self._lone: list[str] = []  # recent effects in their own incident (rule 3)

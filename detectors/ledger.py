@@ -16,32 +16,12 @@ from typing import Any
 from trainhealth import defaults
 from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.detectors.progress import ProgressTimeout
+from trainhealth.goodput import CATEGORIES, NOT_BADPUT, STEP_CATEGORIES, WINDOWS_S, LedgerSnapshot, RecordsDropped
 from trainhealth.wire import DROP_CAUSES, Event
 
-#: Ledger categories; their seconds sum to the wall time exactly.
-CATEGORIES = (
-    "productive",                               # step time of surviving steps, minus the badput below
-    "program_startup",                          # process start (or run start) to its first step
-    "data_loading",                             # data-loading sections of surviving steps
-    "straggler_wait",                           # time all ranks waited for the slowest rank's sections
-    "skipped_steps",                            # steps whose update was skipped (fp16 overflow, NaN/Inf)
-    "checkpoint_save",                          # blocking checkpoint saves between steps
-    "checkpoint_restore",                       # checkpoint loads before resuming
-    "wasted_progress_from_disruption",          # steps since the newest checkpoint, lost to a failure
-    "wasted_progress_from_rollback",            # steps discarded by going back further (loss spike, divergence)
-    "infrastructure_recovery_from_disruption",  # last step before a failure to the new processes' start
-    "custom",                                   # user-declared badput (evaluation, profiling)
-    "hang",                                     # gaps longer than the hang threshold with nothing declared
-    "idle",                                     # shorter unattributed gaps
-    "unobserved",                               # steps the records do not cover: neither productive nor badput
-)
-#: Categories of time inside step attempts (``step_s``, the throughput's denominator).
-STEP_CATEGORIES = ("productive", "data_loading", "straggler_wait", "skipped_steps", "wasted_progress_from_disruption",
-                   "wasted_progress_from_rollback")
-#: Categories that are not badput: the productive time, and the time nobody saw (not known to be lost).
-NOT_BADPUT = ("productive", "unobserved")
-#: Windows (s) of the rolling throughput and goodput rates.
-WINDOWS_S = (60, 600, 3600)
+# The categories and windows (CATEGORIES, STEP_CATEGORIES, NOT_BADPUT, WINDOWS_S, imported above and used here under
+# these names) and the snapshot's type are the ground floor's, trainhealth/goodput.py: its readers share them.
+
 #: Steps after a launch's first step whose mean step time tells its warm-up excess.
 WARMUP_STEPS = 9
 #: Steps of lineage kept in memory (a rollback further back than this is not re-attributed).
@@ -603,7 +583,7 @@ class GoodputLedger:
         """Unix time of the newest step end or event seen."""
         return max(self._last_t, self._last_end or 0.0) or None
 
-    def snapshot(self, now: float) -> dict[str, Any]:
+    def snapshot(self, now: float) -> LedgerSnapshot:
         """Totals at unix time ``now`` (use :attr:`last_activity` for an ended run).
 
         Returns a JSON-ready dict: ``wall_s``; ``seconds``, ``gpu_hours`` and ``cost_usd`` per
@@ -650,7 +630,7 @@ class GoodputLedger:
         price = self.gpu_hour_usd
         cost = {k: v * price for k, v in gh.items()} if price is not None else None
         largest = self._gap_largest
-        return {
+        snap: LedgerSnapshot = {
             "t": end, "started_at": start, "wall_s": round(wall, 6), "world_size": self.world_size,
             "gpu_hour_usd": price,
             "last_step": self._lineage[-1][0] if self._lineage else None,
@@ -669,6 +649,7 @@ class GoodputLedger:
                                 "largest": list(largest) if largest is not None else None},
             **self._data_quality(),
         }
+        return snap
 
     def _data_quality(self) -> dict[str, Any]:
         """What the figures rest on: ``records_dropped`` (``total`` and by cause — ``buffer``, ``spill``,
@@ -680,9 +661,10 @@ class GoodputLedger:
         Records dropped count step records and events alike, so the share is a lower bound."""
         drops = {k: v for k, v in self._drops.items() if v}
         expected = max(self.world_size * self._steps_done, self._rank_steps + sum(drops.values()))
+        dropped: RecordsDropped = {"total": sum(drops.values()), **drops,
+                                   "by_rank": {str(r): n for r, n in sorted(self._drops_by_rank.items()) if n}}
         return {
-            "records_dropped": {"total": sum(drops.values()), **drops,
-                                "by_rank": {str(r): n for r, n in sorted(self._drops_by_rank.items()) if n}},
+            "records_dropped": dropped,
             "steps_partial": self._partial_steps,
             "history_lost": self.history_lost,
             "coverage_pct": round(100.0 * min(self._rank_steps, expected) / expected, 3) if expected else None,

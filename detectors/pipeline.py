@@ -28,7 +28,7 @@ from trainhealth.detectors.gpu_health import explain as explain_gpu
 from trainhealth.detectors.grad_norm_explosion import GradNormExplosionDetector
 from trainhealth.detectors.grad_norm_spike import GradNormSpikeDetector
 from trainhealth.detectors.hang import HangDetector, read_beats
-from trainhealth.detectors.incidents import INCIDENT_KINDS, JOB_KINDS, Incident, IncidentGrouper
+from trainhealth.detectors.incidents import INCIDENT_KINDS, JOB_KINDS, DataPosition, Incident, IncidentGrouper
 from trainhealth.detectors.job_state import JobStateTracker
 from trainhealth.detectors.ledger import GoodputLedger
 from trainhealth.detectors.loss_collapse import LossCollapseDetector
@@ -202,7 +202,7 @@ class RunPipeline:
         self.step_times = StepTimes()
         self.incidents = IncidentGrouper(self.step_times.get, self.position_before)
 
-    def position_before(self, step: int) -> dict[str, int | None] | None:
+    def position_before(self, step: int) -> DataPosition | None:
         """The data position when ``step`` began: the consumed samples and batch index after the last step before
         it that logged one (``{"step", "consumed_samples", "batch_index"}``), None when none did."""
         for s in reversed(self.positions):

@@ -9,14 +9,17 @@ setup (:class:`SentinelProcs`) from the same binary, on loopback ports.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -25,6 +28,82 @@ from redis.cluster import RedisCluster
 from trainhealth.embedded_redis import find_redis_server, free_port, ping
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The published JSON Schemas (``trainhealth schemas --write docs/schemas``; tests/test_schemas.py keeps them current).
+SCHEMAS = ROOT / "docs" / "schemas"
+
+
+@functools.cache
+def _validator(name: str) -> Any:
+    from jsonschema import Draft202012Validator
+
+    schema = json.loads((SCHEMAS / f"{name}.json").read_text())
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+def schema_errors(name: str, doc: Any) -> list[str]:
+    """Where ``doc`` breaks the published schema ``docs/schemas/<name>.json`` (``$.path: message``), none when valid."""
+    errors = sorted(_validator(name).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    return [f"{e.json_path}: {e.message}" for e in errors]
+
+
+def check_schema(name: str, doc: Any) -> Any:
+    """``doc`` when it is a valid ``name`` document (docs/schemas/<name>.json), else an AssertionError naming where
+    it breaks the schema. For a bytes or str ``doc``, its JSON is decoded first (NaN/Infinity accepted, as the
+    writers of Redis records and ``analyze --json`` allow them)."""
+    if isinstance(doc, (bytes, str)):
+        doc = json.loads(doc)
+    errors = schema_errors(name, doc)
+    assert not errors, f"not a valid {name} document ({len(errors)} errors):\n" + "\n".join(errors[:20])
+    return doc
+
+
+def check_run_records(client: redis.Redis, run: str) -> dict[str, int]:
+    """Validate every JSON record of ``run`` in Redis against its published schema: the step records of
+    ``th:{run}:steps``, the events, the heartbeats, the anomalies and their log, the incidents, the recommendations,
+    the job state and the ledger snapshots (docs/architecture.md). Returns how many of each were checked."""
+    from trainhealth.keys import run_keys
+
+    k = run_keys(run)
+    counts = dict.fromkeys(("step-records", "event", "heartbeat", "anomaly", "incident", "recommendation",
+                            "job-state", "ledger-snapshot"), 0)
+
+    def check(name: str, doc: Any) -> None:
+        check_schema(name, doc)
+        counts[name] += 1
+
+    for _, f in client.xrange(k.steps):
+        check("step-records", f[b"recs"])
+    for _, f in client.xrange(k.events):
+        check("event", {key.decode(): v.decode() for key, v in f.items()})
+    for name, key in (("heartbeat", k.heartbeats), ("anomaly", k.anomalies), ("incident", k.incidents),
+                      ("recommendation", k.recommendations)):
+        for raw in client.hvals(key):
+            check(name, raw)
+    for _, f in client.xrange(k.anomaly_log):
+        check("anomaly", f[b"json"])
+    state = client.get(k.state)
+    if state is not None:
+        check("job-state", state)
+    for raw in [client.get(k.ledger_latest)] + [f[b"json"] for _, f in client.xrange(k.ledger)]:
+        if raw is not None:
+            check("ledger-snapshot", raw)
+    return counts
+
+
+@pytest.fixture
+def valid_run() -> Callable[[redis.Redis, str], dict[str, int]]:
+    """``valid_run(client, run)``: every JSON record of the run in Redis checked against its schema
+    (:func:`check_run_records`); returns the counts checked."""
+    return check_run_records
+
+
+@pytest.fixture
+def valid() -> Callable[[str, Any], Any]:
+    """``valid(name, doc)``: ``doc`` (decoded when JSON text), asserted valid against docs/schemas/<name>.json.
+    Every test that reads a document trainhealth writes (analyze --json, webhook payloads, Redis records) checks
+    it with this."""
+    return check_schema
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -41,13 +41,18 @@ class Clock:
 
 
 class Receiver:
-    """A webhook receiver that verifies signatures and remembers idempotency keys, as docs/alerts.md says."""
+    """A webhook receiver that verifies signatures and remembers idempotency keys, as docs/alerts.md says. Every
+    payload it receives is validated against docs/schemas/webhook-payload.json after the test (``_payloads``)."""
+
+    #: The receivers of the running test.
+    made: ClassVar[list[Receiver]] = []
 
     def __init__(self, statuses: list[int] | None = None, headers: dict[str, str] | None = None) -> None:
         self.statuses = list(statuses or [])
         self.headers = headers or {}
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.seen: dict[str, dict[str, Any]] = {}
+        Receiver.made.append(self)
 
     def __call__(self, req: Request) -> Response:
         body = req.get_data()
@@ -60,13 +65,25 @@ class Receiver:
         return Response("ok" if status < 300 else "nope", status, self.headers if status == 429 else {})
 
 
+@pytest.fixture(autouse=True)
+def _payloads(valid) -> Iterator[None]:
+    """Every payload a receiver got is a document of the published schema."""
+    Receiver.made.clear()
+    yield
+    for receiver in Receiver.made:
+        for _, payload in receiver.requests:
+            valid("webhook-payload", payload)
+    Receiver.made.clear()
+
+
 def note(seq: int = 1, group: str = 'root:{run="r1",kind="straggler"}', sinks: tuple[str, ...] = ("bot",),
          resolved: bool = False) -> Notification:
+    """A straggler's alert, its anomaly as the detector service stores it."""
     a = Alert.from_transition("r1", "resolved" if resolved else "opened", {
-        "id": "straggler:5:250:0", "run": "r1", "kind": "straggler", "severity": "warning",
+        "id": "straggler:5:250:0", "kind": "straggler", "severity": "warning",
         "status": "resolved" if resolved else "active", "step": 250, "end_step": 300 if resolved else None,
-        "ranks": [5], "hosts": ["n0"], "evidence": {"score": 0.6}, "message": "rank 5 is slow", "first_seen": T,
-        "last_seen": T})
+        "ranks": [5], "hosts": ["n0"], "evidence": {"score": 0.6}, "message": "rank 5 is slow", "gen": 0,
+        "first_seen": T, "last_seen": T})
     return Notification(group_key=group, route="root", receivers=sinks, group_labels={"run": "r1"}, seq=seq,
                         at=T + 30 * seq, reason="resolved" if resolved else "new",
                         firing=() if resolved else (a,), resolved=(a,) if resolved else (), group_started=T)

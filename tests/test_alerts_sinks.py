@@ -28,12 +28,13 @@ SECRET = "whsec-test-123"
 
 
 def straggler_notification() -> Notification:
-    """First notification of a straggler group: rank 5 on node-0 since step 250 (a NaN in the evidence)."""
+    """First notification of a straggler group: rank 5 on node-0 since step 250 (a NaN in the evidence), its
+    anomaly as the detector service stores it."""
     a = Alert.from_transition("r1", "opened", {
-        "id": "straggler:5:250:0", "run": "r1", "kind": "straggler", "severity": "warning", "status": "active",
+        "id": "straggler:5:250:0", "kind": "straggler", "severity": "warning", "status": "active",
         "step": 250, "end_step": None, "ranks": [5], "hosts": ["node-0"],
         "evidence": {"score": 0.62, "loss": float("nan")}, "message": "rank 5 is a straggler since step 250",
-        "first_seen": 1_800_000_000.0, "last_seen": 1_800_000_000.0})
+        "gen": 0, "first_seen": 1_800_000_000.0, "last_seen": 1_800_000_000.0})
     return Notification(group_key='root:{run="r1",kind="straggler"}', route="root", receivers=("bot",),
                         group_labels={"run": "r1", "kind": "straggler"}, seq=1, at=1_800_000_030.0, reason="new",
                         firing=(a,), group_started=1_800_000_000.0)
@@ -125,7 +126,8 @@ def test_the_documented_receiver_snippet_verifies_and_deduplicates() -> None:
 
 
 def test_webhook_payload_headers_and_signature_verified_by_the_documented_algorithm(httpserver: HTTPServer,
-                                                                                    http: httpx.Client) -> None:
+                                                                                    http: httpx.Client,
+                                                                                    valid) -> None:
     httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
     sink = WebhookSink("bot", Secret(httpserver.url_for("/hook")), secret=Secret(SECRET),
                        dashboard_url="http://dash:8501")
@@ -150,7 +152,7 @@ def test_webhook_payload_headers_and_signature_verified_by_the_documented_algori
     assert req.headers["X-Trainhealth-Payload-Version"] == "1"
     assert req.headers["Content-Type"] == "application/json; charset=utf-8"
     assert req.headers["User-Agent"].startswith("trainhealth/")
-    payload = json.loads(body)
+    payload = valid("webhook-payload", body)
     a = n.firing[0]
     assert payload == {
         "version": "1", "idempotency_key": key, "receiver": "bot", "status": "firing", "reason": "new",

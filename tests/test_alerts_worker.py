@@ -202,7 +202,7 @@ def test_watchdog_raises_and_resolves_service_down(r: redis.Redis) -> None:
     assert (n.reason, [x.key for x in n.resolved]) == ("resolved", ["*/service_down:*:0:0"])
 
 
-def test_real_detector_service_to_signed_webhook(r: redis.Redis, httpserver: HTTPServer) -> None:
+def test_real_detector_service_to_signed_webhook(r: redis.Redis, httpserver: HTTPServer, valid) -> None:
     """Steps through real Monitors → DetectorService → anomaly_log → intake → outbox → HTTP."""
     write_run(r, "e2e", range(0, 120), spike_at=80, nan_at=100, slow_rank=1)
     svc = DetectorService(r, consumer="svc", clock=lambda: T_SERVICE + 200,
@@ -231,6 +231,7 @@ def test_real_detector_service_to_signed_webhook(r: redis.Redis, httpserver: HTT
         ('root:{run="e2e",kind="straggler"}', "firing", ["e2e/straggler:1:0:0"])]
     assert received[0]["alerts"][0]["dashboard_url"] == "http://dash:8501/anomalies?run=e2e&step=0&rank=1"
     assert received[0]["alerts"][0]["labels"]["host"] == "node-1"
+    valid("webhook-payload", received[0])  # the detector service's anomaly, as the receiver gets it
 
 
 # -- the worker process ---------------------------------------------------------------------------------------

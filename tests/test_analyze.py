@@ -94,9 +94,9 @@ def test_real_log_findings(real_logs: Path, name: str) -> None:
     assert [(a.kind, a.severity, a.step, a.end_step, a.status) for a in rep.anomalies] == expected
 
 
-def test_trocr_json_has_the_spike_at_682_as_the_live_detectors_write_it(real_logs: Path) -> None:
+def test_trocr_json_has_the_spike_at_682_as_the_live_detectors_write_it(real_logs: Path, valid) -> None:
     out = cli(real_logs / TROCR, "--json")
-    doc = json.loads(out.stdout)
+    doc = valid("analyze-report", out.stdout)
     (f,) = doc["files"]
     a, gn = f["anomalies"]
     assert (gn["kind"], gn["step"], gn["end_step"], gn["evidence"]["grad_norm"]) == (
@@ -118,12 +118,12 @@ def test_trocr_json_has_the_spike_at_682_as_the_live_detectors_write_it(real_log
     assert f["goodput"]["note"] == "not estimated: the log has no step times (the timeline is assumed at 1 s per step)"
 
 
-def test_nccl_watchdog_excerpt_is_one_critical_hang_naming_the_collective(real_logs: Path) -> None:
+def test_nccl_watchdog_excerpt_is_one_critical_hang_naming_the_collective(real_logs: Path, valid) -> None:
     """Ranks 0, 2, 4 time out ALLREDUCE SeqNum 1580 (rank 2's wait is cut from the excerpt); ranks 0 and 3 last
     completed 1579 and enqueued 1582: nobody is behind, so no straggler or culprit is named."""
     out = cli(real_logs / NCCL, "--json")
     assert out.returncode == 1, out.stderr
-    doc = json.loads(out.stdout)
+    doc = valid("analyze-report", out.stdout)
     (f,) = doc["files"]
     assert (f["format"], f["error"], doc["summary"]["exit_status"]) == ("nccl_watchdog", None, 1)
     assert f["anomalies"] == [{
@@ -160,10 +160,10 @@ def test_nccl_watchdog_excerpt_is_one_critical_hang_naming_the_collective(real_l
         "1 file(s) analysed: 1 anomaly, 1 critical → exit 1\n")
 
 
-def test_torchelastic_excerpt_is_one_restart(real_logs: Path) -> None:
+def test_torchelastic_excerpt_is_one_restart(real_logs: Path, valid) -> None:
     out = cli(real_logs / ELASTIC, "--json")
     assert out.returncode == 0, out.stderr
-    (f,) = json.loads(out.stdout)["files"]
+    (f,) = valid("analyze-report", out.stdout)["files"]
     assert (f["format"], f["error"], f["summary"]["events"]) == ("torchelastic", None, {"worker_restart": 1})
     assert f["anomalies"] == [{
         "kind": "restart", "severity": "warning", "step": 0,
@@ -177,12 +177,12 @@ def test_torchelastic_excerpt_is_one_restart(real_logs: Path) -> None:
     assert not [a for a in f["anomalies"] if a["severity"] in ("warning", "critical") and a["kind"] != "restart"]
 
 
-def test_events_alone_are_analysed_but_a_log_with_neither_steps_nor_events_is_an_error(tmp_path: Path) -> None:
+def test_events_alone_are_analysed_but_a_log_with_neither_steps_nor_events_is_an_error(tmp_path: Path, valid) -> None:
     log = tmp_path / "agent.log"
     log.write_text("[default] Worker group FAILED. 3/3 attempts left; will restart worker group\n")
     out = cli(log, "--json")  # the restart decided counts, though its rendezvous is not in the log
     assert out.returncode == 0, out.stderr
-    (a,) = json.loads(out.stdout)["files"][0]["anomalies"]
+    (a,) = valid("analyze-report", out.stdout)["files"][0]["anomalies"]
     assert (a["id"], a["evidence"]["restart_count"]) == ("restart:launcher-1:0:0", 1)
     state = tmp_path / "trainer_state.json"
     state.write_text('{"log_history": [{"step": 4, "eval_runtime": 2.5, "eval_loss": 1.0}]}')
@@ -221,10 +221,10 @@ def test_healthy_tinyllama_exits_0_with_no_anomalies(real_logs: Path) -> None:
     assert out.stdout.endswith("1 file(s) analysed: 0 anomalies, 0 critical → exit 0\n")
 
 
-def test_all_nan_word_lm_is_critical_and_exits_1(real_logs: Path) -> None:
+def test_all_nan_word_lm_is_critical_and_exits_1(real_logs: Path, valid) -> None:
     out = cli(real_logs / WORD_LM, "--json")
     assert out.returncode == 1, out.stderr
-    (f,) = json.loads(out.stdout)["files"]
+    (f,) = valid("analyze-report", out.stdout)["files"]
     (a,) = f["anomalies"]
     assert (a["kind"], a["severity"], a["step"], a["evidence"]["steps"]) == ("nan_inf", "critical", 200, 70)
     assert f["summary"]["non_finite"] == {"loss": 70, "grad_norm": 0}
@@ -243,7 +243,7 @@ def test_all_nan_word_lm_is_critical_and_exits_1(real_logs: Path) -> None:
         "from scratch"))
 
 
-def test_bad_file_exits_2_with_one_line_naming_file_entry_and_field(tmp_path: Path, real_logs: Path) -> None:
+def test_bad_file_exits_2_with_one_line_naming_file_entry_and_field(tmp_path: Path, real_logs: Path, valid) -> None:
     bad = tmp_path / "trainer_state.json"
     bad.write_text('{"log_history": [{"loss": "x", "step": 1}, {"loss": "y", "step": 2}]}')  # no good entry
     out = cli(bad)
@@ -257,7 +257,7 @@ def test_bad_file_exits_2_with_one_line_naming_file_entry_and_field(tmp_path: Pa
         f"trainhealth: error: {jsonl}: line 2 field 'loss' is not a number: 'x'",
         f"trainhealth: error: {tmp_path / 'missing.log'}: cannot read: No such file or directory",
     ]
-    doc = json.loads(out.stdout)  # the good file is still analysed and reported
+    doc = valid("analyze-report", out.stdout)  # the good file is still analysed and reported
     assert [f["error"] is None for f in doc["files"]] == [False, True, False]
     assert (doc["summary"]["failed"], doc["summary"]["exit_status"]) == (2, 2)
     # A critical finding in another file wins: the gate must not read it as a mere input error.
@@ -275,12 +275,12 @@ def test_bad_file_exits_2_with_one_line_naming_file_entry_and_field(tmp_path: Pa
     assert cli(real_logs / TINYLLAMA, "--format", "nope").returncode == 2
 
 
-def test_json_schema_fields_exactly(real_logs: Path, tmp_path: Path) -> None:
+def test_json_schema_fields_exactly(real_logs: Path, tmp_path: Path, valid) -> None:
     dest = tmp_path / "report.json"
     out = cli(real_logs / TROCR, real_logs / WORD_LM, "--json-file", dest)
     assert out.returncode == 1
     assert out.stdout.startswith(f"{real_logs / TROCR}\n")  # the text report still goes to stdout
-    doc = json.loads(dest.read_text())
+    doc = valid("analyze-report", dest.read_text())
     assert list(doc) == ["schema", "schema_version", "trainhealth_version", "summary", "files"]
     assert (doc["schema"], doc["schema_version"]) == (SCHEMA, SCHEMA_VERSION) == ("trainhealth.analyze", 1)
     assert doc["summary"] == {"files": 2, "failed": 0, "anomalies": 3, "critical": 1, "exit_status": 1}
@@ -343,7 +343,7 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(real_logs: Path) -> None:
     assert cli(log, "--json").stderr == ""  # stderr is a pipe here: no bar
 
 
-def test_an_error_late_in_a_file_keeps_what_was_found_before(tmp_path: Path) -> None:
+def test_an_error_late_in_a_file_keeps_what_was_found_before(tmp_path: Path, valid) -> None:
     rows = [{"step": s, "loss": 3.0 - s / 1000 + (0.01 if s % 2 else -0.01)} for s in range(1, 301)]
     rows[199]["loss"] = 9.0  # a one-step loss spike at step 200
     path = tmp_path / "run.jsonl"
@@ -351,7 +351,7 @@ def test_an_error_late_in_a_file_keeps_what_was_found_before(tmp_path: Path) -> 
     out = cli(path, "--json")
     assert out.returncode == 2
     assert out.stderr == f"trainhealth: error: {path}: line 301 field 'loss' is not a number: 'oops'\n"
-    (f,) = json.loads(out.stdout)["files"]
+    (f,) = valid("analyze-report", out.stdout)["files"]
     assert f["error"] == f"{path}: line 301 field 'loss' is not a number: 'oops'"
     assert f["summary"]["steps"] == 300
     assert [(a["kind"], a["step"]) for a in f["anomalies"]] == [("loss_spike", 200)]
@@ -379,13 +379,13 @@ def test_chart_series_is_bounded_and_keeps_spikes_gaps_and_pinned_steps() -> Non
         ChartSeries(buckets=1)
 
 
-def test_excerpt_with_gaps_books_the_unlogged_steps_as_unobserved(real_logs: Path) -> None:
+def test_excerpt_with_gaps_books_the_unlogged_steps_as_unobserved(real_logs: Path, valid) -> None:
     """BLOOM's excerpt: blocks pasted from a 115k-step run (12,695 -> 31,214 -> ... -> 45,000). The time of the steps
     between the blocks is unobserved, not a 39.7-day hang; each logged step is its own elapsed time per iteration,
     and its tokens are one step's (the cumulative counter's jump over a stretch is left out of the rates)."""
     path = real_logs / "megatron_deepspeed_bloom176b_excerpt.log"
     out = cli(path, "--json")
-    (f,) = json.loads(out.stdout)["files"]
+    (f,) = valid("analyze-report", out.stdout)["files"]
     assert f["goodput"]["note"] == (
         "estimated from the step times in the log; the log skips 4 stretches of steps (32,288 steps not logged, the "
         "largest 12,695 -> 31,214): their time is unobserved, neither productive nor a hang, and the tokens the log "
@@ -419,14 +419,14 @@ def test_excerpt_with_gaps_books_the_unlogged_steps_as_unobserved(real_logs: Pat
     assert not re.search(r"\bhang\b", text.split("  goodput ")[1].split("  rollback")[0].replace("nor a hang", ""))
 
 
-def test_a_bad_trainer_state_entry_is_skipped_and_the_rest_analysed(tmp_path: Path) -> None:
+def test_a_bad_trainer_state_entry_is_skipped_and_the_rest_analysed(tmp_path: Path, valid) -> None:
     state = tmp_path / "trainer_state.json"
     hist = [{"step": s, "loss": 2.0 - s / 100} for s in range(1, 31)]
     hist[1]["loss"] = "abc"
     state.write_text(json.dumps({"log_history": hist}))
     out = cli(state, "--json")
     assert out.returncode == 0, out.stderr
-    (f,) = json.loads(out.stdout)["files"]
+    (f,) = valid("analyze-report", out.stdout)["files"]
     assert (f["error"], f["summary"]["steps"], f["summary"]["first_step"], f["summary"]["last_step"]) == (
         None, 29, 1, 30)
     assert f["summary"]["warnings"] == [f"{state}: skipped 1 malformed log_history entry(s); the first: "

@@ -31,7 +31,7 @@ def topology(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
 
 
 def test_demo_job_through_serve_flags_spike_straggler_and_restart(topology: tuple[str, Any], tmp_path: Path,
-                                                                   wait_for) -> None:
+                                                                   wait_for, valid_run) -> None:
     redis_url, r = topology
     serve = subprocess.Popen([sys.executable, "-m", "trainhealth", "serve", "--redis-url", redis_url,
                               "--consumer", "e2e"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -76,6 +76,10 @@ def test_demo_job_through_serve_flags_spike_straggler_and_restart(topology: tupl
         assert abs(sum(sec.values()) - snap["wall_s"]) < 1e-4
         assert snap["goodput_tok_s"] < snap["throughput_tok_s"]
         assert r.hget("th:{e2e}:meta", "status") == b"finished"
+        # Every record the job's ranks and the service wrote is a document of its published schema.
+        counts = valid_run(r, "e2e")
+        assert counts["heartbeat"] == 4 and counts["anomaly"] >= 5 and counts["incident"] >= 3
+        assert counts["step-records"] > 0 and counts["event"] > 0 and counts["ledger-snapshot"] > 0
     finally:
         serve.send_signal(signal.SIGTERM)
         out, _ = serve.communicate(timeout=20)

@@ -72,7 +72,7 @@ LOSS_INCIDENT = {
 
 
 def test_a_loss_spike_its_grad_norm_spike_and_the_divergence_are_one_incident_with_one_recommendation(
-        r: redis.Redis) -> None:
+        r: redis.Redis, valid_run) -> None:
     mon = diverging_run(r, "div")
     svc = DetectorService(r, consumer="t", clock=Clock(T0 + 1000), hang_factory=lambda: HangDetector(floor_s=1e9))
     drain(svc)
@@ -87,10 +87,12 @@ def test_a_loss_spike_its_grad_norm_spike_and_the_divergence_are_one_incident_wi
     assert (spike["action"], spike["status"], spike["current_step"]) == ("rollback", "superseded", 490)
     assert spike["history"] == [{"t": T0 + 1000, "status": "superseded", "by": "trainhealth", "note": SUPERSEDED}]
     mon._sender.stop(1)
+    counts = valid_run(r, "div")  # every record as its published schema says
+    assert (counts["incident"], counts["recommendation"], counts["anomaly"]) == (1, 2, 3 + 5)
 
 
 def test_a_straggler_and_the_throughput_drop_it_causes_are_one_incident_naming_rank_and_host(
-        r: redis.Redis) -> None:
+        r: redis.Redis, valid_run) -> None:
     world = 16
     mons = [Monitor("slow", client=r, rank=k, world_size=world, host="node-a" if k < 8 else "node-b", started_at=T0,
                     flush_interval=0.01, gpu_hour_usd=2.0) for k in range(world)]
@@ -123,6 +125,7 @@ def test_a_straggler_and_the_throughput_drop_it_causes_are_one_incident_naming_r
         "first_seen": T0 + 1000, "last_seen": T0 + 1000}}
     assert [(d["id"], d["action"], d["status"]) for d in recommendations.load(r, "slow")] == [
         ("rec:straggler:13:200:0", "replace_node", "proposed")]
+    assert valid_run(r, "slow")["incident"] == 1
 
 
 def test_a_throughput_drop_seen_before_the_straggler_causing_it_moves_into_its_incident(r: redis.Redis) -> None:
@@ -189,11 +192,14 @@ def hang_run(r: redis.Redis, run: str) -> list[Monitor]:
 
 
 def heartbeat(r: redis.Redis, run: str, rank: int, t: float, step: int, step_t: float) -> None:
+    """A collector's heartbeat (its memory and GPU not sampled)."""
     r.hset(f"th:{{{run}}}:hb", str(rank), json.dumps({"t": t, "step": step, "step_t": step_t, "phase": "train",
-                                                      "host": f"node-{rank}", "pid": 100 + rank, "inc": T0}))
+                                                      "host": f"node-{rank}", "pid": 100 + rank, "inc": T0,
+                                                      "mem": None, "gpu": None}))
 
 
-def test_a_stop_of_the_job_is_one_incident_and_its_advice_closes_when_the_job_recovers(r: redis.Redis) -> None:
+def test_a_stop_of_the_job_is_one_incident_and_its_advice_closes_when_the_job_recovers(r: redis.Redis,
+                                                                                        valid_run) -> None:
     mons = hang_run(r, "hg")
     clock = Clock(T0 + 200)
     heartbeat(r, "hg", 0, clock.t - 2, 29, T0 + 39)  # rank 0 alive, waiting
@@ -208,6 +214,7 @@ def test_a_stop_of_the_job_is_one_incident_and_its_advice_closes_when_the_job_re
         "recommendation": "rec:hang:*:29:0", "badput_s": 161.0, "badput_s_per_hour": 3600.0,
         "data_position": None, "first_seen": T0 + 200, "last_seen": T0 + 200}
     assert incidents(r, "hg") == {"inc:hang:*:29:0": hung}
+    assert valid_run(r, "hg")["job-state"] == 1
     assert [(d["id"], d["action"], d["status"]) for d in recommendations.load(r, "hg")] == [
         ("rec:hang:*:29:0", "dump_stacks", "proposed")]
     # Both ranks go on: the hang resolves at step 30, rank 1 is heard from again; the advice is closed, saying why.
@@ -227,9 +234,10 @@ def test_a_stop_of_the_job_is_one_incident_and_its_advice_closes_when_the_job_re
     [rec] = recommendations.load(r, "hg")
     assert (rec["id"], rec["status"], rec["history"]) == ("rec:hang:*:29:0", "dismissed", [
         {"t": T0 + 230, "status": "dismissed", "by": "trainhealth", "note": "the job recovered (step 30)"}])
+    assert valid_run(r, "hg")["incident"] == 1
 
 
-def test_when_the_run_ends_open_advice_is_dismissed_saying_so(r: redis.Redis) -> None:
+def test_when_the_run_ends_open_advice_is_dismissed_saying_so(r: redis.Redis, valid_run) -> None:
     mon = diverging_run(r, "end")
     clock = Clock(T0 + 1000)
     svc = DetectorService(r, consumer="t", clock=clock, hang_factory=lambda: HangDetector(floor_s=1e9))
@@ -246,9 +254,10 @@ def test_when_the_run_ends_open_advice_is_dismissed_saying_so(r: redis.Redis) ->
     assert (spike["status"], [h["status"] for h in spike["history"]]) == ("superseded", ["superseded"])
     # The divergence describes the model: it and its incident stay open; only the advice to act on the run is closed.
     assert incidents(r, "end") == {"inc:loss_spike:*:400:0": LOSS_INCIDENT}
+    assert valid_run(r, "end")["recommendation"] == 2
 
 
-def test_a_restarted_service_writes_no_duplicate_incident_and_keeps_the_statuses(r: redis.Redis) -> None:
+def test_a_restarted_service_writes_no_duplicate_incident_and_keeps_the_statuses(r: redis.Redis, valid_run) -> None:
     mon = diverging_run(r, "rs")
     svc = DetectorService(r, consumer="a", clock=Clock(T0 + 1000), hang_factory=lambda: HangDetector(floor_s=1e9))
     drain(svc)
@@ -268,6 +277,7 @@ def test_a_restarted_service_writes_no_duplicate_incident_and_keeps_the_statuses
     assert {k: d["status"] for k, d in recs(r, "rs").items()} == {
         "rec:divergence:*:400:0": "acknowledged", "rec:loss_spike:*:400:0": "superseded"}
     mon._sender.stop(1)
+    assert valid_run(r, "rs")["recommendation"] == 2  # a person's move (trainhealth advise) too
 
 
 # -- the grouper alone ----------------------------------------------------------------------------------------

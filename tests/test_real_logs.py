@@ -9,6 +9,7 @@ name (``bench/detection_eval.py``'s ACCEPT). Healthy files: nothing warning-or-l
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import detection_eval as de  # noqa: E402
 import eval_corpus as ec  # noqa: E402
 
 from trainhealth.anomaly import SEVERITIES  # noqa: E402
-from trainhealth.commands.analyze_report import analyze_file  # noqa: E402
+from trainhealth.commands.analyze_report import analyze_file, to_json  # noqa: E402
 
 LOUD = ("warning", "critical")
 ENTRIES = [e for e in ec.load_labels() if e["status"] != "excluded"]
@@ -39,9 +40,11 @@ def _matches(a, lab: ec.Label) -> bool:
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e["path"] for e in ENTRIES])
-def test_real_log_findings_are_its_labels(real_logs: Path, entry: dict) -> None:
+def test_real_log_findings_are_its_labels(real_logs: Path, entry: dict, valid) -> None:
     rep = analyze_file(real_logs / entry["path"])
     assert rep.error is None
+    # What `trainhealth analyze --json` prints for it is a document of its published schema.
+    valid("analyze-report", json.loads(to_json([rep])))
     labels = ec.labels_of(entry)
     targets = [lab for lab in labels if not lab.ignore]
     found = [(a.kind, a.step, a.severity) for a in rep.anomalies]
@@ -62,3 +65,18 @@ def test_real_log_findings_are_its_labels(real_logs: Path, entry: dict) -> None:
                                              SEVERITIES.index(a.severity) <= SEVERITIES.index(lab.max_severity))
                       for lab in labels if lab.ignore and lab.kind == a.kind)
         assert explained or excused, f"{a.severity} {a.kind} at step {a.step} is not in the labels: {a.message}"
+
+
+def test_every_real_logs_json_report_is_a_document_of_its_schema(real_logs: Path, valid) -> None:
+    """`trainhealth analyze --json` of every real log (the labelled ones above, the excluded ones, the per-rank traces
+    as one run) validates against docs/schemas/analyze-report.json."""
+    from trainhealth.commands.analyze_report import analyze_paths
+
+    logs = sorted(p for p in real_logs.iterdir() if p.name != "MANIFEST.md")
+    traces = [p for p in logs if p.name.startswith("kineto_trace_")]
+    assert len(logs) >= 24 and len(traces) == 2
+    for path in logs:
+        doc = valid("analyze-report", json.loads(to_json(analyze_paths([path]))))
+        assert doc["files"][0]["error"] is None, path.name
+    doc = valid("analyze-report", json.loads(to_json(analyze_paths(traces, one_run=True))))
+    assert doc["files"][0]["paths"] == [str(p) for p in traces] and doc["files"][0]["summary"]["ranks"] == [0, 1]

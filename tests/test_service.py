@@ -46,7 +46,7 @@ def log_entries(r: redis.Redis, run: str) -> list[tuple[str, str]]:
     return [(f[b"transition"].decode(), f[b"id"].decode()) for _, f in r.xrange(f"th:{{{run}}}:anomaly_log")]
 
 
-def test_service_writes_aggregates_anomalies_ledger_and_heartbeat(r: redis.Redis) -> None:
+def test_service_writes_aggregates_anomalies_ledger_and_heartbeat(r: redis.Redis, valid_run) -> None:
     write_run(r, "svc", range(0, 120), spike_at=80, nan_at=100, slow_rank=1)
     svc = DetectorService(r, consumer="test", clock=lambda: T0 + 200, snapshot_interval=0.0,
                           hang_factory=lambda: HangDetector(floor_s=1e9))
@@ -79,6 +79,10 @@ def test_service_writes_aggregates_anomalies_ledger_and_heartbeat(r: redis.Redis
     beat = json.loads(r.get("th:service:test"))
     assert (beat["runs"], beat["processed"], beat["progress_t"] is not None) == (1, 4, True)  # 4 stream entries
     assert r.xpending("th:{svc}:steps", "th-detectors")["pending"] == 0
+    # Every record the collectors and the service wrote is a document of its published schema.
+    counts = valid_run(r, "svc")
+    assert counts["anomaly"] == 3 + 5 and counts["incident"] >= 3 and counts["recommendation"] >= 1
+    assert counts["step-records"] >= 2 and counts["event"] == 2 and counts["ledger-snapshot"] >= 2
 
 
 def test_restarted_service_resumes_without_duplicate_alerts(r: redis.Redis) -> None:
@@ -118,17 +122,19 @@ def test_crash_between_read_and_ack_is_processed_once(r: redis.Redis) -> None:
     assert len(log_entries(r, "cr")) == 2 and r.xlen("th:{cr}:agg") == 100
 
 
-def test_hang_from_heartbeats_and_finished_run_is_left_alone(r: redis.Redis) -> None:
+def test_hang_from_heartbeats_and_finished_run_is_left_alone(r: redis.Redis, valid_run) -> None:
     write_run(r, "hg", range(0, 30), world=1)
     now = T0 + 1000.0
     r.hset("th:{hg}:hb", "0", json.dumps({"t": now - 2, "step": 29, "step_t": T0 + 39, "phase": "train",
-                                          "host": "node-0", "pid": 1, "inc": T0}))
+                                          "host": "node-0", "pid": 1, "inc": T0, "mem": None, "gpu": None}))
     svc = DetectorService(r, consumer="h", clock=lambda: now, hang_factory=lambda: HangDetector(floor_s=60))
     drain(svc)
     svc._tick(now)
     a = json.loads(r.hget("th:{hg}:anomalies", "hang:*:29:0"))
     assert (a["kind"], a["severity"], a["ranks"], a["hosts"], a["evidence"]["stalled_s"]) == (
         "hang", "critical", [0], ["node-0"], 961.0)
+    counts = valid_run(r, "hg")
+    assert (counts["job-state"], counts["heartbeat"]) == (1, 1)
 
 
 def test_two_services_split_runs_by_lease_and_hand_over_without_duplicates(r: redis.Redis) -> None:
@@ -443,7 +449,7 @@ def test_event_decode_errors_name_the_field_and_value() -> None:
     assert math.isfinite(decode_event(base).t)
 
 
-def test_collective_timeout_events_on_the_stream_give_the_hang_live(r: redis.Redis) -> None:
+def test_collective_timeout_events_on_the_stream_give_the_hang_live(r: redis.Redis, valid_run) -> None:
     """What a log reader or launcher wrapper beside the job sends: the watchdog's report per rank, as events
     (on the job's own clock: after its last steps)."""
     now = time.time()
@@ -469,6 +475,7 @@ def test_collective_timeout_events_on_the_stream_give_the_hang_live(r: redis.Red
                                "no rank is behind (no straggler or culprit in the log: every reporting rank waits on "
                                "the same collective with the same progress)")
     assert ("opened", "hang:collective:19:0") in log_entries(r, "nccl")
+    assert valid_run(r, "nccl")["event"] == 2 + 2  # run_start and collective_timeout of each rank
 
 
 def test_the_heartbeat_is_written_before_the_first_batch_and_during_a_long_one(r: redis.Redis,

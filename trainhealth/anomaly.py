@@ -8,21 +8,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, TypedDict, get_args
 
-#: Stable snake_case kinds.
-KINDS = (
+#: The detectors' stable snake_case kinds.
+DetectorKind = Literal[
     "nan_inf", "skipped_steps", "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion",
     "straggler", "slow_node", "rank_outlier", "hang", "dead_rank", "throughput_drop", "slow_step",
     "restart", "restart_storm", "loss_collapse", "plateau", "memory_growth",
-)
+]
 #: Kinds the detection pipeline itself records, not a detector: ``data_loss`` (records lost before the service read
 #: them, detectors/pipeline.py). Routable and silenceable like the detectors' kinds.
-RECORD_KINDS = ("data_loss",)
+RecordKind = Literal["data_loss"]
 #: Every kind an anomaly can have.
+Kind = Literal[DetectorKind, RecordKind]
+Severity = Literal["info", "warning", "critical"]
+Status = Literal["active", "resolved"]
+KINDS: tuple[str, ...] = get_args(DetectorKind)
+RECORD_KINDS: tuple[str, ...] = get_args(RecordKind)
 ALL_KINDS = KINDS + RECORD_KINDS
-SEVERITIES = ("info", "warning", "critical")
-ACTIVE, RESOLVED = "active", "resolved"
+SEVERITIES: tuple[str, ...] = get_args(Severity)
+ACTIVE, RESOLVED = get_args(Status)
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ class Anomaly:
     Attributes
     ----------
     kind : str
-        One of :data:`KINDS`.
+        One of :data:`ALL_KINDS` (docs/anomalies.md).
     severity : str
         ``info``, ``warning`` or ``critical``.
     step : int
@@ -56,15 +61,15 @@ class Anomaly:
         Overrides the ranks part of :attr:`id` (e.g. ``*`` for a job-wide hang whose rank set grows).
     """
 
-    kind: str
-    severity: str
+    kind: Kind
+    severity: Severity
     step: int
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
     ranks: tuple[int, ...] = ()
     hosts: tuple[str, ...] = ()
     end_step: int | None = None
-    status: str = ACTIVE
+    status: Status = ACTIVE
     gen: int = 0
     scope: str = ""
 
@@ -88,6 +93,62 @@ class Anomaly:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, allow_nan=True)
+
+
+class RecommendationRef(TypedDict):
+    """The stable part of an anomaly's recommendation (:class:`trainhealth.recommendations.Recommendation`), carried
+    in the anomaly's stored JSON and so in its alerts; its fields mean what the recommendation's do.
+
+    Attributes
+    ----------
+    id : str
+        ``rec:<anomaly id>``: the field of ``th:{run}:recommendations`` holding the whole recommendation.
+    action : str
+        What to do (``rollback``, ``wait``, ``restart``, ...).
+    checkpoint_step : int | None
+        Checkpoint to restart from.
+    skip_steps : list[int] | None
+        Inclusive ``[first, last]`` range of steps whose batches to skip after restarting.
+    """
+
+    id: str
+    action: str
+    checkpoint_step: int | None
+    skip_steps: list[int] | None
+
+
+class Seen(TypedDict):
+    """When the detector service first and last wrote a record (its own clock): added to an anomaly and an incident
+    as it stores them (``th:{run}:anomalies``, ``th:{run}:incidents``).
+
+    Attributes
+    ----------
+    first_seen : float
+        Unix s the service first wrote it.
+    last_seen : float
+        Unix s the service last wrote it (the record changed then).
+    """
+
+    first_seen: float
+    last_seen: float
+
+
+class StoredFields(Seen, total=False):
+    """What the detector service adds to :meth:`Anomaly.to_dict` as it stores an anomaly in ``th:{run}:anomalies``
+    (and in the ``json`` of its ``th:{run}:anomaly_log`` transitions).
+
+    Attributes
+    ----------
+    first_seen : float
+        Unix s the service first wrote the anomaly.
+    last_seen : float
+        Unix s the service last wrote it (the anomaly changed then).
+    recommendation : RecommendationRef
+        The stable part of the anomaly's recommendation, when it has one (the whole record is the field
+        ``rec:<anomaly id>`` of ``th:{run}:recommendations``); absent otherwise.
+    """
+
+    recommendation: RecommendationRef
 
 
 def run_ended(a: Anomaly, step: int) -> Anomaly:

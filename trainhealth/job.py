@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 #: Job states, in the order a run usually meets them.
-STATES = ("running", "hung", "crashed", "restarted", "finished")
+State = Literal["running", "hung", "crashed", "restarted", "finished"]
+STATES: tuple[str, ...] = get_args(State)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class JobState:
         Restart generation.
     """
 
-    state: str
+    state: State
     since: float
     step: int | None = None
     culprit: Culprit | None = None

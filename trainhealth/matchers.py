@@ -23,12 +23,13 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypedDict, get_args
 
 from trainhealth.anomaly import ALL_KINDS, SEVERITIES
 
 #: Labels every alert has.
-LABELS = ("run", "kind", "severity", "rank", "host")
+Label = Literal["run", "kind", "severity", "rank", "host"]
+LABELS: tuple[str, ...] = get_args(Label)
 #: Labels whose value is a comma-joined list; matchers test each member.
 LIST_LABELS = ("rank", "host")
 #: Kinds raised by the alert worker itself (not by a detector), see :mod:`trainhealth.alerts.watchdog`.
@@ -41,7 +42,32 @@ class MatcherError(ValueError):
     """A matcher string does not parse or names an unknown label, kind or severity."""
 
 
-def labels_of(run: str, anomaly: Mapping[str, Any]) -> dict[str, str]:
+class AlertLabels(TypedDict):
+    """The labels of an alert (docs/alerts.md, "Alerts and labels"): what routes, groups, silences and inhibition
+    rules match.
+
+    Attributes
+    ----------
+    run : str
+        Run id (``*`` for the alert worker's own ``service_down``).
+    kind : str
+        The anomaly's kind (docs/anomalies.md), or ``service_down``.
+    severity : str
+        ``info``, ``warning`` or ``critical``.
+    rank : str
+        The anomaly's ranks, comma-joined (``"3,5"``); empty when the whole job is concerned.
+    host : str
+        Its hosts, comma-joined.
+    """
+
+    run: str
+    kind: str
+    severity: str
+    rank: str
+    host: str
+
+
+def labels_of(run: str, anomaly: Mapping[str, Any]) -> AlertLabels:
     """The labels of one anomaly (the JSON stored in ``th:{run}:anomalies``).
 
     >>> labels_of("r1", {"kind": "straggler", "severity": "warning", "ranks": [5], "hosts": ["n1"]})

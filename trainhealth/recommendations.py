@@ -15,15 +15,20 @@ import json
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, TypedDict, get_args
 
 import redis
 
+from trainhealth.anomaly import Kind
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import run_keys
 
 #: Lifecycle of a recommendation, in order; ``superseded``: replaced by a later stage's of its incident.
-STATUSES = ("proposed", "acknowledged", "applied", "dismissed", "superseded")
+Status = Literal["proposed", "acknowledged", "applied", "dismissed", "superseded"]
+STATUSES: tuple[str, ...] = get_args(Status)
+#: What a recommendation says to do: the rollback advisor's (loss anomalies), then the recovery advisor's.
+Action = Literal["wait", "rollback", "none_possible", "dump_stacks", "check_process", "restart", "replace_node", "keep"]
+ACTIONS: tuple[str, ...] = get_args(Action)
 #: The statuses of advice still waiting for a decision.
 OPEN_STATUSES = ("proposed", "acknowledged")
 
@@ -36,6 +41,16 @@ class Recommendation:
     ----------
     id : str
         ``rec:<anomaly id>``: one recommendation per anomaly, updated as the anomaly evolves.
+    run : str
+        The run's id.
+    anomaly_id : str
+        The anomaly it is about (a field of ``th:{run}:anomalies``).
+    kind : str
+        That anomaly's kind.
+    onset_step : int
+        That anomaly's onset step.
+    current_step : int
+        The newest step when the advice was computed.
     action : str
         From the rollback advisor (loss anomalies): ``rollback`` (restart from ``checkpoint_step``
         skipping the data range), ``wait`` (a spike that may recover: re-check at ``recheck_step``)
@@ -53,6 +68,8 @@ class Recommendation:
     skip_samples, skip_batches : tuple[int, int] | None
         The same range as half-open ``[first, end)`` consumed-sample and batch-index ranges,
         when the collectors recorded data positions.
+    recheck_step : int | None
+        For ``wait``: the step at which to look again (None otherwise).
     recompute_steps : int | None
         Steps that a rollback or restart discards and trains again (None: unknown, no checkpoint
         was reported).
@@ -82,8 +99,8 @@ class Recommendation:
     id: str
     run: str
     anomaly_id: str
-    kind: str
-    action: str
+    kind: Kind
+    action: Action
     onset_step: int
     current_step: int
     checkpoint_step: int | None = None
@@ -143,6 +160,53 @@ class Recommendation:
                 "skip_samples": list(self.skip_samples) if self.skip_samples else None}
 
 
+class HistoryEntry(TypedDict):
+    """One move of a recommendation's lifecycle, in its ``history``.
+
+    Attributes
+    ----------
+    t : float
+        Unix s of the move.
+    status : str
+        The status it moved to.
+    by : str
+        Who moved it (``trainhealth`` for the detector service; a person's name from ``trainhealth advise`` or the
+        dashboard, or empty).
+    note : str
+        Why, in words (empty when not given).
+    """
+
+    t: float
+    status: Status
+    by: str
+    note: str
+
+
+class _Lifecycle(TypedDict):
+    status: Status
+    created_at: float
+    updated_at: float
+
+
+class Lifecycle(_Lifecycle, total=False):
+    """What the detector service and people add to :meth:`Recommendation.to_dict` in ``th:{run}:recommendations``:
+    the lifecycle.
+
+    Attributes
+    ----------
+    status : str
+        ``proposed``, ``acknowledged``, ``applied``, ``dismissed`` or ``superseded`` (:data:`STATUSES`).
+    created_at : float
+        Unix s the service first wrote this advice (a change of advice starts again).
+    updated_at : float
+        Unix s of the last write (new figures or a move).
+    history : list[HistoryEntry]
+        Every move of the status, oldest first; absent until the first.
+    """
+
+    history: list[HistoryEntry]
+
+
 def load(client: redis.Redis, run: str) -> list[dict[str, Any]]:
     """All recommendations of ``run``, newest update first (JSON dicts as stored)."""
     raw = client.hgetall(run_keys(run).recommendations)
@@ -172,7 +236,8 @@ def set_status(client: redis.Redis, run: str, rec_id: str, status: str, *, by: s
                     raise ConfigError(f"recommendation id={rec_id!r} does not exist in run {run!r}")
                 d = json.loads(raw)
                 d["status"] = status
-                d.setdefault("history", []).append({"t": time.time(), "status": status, "by": by, "note": note})
+                entry: HistoryEntry = {"t": time.time(), "status": status, "by": by, "note": note}
+                d.setdefault("history", []).append(entry)
                 pipe.multi()
                 pipe.hset(key, rec_id, json.dumps(d, sort_keys=True))
                 pipe.execute()

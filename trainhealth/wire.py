@@ -13,12 +13,12 @@ import operator
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, replace
 from itertools import repeat
-from typing import Any
+from typing import Any, Literal, TypedDict, get_args
 
 from trainhealth.text import show
 
 #: Event kinds written by collectors into ``th:{run}:events``.
-EVENT_KINDS = (
+EventKind = Literal[
     "run_start",        # a rank's Monitor started: host, pid, inc, world_size, config
     "run_end",          # a rank's Monitor closed cleanly
     "checkpoint_save",  # step, seconds the save blocked training
@@ -29,7 +29,8 @@ EVENT_KINDS = (
     "collective_timeout",  # a rank's watchdog timed out a collective: op, seq, seconds waited (read from logs)
     "worker_restart",   # the launcher (torchelastic) restarted the worker group: restart_count (read from logs)
     "rank_exit",        # a rank's interpreter exited without close(): reason, error, exit_code, step, phase
-)
+]
+EVENT_KINDS: tuple[str, ...] = get_args(EventKind)
 
 #: Where records are lost, as a ``collector_drops`` event names them: the collector's in-memory buffer was full (the
 #: sender could not keep up with the training loop, or Redis was away and no spill took the rest), its on-disk
@@ -77,8 +78,10 @@ class StepRecord:
 
     Attributes
     ----------
-    rank, step : int
-        Global rank and training step (optimizer step) number.
+    rank : int
+        Global rank.
+    step : int
+        Training step (optimizer step) number.
     inc : float
         Incarnation: the unix time (s) the rank's Monitor started; a new value for a rank
         means that rank's process restarted.
@@ -86,12 +89,20 @@ class StepRecord:
         Unix time (s) the step ended on this rank.
     dur : float | None
         Step wall time on this rank (s), when the step was timed.
-    loss, grad_norm, lr : float | None
-        As logged; NaN/Inf kept as is.
-    tokens, samples : int | None
-        Tokens and samples this rank processed in the step.
-    consumed_samples, batch_index : int | None
-        Data position after the step (global samples consumed; data-loader batch index).
+    loss : float | None
+        The loss as logged; NaN/Inf kept as is.
+    grad_norm : float | None
+        The global gradient norm as logged (before clipping); NaN/Inf kept as is.
+    lr : float | None
+        The learning rate as logged.
+    tokens : int | None
+        Tokens this rank processed in the step.
+    samples : int | None
+        Samples this rank processed in the step.
+    consumed_samples : int | None
+        Data position after the step: global samples consumed (as Megatron counts them).
+    batch_index : int | None
+        Data position after the step: the data loader's batch index.
     skipped : int | None
         1 when the optimizer skipped this step (fp16 loss-scale overflow).
     loss_missing : int | None
@@ -464,9 +475,26 @@ class Event:
     ``kind`` is one of :data:`EVENT_KINDS`; ``t`` unix seconds; ``step`` and ``seconds``
     where the kind has them; everything else in ``extra``, as strings (numbers too: a ``rank_exit``'s
     ``exit_code`` 3 is ``extra["exit_code"] == "3"``).
+
+    Attributes
+    ----------
+    kind : str
+        What happened (:data:`EVENT_KINDS`; the fields of each kind: docs/architecture.md).
+    rank : int
+        Global rank that sent it.
+    t : float
+        Unix s it happened.
+    inc : float
+        Incarnation of the sending rank's Monitor (unix s it started).
+    step : int | None
+        The step it concerns, where the kind has one.
+    seconds : float | None
+        Seconds it blocked training (a checkpoint save or load, a custom badput interval, a collective's wait).
+    extra : dict[str, str]
+        The kind's other fields.
     """
 
-    kind: str
+    kind: EventKind
     rank: int
     t: float
     inc: float
@@ -531,3 +559,156 @@ def _event_num(d: dict[str, str], name: str, value: str, kind: type) -> Any:
 def finite(x: float | None) -> bool:
     """True when ``x`` is a real number (not None, NaN or ±Inf)."""
     return x is not None and math.isfinite(x)
+
+
+# -- heartbeats: th:{run}:hb ----------------------------------------------------------------------------
+#: What a rank is doing when its heartbeat is built: training, or inside a blocking phase (the hang detector waits
+#: longer then).
+Phase = Literal["train", "checkpoint_save", "checkpoint_load", "badput"]
+
+
+class _CudaDevice(TypedDict):
+    device: int
+    total: int
+
+
+class CudaMemory(_CudaDevice, total=False):
+    """The CUDA caching allocator's counters of the rank's device (``torch.cuda.memory_stats``; each left out where
+    the allocator does not report it).
+
+    Attributes
+    ----------
+    device : int
+        CUDA device index.
+    total : int
+        The device's memory, bytes.
+    alloc : int
+        Bytes allocated to tensors now.
+    alloc_peak : int
+        Most bytes allocated to tensors since the process started.
+    reserved : int
+        Bytes the caching allocator holds from the device now.
+    reserved_peak : int
+        Most bytes it held since the process started.
+    retries : int
+        Allocations retried after freeing the cache (count).
+    ooms : int
+        Out-of-memory errors the allocator raised (count).
+    """
+
+    alloc: int
+    alloc_peak: int
+    reserved: int
+    reserved_peak: int
+    retries: int
+    ooms: int
+
+
+class _HostMemory(TypedDict):
+    rss: int
+    rss_anon: int
+    host_total: int
+
+
+class MemorySample(_HostMemory, total=False):
+    """A rank's memory when its heartbeat was built (``collectors/memory.py``): host RSS, and ``cuda`` or
+    ``cuda_absent`` (exactly one of them).
+
+    Attributes
+    ----------
+    rss : int
+        Resident set size, bytes.
+    rss_anon : int
+        Resident bytes not backed by a file (what a leak grows).
+    host_total : int
+        The memory the process may use, bytes: the machine's, or its cgroup's limit when lower.
+    cuda : CudaMemory
+        The CUDA allocator's counters, where the job uses CUDA.
+    cuda_absent : str
+        Why there are none: ``torch not imported``, ``CUDA not initialised``, ``no CUDA device``, or
+        ``CUDA memory unreadable: <error type>``.
+    """
+
+    cuda: CudaMemory
+    cuda_absent: str
+
+
+class GpuSample(TypedDict, total=False):
+    """A rank's GPU health from NVML (``collectors/gpu_health.py``, the ``gpu`` extra): ``device`` and what the device
+    reports (each left out where it does not), or only ``absent``.
+
+    Attributes
+    ----------
+    device : int | str
+        The NVML device: an index, or a UUID from ``CUDA_VISIBLE_DEVICES``.
+    sm_clock_mhz : int
+        SM clock now, MHz.
+    sm_clock_max_mhz : int
+        The SM clock's maximum, MHz.
+    power_w : float
+        Power draw, W.
+    power_limit_w : float
+        The enforced power limit, W.
+    temp_c : int
+        GPU temperature, °C.
+    util_pct : int
+        GPU utilisation, %.
+    throttle_bits : int
+        NVML's clock event reasons, as a bit mask.
+    throttle : list[str]
+        The same reasons in words (``thermal slowdown (hardware)``, ...).
+    ecc_uncorrected : int
+        Uncorrected ECC errors since the driver loaded (volatile count).
+    absent : str
+        Why there is no sample (``nvidia-ml-py not installed``, ``NVML unavailable: ...``, ``no GPU``, ...).
+    """
+
+    device: int | str
+    sm_clock_mhz: int
+    sm_clock_max_mhz: int
+    power_w: float
+    power_limit_w: float
+    temp_c: int
+    util_pct: int
+    throttle_bits: int
+    throttle: list[str]
+    ecc_uncorrected: int
+    absent: str
+
+
+class Heartbeat(TypedDict):
+    """A rank's heartbeat: the value of its field in ``th:{run}:hb`` (the rank), rewritten every 5 s by the collector's
+    background thread, so a hung training thread shows as a fresh ``t`` with a stale ``step_t``, and a dead process
+    as a stale ``t``.
+
+    Attributes
+    ----------
+    t : float
+        Unix s it was sent.
+    step : int | None
+        The last completed step (null before the first).
+    step_t : float | None
+        Unix s that step completed.
+    phase : str
+        ``train``, or the blocking phase the rank is in (``checkpoint_save``, ``checkpoint_load``, ``badput``).
+    host : str
+        The rank's host name.
+    pid : int
+        The rank's process id.
+    inc : float
+        Incarnation: unix s the rank's Monitor started (a new value: the process restarted).
+    mem : MemorySample | None
+        The rank's memory (null when it could not be sampled).
+    gpu : GpuSample | None
+        The rank's GPU health (null when it could not be sampled).
+    """
+
+    t: float
+    step: int | None
+    step_t: float | None
+    phase: Phase
+    host: str
+    pid: int
+    inc: float
+    mem: MemorySample | None
+    gpu: GpuSample | None

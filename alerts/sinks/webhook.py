@@ -16,19 +16,101 @@ or a worker crash re-sends the same key and body.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal, TypedDict
 
-from trainhealth.alerts.notification import Alert, Notification, dashboard_link
+from msgspec import Meta
+
+from trainhealth.alerts.notification import Alert, AlertStatus, Notification, Reason, dashboard_link
 from trainhealth.alerts.secrets import Secret
 from trainhealth.alerts.signing import HEADER, sign
 from trainhealth.alerts.sinks.base import Sink
+from trainhealth.matchers import AlertLabels, Label
 
 PAYLOAD_VERSION = "1"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 VERSION_HEADER = "X-Trainhealth-Payload-Version"
 
 
-def alert_json(alert: Alert, dashboard_url: str) -> dict[str, Any]:
+class WebhookAlert(TypedDict):
+    """One alert of the payload: one anomaly of one run.
+
+    Attributes
+    ----------
+    key : str
+        ``<run>/<anomaly id>``.
+    status : str
+        ``firing`` while the anomaly is active, ``resolved`` once over.
+    point_event : bool
+        The anomaly was first seen already over (a ``restart``): notified once as firing, never resolved.
+    labels : AlertLabels
+        The alert's labels.
+    starts_at : float | None
+        Unix s the detector service first saw the anomaly (its ``first_seen``).
+    ends_at : float | None
+        Unix s it was seen over (its ``last_seen`` once resolved); null while it fires.
+    dashboard_url : str | None
+        The dashboard's Anomalies page on the run, the step range and the ranks; null for ``service_down``.
+    anomaly : dict
+        The anomaly's full JSON as ``th:{run}:anomalies`` stores it (or the ``service_down`` alert's own), NaN/Inf as
+        the strings ``"nan"``, ``"inf"``, ``"-inf"``.
+    """
+
+    key: str
+    status: AlertStatus
+    point_event: bool
+    labels: AlertLabels
+    starts_at: float | None
+    ends_at: float | None
+    dashboard_url: str | None
+    anomaly: dict[str, Any]
+
+
+class WebhookPayload(TypedDict):
+    """The JSON webhook's body, payload version 1 (docs/alerts.md, "JSON webhook"): one flush of one alert group to
+    one receiver. Fields are only ever added within a version.
+
+    Attributes
+    ----------
+    version : str
+        ``"1"``.
+    idempotency_key : str
+        As the ``Idempotency-Key`` header: identical on every retry and re-send of this notification to this
+        receiver.
+    receiver : str
+        The sink's name.
+    status : str
+        ``firing`` (some alert fires) or ``resolved``.
+    reason : str
+        Why it was sent: ``new`` (first of its group), ``update`` (the group changed), ``resolved`` (only resolved
+        alerts), ``repeat`` (the unchanged firing group after ``repeat_interval``).
+    group_key : str
+        ``<route>:{run="...",kind="..."}``.
+    sequence : int
+        1, 2, ... within the group's life.
+    notified_at : float
+        Unix s of the flush.
+    group_labels : dict[str, str]
+        The group's labels (the route's ``group_by``).
+    common_labels : dict[str, str]
+        The labels equal on every alert.
+    alerts : list[WebhookAlert]
+        The group's firing alerts, then those resolved since last notified.
+    """
+
+    version: Literal["1"]
+    idempotency_key: Annotated[str, Meta(pattern="^[0-9a-f]{32}$")]
+    receiver: str
+    status: AlertStatus
+    reason: Reason
+    group_key: str
+    sequence: Annotated[int, Meta(ge=1)]
+    notified_at: float
+    group_labels: dict[Label, str]
+    common_labels: dict[Label, str]
+    alerts: list[WebhookAlert]
+
+
+def alert_json(alert: Alert, dashboard_url: str) -> WebhookAlert:
     """One alert of the v1 payload."""
     run = alert.run
     return {"key": alert.key, "status": alert.status, "point_event": alert.point, "labels": dict(alert.labels),
@@ -37,8 +119,8 @@ def alert_json(alert: Alert, dashboard_url: str) -> dict[str, Any]:
             "anomaly": alert.anomaly}
 
 
-def webhook_payload(n: Notification, key: str, receiver: str, dashboard_url: str) -> dict[str, Any]:
-    """The v1 JSON document (field by field in ``docs/alerts.md``)."""
+def webhook_payload(n: Notification, key: str, receiver: str, dashboard_url: str) -> WebhookPayload:
+    """The v1 JSON document (field by field in ``docs/alerts.md``; JSON Schema: docs/schemas/webhook-payload.json)."""
     return {
         "version": PAYLOAD_VERSION,
         "idempotency_key": key,
