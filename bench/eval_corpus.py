@@ -1050,5 +1050,5 @@ def _allreduce_items(per: dict[int, list[float]], hosts: dict[int, str]) -> Call
                     d = per[r][i]
                     ends[r] += d
                     # The whole iteration is this rank's all-reduce: the only per-rank time the log has.
-                    yield ("step", StepRecord(rank=r, step=i + 1, inc=t0, t=ends[r], dur=d, sections={"allreduce": d}))
+                    yield ("step", StepRecord(rank=r, step=i + 1, inc=t0, t=ends[r], dur=d, sections={"trial": d}))
     return items

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from trainhealth import defaults
 from trainhealth.wire import ROW_SOURCE, StepRecord, record_row, step_record
@@ -62,6 +63,10 @@ class StepAggregate:
         since the step before it. The timing detectors do not judge such a step (its time holds the pause
         when the log measured it whole: TF's ``sec/step`` after "The checkpoint has been created."), and the
         goodput ledger books its time above the usual step time as that pause. None otherwise.
+    comm : tuple[float | None, ...]
+        Per-rank seconds in communication sections (index = rank, as ``busy``; :data:`~trainhealth.defaults.
+        COMM_SECTIONS`: a collective the job timed, each rank's including its wait for the slowest rank); empty when
+        no rank timed one.
     """
 
     step: int
@@ -84,11 +89,22 @@ class StepAggregate:
     step_s: float | None = None
     loss_missing: bool = False
     pause: str | None = None
+    comm: tuple[float | None, ...] = ()
 
     @property
     def dur(self) -> float | None:
         """Step wall time across ranks (s), when timed."""
         return None if self.t_start is None else self.t_end - self.t_start
+
+
+def _by_rank(order: list[int], values: tuple, width: int) -> tuple:
+    """``values`` (in ``order``'s rank order) placed at their ranks in a tuple of ``width`` (None where missing)."""
+    if order[0] == 0 and len(order) == width:
+        return tuple(values)
+    out: list[Any] = [None] * width
+    for r, v in zip(order, values, strict=True):
+        out[r] = v
+    return tuple(out)
 
 
 def _merge(a: StepRecord, b: StepRecord) -> StepRecord:
@@ -258,7 +274,7 @@ class StepAggregator:
         # Columns of the ranks' values in rank order (see record_row); each field computed as the
         # comment beside it says, from the ranks' records r.
         (loss_c, gn_c, t_c, dur_c, tokens_c, samples_c, inc_c, lr_c, consumed_c, batch_c, skipped_c, step_s_c,
-         _rank_c, _step_c, missing_c, busy_c, data_c, _src_c) = zip(*rs, strict=True)
+         _rank_c, _step_c, missing_c, busy_c, data_c, comm_c, _src_c) = zip(*rs, strict=True)
         losses = [x for x in loss_c if x is not None]  # r.loss
         norms = [x for x in gn_c if x is not None]  # r.grad_norm
         try:
@@ -295,6 +311,7 @@ class StepAggregator:
             loss=loss, grad_norm=gn, lr=next((x for x in lr_c if x is not None), None),
             tokens=sum(tokens) if tokens else None, samples=sum(samples) if samples else None,
             n_ranks=len(rs), busy=tuple(busy), data_s=max((0.0, *data_c)), bad_ranks=bad,
+            comm=_by_rank(order, comm_c, width) if any(comm_c) else (),
             consumed_samples=max([x for x in consumed_c if x is not None], default=None),
             batch_index=max([x for x in batch_c if x is not None], default=None),
             skipped=any(skipped_c),

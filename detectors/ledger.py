@@ -472,7 +472,13 @@ class GoodputLedger:
             self._custom_by_name[pause] = self._custom_by_name.get(pause, 0.0) + extra
 
     def _split_step(self, agg: StepAggregate, dur: float) -> dict[str, float]:
-        """A step's seconds by category: data wait, straggler wait, then productive or skipped.
+        """A step's seconds by category: data wait, straggler wait, communication, then productive or skipped.
+
+        Communication, when the ranks time their collective (a section named in
+        :data:`~trainhealth.defaults.COMM_SECTIONS`): the slowest rank's seconds in it — it arrives last and waits
+        for nobody, so its time in the collective is the collective's own (the others' hold their wait for it,
+        booked as straggler wait): the time the step spent moving gradients rather than computing (exposed, not
+        overlapped, communication).
 
         Straggler wait, per synchronous step: the slowest rank's section seconds minus the **median of the other
         ranks'** (``agg.busy``; at most the step's time besides its data wait). Every rank waits at the collective
@@ -506,9 +512,14 @@ class GoodputLedger:
             mid = others // 2
             typical = busy[mid] if others % 2 else (busy[mid - 1] + busy[mid]) / 2
             wait = min(max(busy[-1] - typical, 0.0), dur - data)
-        rest = dur - data - wait
+        comm = min(max(_collective_s(agg), 0.0), dur - data - wait)
+        rest = dur - data - wait - comm
         skipped = agg.skipped or bool(agg.bad_ranks)
-        return {"data_loading": data, "straggler_wait": wait, ("skipped_steps" if skipped else "productive"): rest}
+        out = {"data_loading": data, "straggler_wait": wait}
+        if comm > 0:
+            out["communication"] = comm
+        out["skipped_steps" if skipped else "productive"] = rest
+        return out
 
     def _gap_kind(self, seconds: float) -> str:
         return "hang" if seconds > self.progress.timeout_s else "idle"
@@ -669,3 +680,19 @@ class GoodputLedger:
             "history_lost": self.history_lost,
             "coverage_pct": round(100.0 * min(self._rank_steps, expected) / expected, 3) if expected else None,
         }
+
+
+def _collective_s(agg: StepAggregate) -> float:
+    """Seconds of a step's timed collective that were not waiting for a rank: the slowest rank's (by its own
+    sections) time in communication sections; without section times, the least any rank spent there (the one that
+    waited least). 0.0 when no rank timed a collective.
+
+    >>> a = StepAggregate(1, 0, 0.0, 0.0, 1.0, None, None, None, None, None, 2, (0.5, 0.8), 0.0, comm=(0.4, 0.1))
+    >>> _collective_s(a)
+    0.1
+    """
+    timed = [(b, c) for b, c in zip(agg.busy, agg.comm, strict=False) if c is not None]
+    if not timed:
+        return 0.0
+    with_busy = [(b, c) for b, c in timed if b is not None]
+    return max(with_busy)[1] if with_busy else min(c for _, c in timed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -16,7 +17,7 @@ from trainhealth.detectors.ledger import CATEGORIES, GoodputLedger
 from trainhealth.detectors.loss_spike import LossSpikeDetector
 from trainhealth.detectors.nan_inf import NanInfDetector
 from trainhealth.detectors.straggler import StragglerDetector
-from trainhealth.wire import Event, StepRecord
+from trainhealth.wire import Event, StepRecord, decode_steps
 
 
 def agg(step: int, loss: float | None = 1.0, *, gen: int = 0, busy: tuple = (), gn: float | None = 1.0,
@@ -237,6 +238,7 @@ def test_ledger_scripted_run_with_restart_sums_to_wall_time_exactly() -> None:
         "program_startup": 16.0,                             # 1000->1010, and 1050->1060 minus 4 s restore
         "data_loading": 5.0,                                 # 10 x 0.5 s
         "straggler_wait": 0.0,
+        "communication": 0.0,                                # no collective timed
         "skipped_steps": 0.0,
         "checkpoint_save": 0.0,                              # no gap to put it in (see above)
         "checkpoint_restore": 4.0,
@@ -473,3 +475,28 @@ def test_worker_restart_event_gives_a_restart_merged_across_agents() -> None:
                           "state": "FAILED", "role": None, "failed_rank": 5, "failed_local_rank": 1, "exitcode": -9,
                           "signal": "SIGKILL", "host": None}
     assert pipe.feed_event(_event("worker_restart", 0, 12.0, restart_count=1)).anomalies == []  # nothing new
+
+
+def test_a_timed_collective_is_communication_and_not_the_ranks_own_work() -> None:
+    """Ranks that time their all-reduce (``section("allreduce")``): rank 1 computes 0.8 s, rank 0 0.5 s; the
+    collective takes 0.1 s once rank 1 arrives, so rank 0 spends 0.4 s in it (0.3 s waiting). The step takes
+    1.0 s with 0.1 s of data loading: 0.3 s straggler wait, 0.1 s communication, the rest productive. Read as the
+    service reads them (plain records through decode_step_rows) and as StepRecords, alike."""
+    from trainhealth.detectors.aggregate import StepAggregator
+    from trainhealth.wire import ROW_BUSY, ROW_COMM, decode_step_rows
+
+    recs = [{"rank": r, "step": 1, "inc": 0.0, "t": 11.0, "dur": 1.0, "sec.data": 0.1,
+             "sec.forward": (0.5, 0.8)[r], "sec.allreduce": (0.4, 0.1)[r]} for r in (0, 1)]
+    rows = decode_step_rows({b"recs": json.dumps(recs).encode()}, defaults.DATA_SECTIONS)
+    assert [(row[ROW_BUSY], row[ROW_COMM]) for row in rows] == [(0.6, 0.4), (0.9, 0.1)]  # data + forward
+    for feed in ("rows", "records"):
+        aggr = StepAggregator(2)
+        if feed == "rows":
+            [a] = [x for row in rows for x in aggr.add_row(row)]
+        else:
+            [a] = [x for rec in decode_steps({b"recs": json.dumps(recs).encode()}) for x in aggr.add(rec)]
+        assert (a.busy, a.comm, a.data_s) == ((0.6, 0.9), (0.4, 0.1), 0.1)
+        led = GoodputLedger(world_size=2)
+        parts = led._split_step(a, 1.0)
+        assert {k: round(v, 9) for k, v in parts.items()} == {
+            "data_loading": 0.1, "straggler_wait": 0.3, "communication": 0.1, "productive": 0.5}

@@ -71,7 +71,7 @@ def test_allreduce_bench_parses_16_ranks_of_5_iterations(real_logs: Path) -> Non
     assert (min(FIRST_ITERATION.values()), max(FIRST_ITERATION.values())) == (1.0927, 2.1418)  # MANIFEST 1.09–2.14
     later = [p.step_seconds for v in ranks.values() for p in v[1:]]
     assert (min(later), max(later)) == (0.7078, 0.7107)  # MANIFEST: then every rank 0.708–0.711 s
-    assert all(p.sections == (("allreduce", p.step_seconds),) for p in pts)
+    assert all(p.sections == (("trial", p.step_seconds),) for p in pts)
     # hosts from NCCL's "rank R nranks 16 ... Init COMPLETE" lines: 4 ranks on each of 4 nodes
     hosts = {r: {p.host for p in v} for r, v in ranks.items()}
     assert hosts[0] == {"r6i6n4"} and hosts[6] == {"r6i6n5"} and hosts[11] == {"r7i6n2"} and hosts[15] == {"r7i6n3"}

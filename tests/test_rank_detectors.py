@@ -611,7 +611,7 @@ def test_warmup_skew_of_a_real_16_rank_allreduce_is_not_a_straggler(real_logs: P
     for step in range(5):
         for r in range(16):
             out = pipe.feed_step(StepRecord(rank=r, step=step, inc=T0, t=T0 + sum(times[r][:step + 1]),
-                                            dur=times[r][step], sections={"allreduce": times[r][step]}))
+                                            dur=times[r][step], sections={"trial": times[r][step]}))
             aggs += out.aggs
             got += out.anomalies
     assert len(aggs) == 5 and got == [] and pipe.anomalies == {}

@@ -68,6 +68,11 @@ RECONNECT_BACKOFF_MAX_S = 30.0
 CLOSE_TIMEOUT_S = 5.0
 #: Section names whose time counts as data-loading wait in the goodput ledger.
 DATA_SECTIONS = ("data", "data_loading", "dataloader", "data_wait")
+#: Section names that time a collective (``mon.section("allreduce", cuda=True)`` around the all-reduce a job can
+#: wrap): not the rank's own work — left out of its busy time, so a rank that waits longer in the collective is not
+#: taken for a slow one — and booked by the ledger as ``communication`` (what the collective took beyond waiting for
+#: the slowest rank).
+COMM_SECTIONS = ("allreduce", "all_reduce", "comm", "communication", "collective")
 
 # --- Detector service -------------------------------------------------------------
 #: Consumer group name of the detector service on every run's streams.

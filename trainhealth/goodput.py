@@ -17,6 +17,7 @@ CATEGORY_MEANING = {
     "program_startup": "process start (or run start) to its first step",
     "data_loading": "data-loading sections of surviving steps",
     "straggler_wait": "time all ranks waited for the slowest rank's sections",
+    "communication": "collectives the job timed (COMM_SECTIONS), beyond the wait for the slowest rank",
     "skipped_steps": "steps whose update was skipped (fp16 overflow, NaN/Inf)",
     "checkpoint_save": "blocking checkpoint saves between steps",
     "checkpoint_restore": "checkpoint loads before resuming",
@@ -30,8 +31,8 @@ CATEGORY_MEANING = {
 }
 CATEGORIES = tuple(CATEGORY_MEANING)
 #: Categories of time inside step attempts (``step_s``, the throughput's denominator).
-STEP_CATEGORIES = ("productive", "data_loading", "straggler_wait", "skipped_steps", "wasted_progress_from_disruption",
-                   "wasted_progress_from_rollback")
+STEP_CATEGORIES = ("productive", "data_loading", "straggler_wait", "communication", "skipped_steps",
+                   "wasted_progress_from_disruption", "wasted_progress_from_rollback")
 #: Categories that are not badput: the productive time, and the time nobody saw (not known to be lost).
 NOT_BADPUT = ("productive", "unobserved")
 #: Windows (s) of the rolling throughput and goodput rates.

@@ -15,6 +15,7 @@ from dataclasses import MISSING, dataclass, field, replace
 from itertools import repeat
 from typing import Any, Literal, TypedDict, get_args
 
+from trainhealth.defaults import COMM_SECTIONS
 from trainhealth.text import show
 
 #: Event kinds written by collectors into ``th:{run}:events``.
@@ -305,9 +306,12 @@ def decode_steps(fields: Mapping[Any, Any]) -> list[StepRecord]:
 #: The fields of a step record in the order a row (see :func:`record_row`) holds them.
 ROW_FIELDS = ("loss", "grad_norm", "t", "dur", "tokens", "samples", "inc", "lr", "consumed_samples",
               "batch_index", "skipped", "step_s", "rank", "step", "loss_missing")
-#: Indices of a row's columns that are not in :data:`ROW_FIELDS`: ``busy_s``, data-loading seconds,
-#: and the record the row was made from (a :class:`StepRecord`, or the decoded plain dict).
-ROW_BUSY, ROW_DATA, ROW_SOURCE = len(ROW_FIELDS), len(ROW_FIELDS) + 1, len(ROW_FIELDS) + 2
+#: Indices of a row's columns that are not in :data:`ROW_FIELDS`: the busy seconds (the rank's own sections:
+#: ``busy_s`` without the communication sections), data-loading seconds, communication seconds (sections named in
+#: :data:`~trainhealth.defaults.COMM_SECTIONS`), and the record the row was made from (a :class:`StepRecord`, or the
+#: decoded plain dict).
+ROW_BUSY, ROW_DATA, ROW_COMM, ROW_SOURCE = (len(ROW_FIELDS), len(ROW_FIELDS) + 1, len(ROW_FIELDS) + 2,
+                                           len(ROW_FIELDS) + 3)
 _ROW_RANK = ROW_FIELDS.index("rank")
 ROW_STEP = ROW_FIELDS.index("step")
 #: Ranks above this are refused as malformed (the largest jobs run ~100,000 GPUs; the aggregator
@@ -321,36 +325,46 @@ _row_fields = operator.attrgetter(*ROW_FIELDS)
 
 def record_row(rec: StepRecord, data_sections: tuple[str, ...]) -> tuple:
     """One rank's record as the step aggregator keeps it: a tuple of the :data:`ROW_FIELDS` values, then
-    ``rec.busy_s``, the seconds in the sections named ``data_sections`` (their sum in the record's
-    section order) and ``rec`` itself.
+    the rank's busy seconds (``rec.busy_s`` without the communication sections), the seconds in the sections named
+    ``data_sections`` (their sum in the record's section order), the seconds in communication sections
+    (:data:`~trainhealth.defaults.COMM_SECTIONS`, GPU time where timed with CUDA events) and ``rec`` itself.
 
     >>> record_row(StepRecord(rank=1, step=5, inc=0.0, t=9.0, loss=2.0, sections={"data": 0.5, "fwd": 1.0}),
-    ...            ("data",))[:2] + record_row(StepRecord(rank=1, step=5, inc=0.0, t=9.0), ())[12:17]
-    (2.0, None, 1, 5, None, None, 0)
+    ...            ("data",))[:2] + record_row(StepRecord(rank=1, step=5, inc=0.0, t=9.0), ())[12:18]
+    (2.0, None, 1, 5, None, None, 0, 0)
+    >>> record_row(StepRecord(rank=0, step=5, inc=0.0, t=9.0, sections={"fwd": 1.0, "allreduce": 0.25}), ())[15:18]
+    (1.0, 0, 0.25)
     """
     sec = rec.sections
     # busy_s is sum(gpu) + sum(CPU-only sections): with no GPU times that is the sum of the sections.
     busy = sum(sec.values()) if sec and not rec.gpu else rec.busy_s
+    comm = 0
+    for k in COMM_SECTIONS:
+        if k in sec:
+            comm += rec.gpu.get(k, sec[k])
+    if comm:
+        busy -= comm
     data, found = 0, 0  # sum(v for k, v in sec.items() if k in data_sections): 0 + v for one such section
     for k in data_sections:
         if k in sec:
             data, found = 0 + sec[k], found + 1
     if found > 1:  # the sum in the sections' order, as the definition adds them
         data = sum([v for k, v in sec.items() if k in data_sections])
-    return (*_row_fields(rec), busy, data, rec)
+    return (*_row_fields(rec), busy, data, comm, rec)
 
 
 # Layouts of plain records by data sections, then (keys in order, value types): a collector sends the
 # same layout step after step, so a record is checked and its sections found by one dict look-up.
-_LAYOUTS: dict[tuple[str, ...], dict[tuple, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], bool] | None]] = {}
+_LAYOUTS: dict[tuple[str, ...], dict[tuple, tuple[tuple[str, ...], ...] | None]] = {}
 _NONE = type(None)
 
 
 def _layout(keys: tuple, types: tuple, data_sections: tuple[str, ...]
-            ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], bool] | None:
-    """``(CPU-only section keys, GPU keys, data section keys, timed)`` of a plain record with these keys
-    and value types — every field of the type ``_plain_step_record`` takes, the required ones present,
-    at most two data sections (their sum is then the same in any order) — else None."""
+            ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...], bool] | None:
+    """``(CPU-only section keys, GPU keys, data section keys, communication keys, timed)`` of a plain record with
+    these keys and value types — every field of the type ``_plain_step_record`` takes, the required ones present,
+    at most two data sections (their sum is then the same in any order) — else None. The busy keys (CPU-only and
+    GPU) leave the communication sections out; their keys are the GPU time where there is one, else the CPU's."""
     if not _FAST or not all(type(k) is str for k in keys):
         return None
     kinds = dict(zip(keys, types, strict=True))
@@ -363,11 +377,14 @@ def _layout(keys: tuple, types: tuple, data_sections: tuple[str, ...]
     if any(kinds[k] is not float for k in sec + gpu):
         return None
     on_gpu = {k[len(GPU_PREFIX):] for k in gpu}
-    cpu = tuple(k for k in sec if k[len(SECTION_PREFIX):] not in on_gpu)
+    comm_names = {k[len(SECTION_PREFIX):] for k in sec} & set(COMM_SECTIONS)
+    comm = tuple(GPU_PREFIX + n if n in on_gpu else SECTION_PREFIX + n for n in COMM_SECTIONS if n in comm_names)
+    cpu = tuple(k for k in sec if k[len(SECTION_PREFIX):] not in on_gpu and k[len(SECTION_PREFIX):] not in comm_names)
+    gpu_busy = tuple(k for k in gpu if k[len(GPU_PREFIX):] not in comm_names)
     data = tuple(k for k in sec if k[len(SECTION_PREFIX):] in data_sections)
     if len(data) > 2:
         return None
-    return cpu, gpu, data, bool(sec or gpu)
+    return cpu, gpu_busy, data, comm, bool(sec or gpu)
 
 
 def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
@@ -409,7 +426,7 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
                 on_bad(i, exc)
                 continue
         else:
-            cpu, gpu, data, timed = layout
+            cpu, gpu, data, comm, timed = layout
             get = d.__getitem__
             if not timed:
                 busy = None
@@ -417,7 +434,7 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
                 busy = sum(map(get, gpu)) + sum(map(get, cpu))
             else:
                 busy = sum(map(get, cpu))
-            row = (*map(d.get, ROW_FIELDS), busy, sum(map(get, data)), d)
+            row = (*map(d.get, ROW_FIELDS), busy, sum(map(get, data)), sum(map(get, comm)) if comm else 0, d)
         # Ranks index per-rank arrays in the aggregator and detectors: a wild one must not size them.
         # Steps become stream ids of th:{run}:agg: one beyond 64 bits would make every write of the run fail.
         if not 0 <= row[_ROW_RANK] < MAX_RANKS or not -MAX_STEP <= row[ROW_STEP] <= MAX_STEP:
