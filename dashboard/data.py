@@ -1236,43 +1236,56 @@ def detector_errors(heartbeats: list[dict[str, Any]], run: str, now: float,
     return out
 
 
+#: The banner's reduction of a run's heartbeats (``hb`` hash, KEYS[1]) and newest aggregate (``agg`` stream,
+#: KEYS[2]), in Redis: the highest ``step`` and ``step_t`` and the lowest ``inc`` over the heartbeats that are JSON
+#: objects (finite numbers, or strings of them, as :func:`_num` reads them; anything else is passed over), each as a
+#: decimal string (``%.17g``: the double exactly) or nil when none, then the newest ``agg`` entry's ``step`` and
+#: ``t_end`` as stored (nil when absent). So the dashboard receives ~100 bytes, not every rank's heartbeat (~180 B a
+#: rank) nor the newest entry's ``busy`` list (~10 kB at 1,024 ranks). Read-only.
+PROCESSING_STATE_SCRIPT = """
+local function finite(v)
+  if type(v) == 'string' then v = tonumber(v) end
+  if type(v) ~= 'number' or v ~= v or v == math.huge or v == -math.huge then return nil end
+  return v
+end
+local step, step_t, inc = nil, nil, nil
+for _, raw in ipairs(redis.call('HVALS', KEYS[1])) do
+  local ok, beat = pcall(cjson.decode, raw)
+  if ok and type(beat) == 'table' then
+    local s, st, i = finite(beat['step']), finite(beat['step_t']), finite(beat['inc'])
+    if s and (step == nil or s > step) then step = s end
+    if st and (step_t == nil or st > step_t) then step_t = st end
+    if i and (inc == nil or i < inc) then inc = i end
+  end
+end
+local function text(v) if v == nil then return false end return string.format('%.17g', v) end
+local agg_step, agg_t_end = false, false
+local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+if newest then
+  local f = newest[2]
+  for j = 1, #f, 2 do
+    if f[j] == 'step' then agg_step = f[j + 1] elseif f[j] == 't_end' then agg_t_end = f[j + 1] end
+  end
+end
+return {text(step), text(step_t), text(inc), agg_step, agg_t_end}
+"""
+
+
 def processing_state(client: redis.Redis, run: str) -> dict[str, Any]:
     """How far the run's aggregates trail its ranks: newest completed step per heartbeats vs aggregates.
 
     Returns ``hb_step`` / ``hb_step_t`` (the highest step any rank's heartbeat reports and the
     newest time a rank completed a step, unix s; None when no heartbeat names a step),
     ``agg_step`` / ``agg_t_end`` (the newest aggregate's step and end, None when none) and
-    ``inc`` (the earliest process start among the heartbeats). One ``HGETALL`` of ``hb`` and
-    one ``XREVRANGE … COUNT 1`` of ``agg``.
+    ``inc`` (the earliest process start among the heartbeats). One :data:`PROCESSING_STATE_SCRIPT` call: the
+    heartbeats are reduced in Redis, which sends five numbers whatever the number of ranks.
     """
     keys = run_keys(run)
-    pipe = client.pipeline(transaction=False)
-    pipe.hgetall(keys.heartbeats)
-    pipe.xrevrange(keys.agg, count=1)
-    beats, newest = pipe.execute()
-    hb_step = hb_step_t = inc = None
-    for raw in beats.values():
-        try:
-            beat = _json(raw)
-        except (TypeError, ValueError):
-            continue
-        if not isinstance(beat, dict):
-            continue
-        step, step_t, start = _num(beat.get("step")), _num(beat.get("step_t")), _num(beat.get("inc"))
-        if math.isfinite(step):
-            hb_step = int(step) if hb_step is None else max(hb_step, int(step))
-        if math.isfinite(step_t):
-            hb_step_t = step_t if hb_step_t is None else max(hb_step_t, step_t)
-        if math.isfinite(start):
-            inc = start if inc is None else min(inc, start)
-    agg_step = agg_t_end = None
-    if newest:
-        d = _decode_map(newest[0][1])
-        step, t_end = _num(d.get("step")), _num(d.get("t_end"))
-        agg_step = int(step) if math.isfinite(step) else None
-        agg_t_end = t_end if math.isfinite(t_end) else None
-    return {"hb_step": hb_step, "hb_step_t": hb_step_t, "agg_step": agg_step, "agg_t_end": agg_t_end,
-            "inc": inc}
+    reply = client.register_script(PROCESSING_STATE_SCRIPT)(keys=[keys.heartbeats, keys.agg])
+    hb_step, hb_step_t, inc, step, t_end = (_num(v) for v in (list(reply) + [None] * 5)[:5])
+    finite = lambda x: x if math.isfinite(x) else None  # noqa: E731
+    return {"hb_step": None if finite(hb_step) is None else int(hb_step), "hb_step_t": finite(hb_step_t),
+            "agg_step": None if finite(step) is None else int(step), "agg_t_end": finite(t_end), "inc": finite(inc)}
 
 
 def unprocessed_lag(state: Mapping[str, Any], min_lag_s: float = PROCESSING_LAG_S) -> float | None:
