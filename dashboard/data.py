@@ -582,6 +582,47 @@ def events(client: redis.Redis, run: str, count: int = EVENTS_SCAN_ENTRIES) -> p
     return out.sort_values(["t", "kind"], kind="stable").reset_index(drop=True)[EVENT_COLUMNS]
 
 
+def checkpoints(client: redis.Redis, run: str, problems: list[str] | None = None) -> pd.DataFrame:
+    """The run's checkpoint saves and loads as the detector service merged them over ranks (``checkpoints`` hash,
+    detectors/checkpoints.py): one row per checkpoint, as :func:`events` gives them, without reading the events.
+
+    Columns :data:`EVENT_COLUMNS`: ``kind``, ``step``, ``t`` (the earliest report, unix s), ``seconds`` (the longest
+    block over ranks, s, NaN when not reported), ``n_ranks``; sorted by ``t``. One ``HGETALL`` of a few kB (the
+    newest ``CHECKPOINTS_KEPT``). A mark that cannot be read is left out and, with ``problems``, reported.
+    """
+    key = run_keys(run).checkpoints
+    rows, bad = [], []
+    for name, raw in sorted((_s(f), v) for f, v in client.hgetall(key).items()):
+        where = f"field {name!r}: "
+        try:
+            d = _json(raw)
+        except (TypeError, ValueError):
+            bad.append(f"{where}not JSON ({show_value(raw)})")
+            continue
+        if not isinstance(d, dict):
+            bad.append(f"{where}not a JSON object but {show_value(d)}")
+            continue
+        why: list[str] = []
+        kind = d.get("kind")
+        if kind not in CHECKPOINT_KINDS:
+            why.append(f"kind {show_value(kind)} is not a checkpoint kind")
+        row = {"kind": kind, "step": _get_num(d, "step", why, bound=MAX_INT, integral=True),
+               "t": _get_num(d, "t", why, finite=True, bound=MAX_TIME),
+               "seconds": _get_num(d, "seconds", why, finite=True) if d.get("seconds") is not None else math.nan,
+               "n_ranks": _get_num(d, "n_ranks", why, bound=MAX_RANKS, integral=True)}
+        if why or any(math.isnan(row[c]) for c in ("step", "t", "n_ranks")):
+            bad.append(where + ("; ".join(why) or f"incomplete ({show_value(raw)})"))
+            continue
+        rows.append(row)
+    if bad:
+        _report(problems, unreadable(key, "checkpoint", "checkpoints", bad))
+    if not rows:
+        frame = pd.DataFrame({c: pd.Series(dtype="float64") for c in EVENT_COLUMNS})
+        return frame.astype({"kind": object, "step": "int64", "n_ranks": "int64"})
+    out = pd.DataFrame(rows, columns=EVENT_COLUMNS).astype({"step": "int64", "n_ranks": "int64"})
+    return out.sort_values(["t", "kind"], kind="stable").reset_index(drop=True)
+
+
 def rank_hosts(client: redis.Redis, run: str, count: int = EVENTS_SCAN_ENTRIES,
                head: int = EVENTS_HEAD_ENTRIES, page: int = HOSTS_PAGE_ENTRIES) -> pd.DataFrame:
     """Host of each rank, from its newest ``run_start`` event (``host`` field).
@@ -930,8 +971,133 @@ def _thin(n: int, max_points: int | None) -> list[int]:
     return sorted({round(i * (n - 1) / (max_points - 1)) for i in range(max_points)})
 
 
+#: What a ledger snapshot's history row is made of (:func:`history_row`): every path of the snapshot a history
+#: frame has. A page that draws less passes its own paths (``("t", "throughput_tok_s", "goodput_tok_s")``).
+HISTORY_PATHS = (*LEDGER_COLUMNS, "seconds", "rates")
+
+#: Samples a ledger stream (KEYS[1]) in Redis and sends only the parts of each sampled snapshot the charts draw.
+#: ARGV: ``whole`` or ``newest``, the most points, the newest entries (``newest`` only), then the snapshot paths to
+#: keep (``t``, ``seconds``: the whole map, ``rates.60s``: one window). ``whole``: a stream of at most that many
+#: entries whole, else the first entry at or after each of that many evenly spaced times (entry ids, ms) from the
+#: oldest to the newest, and the newest. ``newest``: the newest entries, thinned to that many evenly spaced (the
+#: oldest and the newest kept). Python's rounding (half to even) places the samples, so both read the same
+#: entries. Per entry kept, oldest first: its id and its ``json`` field's paths as a JSON object (numbers as
+#: ``%.17g``, the double exactly; NaN and infinities as Python's json writes them), or, for an entry without a
+#: ``json`` field, ``!`` alone, and for a ``json`` that is no JSON object, ``!`` and the field. Read-only.
+LEDGER_SAMPLE_SCRIPT = """
+local mode, points = ARGV[1], tonumber(ARGV[2])
+local function round(x)  -- half to even, as Python's round()
+  local r = math.floor(x + 0.5)
+  if r - x == 0.5 and r % 2 == 1 then r = r - 1 end
+  return r
+end
+local entries = {}
+if mode == 'whole' then
+  if redis.call('XLEN', KEYS[1]) <= points then
+    entries = redis.call('XRANGE', KEYS[1], '-', '+')
+  else
+    local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+    local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+    local t0 = tonumber(string.match(first[1], '^(%d+)'))
+    local t1 = tonumber(string.match(last[1], '^(%d+)'))
+    local seen = nil
+    for i = 0, points - 2 do
+      local at = round(t0 + (t1 - t0) * i / math.max(1, points - 1))
+      local got = redis.call('XRANGE', KEYS[1], string.format('%.0f', at), '+', 'COUNT', 1)[1]
+      if got and got[1] ~= seen then entries[#entries + 1] = got; seen = got[1] end
+    end
+    if last[1] ~= seen then entries[#entries + 1] = last end
+  end
+elseif mode == 'newest' then
+  local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', tonumber(ARGV[3]))
+  local n = #newest
+  local keep, last = {}, -1
+  if n <= points then
+    for i = 0, n - 1 do keep[#keep + 1] = i end
+  elseif points < 2 then
+    keep[1] = n - 1
+  else
+    for i = 0, points - 1 do
+      local j = round(i * (n - 1) / (points - 1))
+      if j ~= last then keep[#keep + 1] = j; last = j end
+    end
+  end
+  for _, j in ipairs(keep) do entries[#entries + 1] = newest[n - j] end
+else
+  return redis.error_reply('whole or newest only')
+end
+
+local function num(v)
+  if v ~= v then return 'NaN' elseif v == math.huge then return 'Infinity' elseif v == -math.huge then
+    return '-Infinity' end
+  return string.format('%.17g', v)
+end
+local encode
+encode = function(v)
+  local kind = type(v)
+  if kind == 'number' then return num(v) end
+  if kind == 'string' or kind == 'boolean' then return cjson.encode(v) end
+  if kind ~= 'table' then return 'null' end  -- cjson.null
+  local parts = {}
+  if #v > 0 then
+    for _, x in ipairs(v) do parts[#parts + 1] = encode(x) end
+    return '[' .. table.concat(parts, ',') .. ']'
+  end
+  for k, x in pairs(v) do parts[#parts + 1] = cjson.encode(tostring(k)) .. ':' .. encode(x) end
+  return '{' .. table.concat(parts, ',') .. '}'
+end
+
+local out = {}
+for _, e in ipairs(entries) do
+  local body = nil
+  local f = e[2]
+  for j = 1, #f, 2 do if f[j] == 'json' then body = f[j + 1] end end
+  out[#out + 1] = e[1]
+  if body == nil then
+    out[#out + 1] = '!'
+  else
+    local ok, snap = pcall(cjson.decode, body)
+    if not ok or type(snap) ~= 'table' or (#snap > 0) or next(snap) == nil and string.match(body, '^%s*%[') then
+      out[#out + 1] = '!' .. body
+    else
+      local kept = {}
+      for i = 4, #ARGV do
+        local path, src, dst, name = ARGV[i], snap, kept, nil
+        for part in string.gmatch(path, '[^.]+') do
+          if name ~= nil then
+            if type(src) ~= 'table' then src = nil; break end
+            if type(dst[name]) ~= 'table' then dst[name] = {} end
+            dst = dst[name]
+          end
+          src, name = src[part], part
+          if src == nil then break end
+        end
+        if src ~= nil and name ~= nil then dst[name] = src end
+      end
+      out[#out + 1] = encode(kept)
+    end
+  end
+end
+return out
+"""
+
+
+def _ledger_sample(client: redis.Redis, run: str, mode: str, points: int, count: int,
+                   paths: Iterable[str], problems: list[str] | None) -> pd.DataFrame:
+    """One :data:`LEDGER_SAMPLE_SCRIPT` call, as a :func:`ledger_history` frame (what cannot be read reported)."""
+    key = run_keys(run).ledger
+    flat = client.register_script(LEDGER_SAMPLE_SCRIPT)(keys=[key], args=[mode, points, count, *paths])
+    entries = []
+    for entry_id, body in zip(flat[::2], flat[1::2], strict=True):
+        body = _s(body)
+        entries.append((entry_id, {} if body == "!" else {"json": body[1:]} if body.startswith("!") else
+                        {"json": body}))
+    return _ledger_frame(key, entries, problems)
+
+
 def ledger_history(client: redis.Redis, run: str, count: int = LEDGER_HISTORY_ENTRIES,
-                   max_points: int | None = None, problems: list[str] | None = None) -> pd.DataFrame:
+                   max_points: int | None = None, problems: list[str] | None = None,
+                   paths: Iterable[str] = HISTORY_PATHS) -> pd.DataFrame:
     """The newest ``count`` ledger snapshots (``ledger`` stream, field ``json``), oldest first.
 
     Columns :data:`LEDGER_COLUMNS` (floats; NaN where a snapshot lacks the value), one
@@ -939,16 +1105,14 @@ def ledger_history(client: redis.Redis, run: str, count: int = LEDGER_HISTORY_EN
     category of :data:`LEDGER_CATEGORIES` and any category a snapshot adds, and
     :data:`RATE_COLUMNS` (the rolling 1 min / 10 min / 1 h rates, tokens/s).
 
-    One ``XREVRANGE … COUNT``. With ``max_points``, a longer history is thinned to that many
-    evenly spaced snapshots (the oldest and the newest always kept) before decoding them: the
-    snapshots are cumulative, so dropping some loses resolution, not totals. Entries that are
-    not a JSON object are skipped, values of the wrong type are NaN; with ``problems``, both
-    are reported there.
+    One :data:`LEDGER_SAMPLE_SCRIPT` call: with ``max_points``, a longer history is thinned in Redis to that many
+    evenly spaced snapshots (the oldest and the newest always kept): the snapshots are cumulative, so dropping some
+    loses resolution, not totals. Only the snapshot ``paths`` are sent (the others' columns are NaN): a page that
+    draws three numbers reads three numbers of each snapshot, not its ~2 kB. Entries that are not a JSON object are
+    skipped, values of the wrong type are NaN; with ``problems``, both are reported there.
     """
-    key = run_keys(run).ledger
-    entries = client.xrevrange(key, count=count)
-    entries.reverse()
-    return _ledger_frame(key, [entries[i] for i in _thin(len(entries), max_points)], problems)
+    points = count if max_points is None else min(max_points, count)
+    return _ledger_sample(client, run, "newest", max(1, points), count, paths, problems)
 
 
 def _ledger_frame(key: str, entries: list[tuple[Any, Any]], problems: list[str] | None) -> pd.DataFrame:
@@ -1713,32 +1877,19 @@ def progress(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def ledger_history_whole(client: redis.Redis, run: str, max_points: int = 600,
-                         problems: list[str] | None = None) -> pd.DataFrame:
+                         problems: list[str] | None = None, paths: Iterable[str] = HISTORY_PATHS) -> pd.DataFrame:
     """The whole retained ledger stream as at most ``max_points`` snapshots evenly spaced in time, oldest first.
 
-    A :func:`ledger_history` frame. A stream of at most ``max_points`` entries is read whole (one ``XRANGE``);
-    a longer one is sampled: the first entry at or after each of ``max_points`` evenly spaced times between
-    the oldest and the newest entry id (unix ms), one pipelined ``XRANGE <ms> + COUNT 1`` each, so the bytes
-    read do not grow with the run (the ledger keeps ``LEDGER_RETENTION_ENTRIES`` snapshots, ~11 h at 2 s).
+    A :func:`ledger_history` frame of the snapshot ``paths``. A stream of at most ``max_points`` entries is read
+    whole; a longer one is sampled: the first entry at or after each of ``max_points`` evenly spaced times between
+    the oldest and the newest entry id (unix ms), so the bytes read do not grow with the run (the ledger keeps
+    ``LEDGER_RETENTION_ENTRIES`` snapshots, ~11 h at 2 s). Both in Redis, one :data:`LEDGER_SAMPLE_SCRIPT` call,
+    which sends only the ``paths`` of the sampled snapshots.
     Sampling, not reducing by extremes: each snapshot is cumulative since the run started, so the since-start
     curves move by at most (gap / age) of their range between two samples; the rolling-rate columns are the
     sampled snapshots' own.
     """
-    key = run_keys(run).ledger
-    if client.xlen(key) <= max_points:
-        return _ledger_frame(key, client.xrange(key), problems)
-    (first, _), = client.xrange(key, count=1)
-    (last, _), = client.xrevrange(key, count=1)
-    t0, t1 = _entry_id(_s(first))[0], _entry_id(_s(last))[0]
-    pipe = client.pipeline(transaction=False)
-    for i in range(max_points - 1):
-        pipe.xrange(key, min=str(round(t0 + (t1 - t0) * i / max(1, max_points - 1))), count=1)
-    pipe.xrevrange(key, count=1)  # the newest itself (others may share its millisecond)
-    entries: dict[str, tuple[Any, Any]] = {}
-    for got in pipe.execute():
-        for entry_id, fields in got:
-            entries.setdefault(_s(entry_id), (entry_id, fields))
-    return _ledger_frame(key, sorted(entries.values(), key=lambda e: _entry_id(_s(e[0]))), problems)
+    return _ledger_sample(client, run, "whole", max(1, max_points), 0, paths, problems)
 
 
 # --- the Runs page, deep links and the rank drill-down (issue 16) --------------------------------

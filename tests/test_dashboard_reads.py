@@ -8,7 +8,9 @@ redis-server.
 from __future__ import annotations
 
 import json
+import math
 
+import pandas as pd
 import redis
 
 from trainhealth.dashboard import data
@@ -56,3 +58,98 @@ def test_processing_state_reduces_1024_heartbeats_in_redis(r: redis.Redis) -> No
     assert whole > 150_000
     assert data.processing_state(r, "nothing") == {"hb_step": None, "hb_step_t": None, "agg_step": None,
                                                    "agg_t_end": None, "inc": None}
+
+
+# --- the ledger history, sampled and projected in Redis ----------------------------------------------------------
+
+def snapshot(i: int) -> dict:
+    """A ledger snapshot as the service writes it (~2 kB with the GPU-hours and costs), 2 s apart."""
+    wall = 2.0 * (i + 1)
+    seconds = {c: wall * share for c, share in (("productive", 0.8125), ("data_loading", 0.0625),
+                                                ("straggler_wait", 0.125))}
+    return {"t": T0 + wall, "started_at": T0, "wall_s": wall, "world_size": 1024, "gpu_hour_usd": 2.5,
+            "last_step": i, "steps_done": i + 1, "steps_good": i + 1, "restarts": 0, "tokens_total": 16_384 * (i + 1),
+            "tokens_good": 16_384 * (i + 1), "throughput_tok_s": 16_384 / 1.75 + i / 7,
+            "goodput_tok_s": 16_384 / 2 + i / 3, "goodput_pct": 81.25, "badput_cost_usd": 0.01 * i,
+            "seconds": {**seconds, "checkpoint_save": 0.0, "hang": math.nan if i == 3 else 0.0},
+            "gpu_hours": {c: v * 1024 / 3600 for c, v in seconds.items()},
+            "cost_usd": {c: v * 1024 / 3600 * 2.5 for c, v in seconds.items()},
+            "rates": {w: {"throughput_tok_s": 9_000.0 + i, "goodput_tok_s": -math.inf if i == 5 else 8_000.5}
+                      for w in ("60s", "600s", "3600s")},
+            "custom_by_name": {}, "padding": "x" * 1_000}
+
+
+def seed_ledger(r: redis.Redis, run: str, n: int) -> None:
+    key = run_keys(run).ledger
+    pipe = r.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd(key, {"t": repr(T0 + 2.0 * (i + 1)), "json": json.dumps(snapshot(i))},
+                  id=f"{int((T0 + 2.0 * (i + 1)) * 1000)}-0")
+    pipe.execute()
+
+
+def python_history(r: redis.Redis, run: str, entries: list) -> pd.DataFrame:
+    """The history frame of ``entries`` read whole, decoded in Python (the reference)."""
+    return data._ledger_frame(run_keys(run).ledger, entries, None)
+
+
+def test_whole_history_sampled_in_redis_is_the_python_sample_exactly(r: redis.Redis) -> None:
+    seed_ledger(r, "led", 3_000)
+    key = run_keys("led").ledger
+    every = r.xrange(key)
+    # The Python reference: the first entry at or after each of 100 evenly spaced times, and the newest.
+    t0, t1 = int(every[0][0].split(b"-")[0]), int(every[-1][0].split(b"-")[0])
+    ids = [int(e[0].split(b"-")[0]) for e in every]
+    picked = sorted({next(k for k, ms in enumerate(ids) if ms >= round(t0 + (t1 - t0) * i / 99)) for i in range(99)}
+                    | {len(every) - 1})
+    expected = python_history(r, "led", [every[k] for k in picked])
+    got, sent = measured(r, lambda: data.ledger_history_whole(r, "led", max_points=100))
+    pd.testing.assert_frame_equal(got, expected)
+    assert len(got) == 100 and got["t"].iloc[-1] == T0 + 6_000.0
+    assert math.isnan(got["seconds.hang"].iloc[2]) is False  # entry 3 is not among the sampled ones
+    # The drawn paths only: ~110 bytes a snapshot instead of ~2.4 kB.
+    drawn, few = measured(r, lambda: data.ledger_history_whole(r, "led", 100, paths=("t", "throughput_tok_s",
+                                                                                      "goodput_tok_s")))
+    assert list(drawn["t"]) == list(expected["t"]) and list(drawn["goodput_tok_s"]) == list(expected["goodput_tok_s"])
+    assert drawn["wall_s"].isna().all() and drawn["seconds.productive"].isna().all()
+    _, whole = measured(r, lambda: r.xrange(key, count=100))
+    assert whole > 100 * 2_000 and sent < 100 * 900 and few < 100 * 130
+
+
+def test_newest_history_thinned_in_redis_is_the_python_thinning_exactly(r: redis.Redis) -> None:
+    seed_ledger(r, "led", 1_900)
+    key = run_keys("led").ledger
+    newest = list(reversed(r.xrevrange(key, count=1_800)))
+    for points in (600, 7, 2, 1, 2_000):
+        expected = python_history(r, "led", [newest[k] for k in data._thin(len(newest), points)])
+        got = data.ledger_history(r, "led", count=1_800, max_points=points)
+        pd.testing.assert_frame_equal(got, expected)
+    short = data.ledger_history(r, "led", count=8, paths=("t", "seconds", "rates.60s"))
+    assert list(short["t"]) == [T0 + 2.0 * (i + 1) for i in range(1_892, 1_900)]
+    assert list(short["seconds.productive"]) == [2.0 * (i + 1) * 0.8125 for i in range(1_892, 1_900)]
+    assert list(short["rate.60s.throughput_tok_s"]) == [9_000.0 + i for i in range(1_892, 1_900)]
+    assert short["rate.600s.throughput_tok_s"].isna().all() and short["wall_s"].isna().all()
+    # NaN and infinities go through as Python's json writes them.
+    first = data.ledger_history(r, "led", count=1_900)
+    assert math.isnan(first["seconds.hang"].iloc[3]) and first["rate.60s.goodput_tok_s"].iloc[5] == -math.inf
+
+
+def test_unreadable_snapshots_are_reported_as_before(r: redis.Redis) -> None:
+    key = run_keys("bad").ledger
+    r.xadd(key, {"json": "garbage"}, id="1-0")
+    r.xadd(key, {"t": "1"}, id="2-0")
+    r.xadd(key, {"json": "[1, 2]"}, id="3-0")
+    r.xadd(key, {"json": "[]"}, id="4-0")
+    r.xadd(key, {"json": json.dumps({"t": T0, "wall_s": "long", "seconds": {"productive": "x"}})}, id="5-0")
+    r.xadd(key, {"json": json.dumps({"t": T0 + 2, "wall_s": 2.0, "seconds": [1]})}, id="6-0")
+    expected: list[str] = []
+    reference = data._ledger_frame(key, r.xrange(key), expected)  # read whole, decoded in Python
+    for read in (lambda p: data.ledger_history(r, "bad", problems=p),
+                 lambda p: data.ledger_history_whole(r, "bad", problems=p)):
+        problems: list[str] = []
+        pd.testing.assert_frame_equal(read(problems), reference)
+        assert problems == expected
+    assert expected == [
+        "4 snapshots in th:{bad}:ledger are unreadable (first: entry 1-0: not JSON ('garbage'))",
+        "2 snapshots in th:{bad}:ledger have unreadable values, shown as missing (first: entry 5-0: wall_s 'long' is "
+        "not a number; seconds.productive 'x' is not a number)"]

@@ -58,28 +58,39 @@ MIN_BAR_S = 0.05
 CLOSED_COLUMNS = ["status", "action", "kind", "onset_step", "checkpoint_step", "summary", "by", "decided"]
 
 
-def _read_history(url: str, run: str, count: int | None) -> tuple[pd.DataFrame, list[str]]:
+#: The snapshot paths the charts draw (:func:`history_paths`): the wall time and its breakdown, the since-start
+#: tokens/s; with the one rolling-rate window of the chosen history.
+DRAWN_PATHS = ("t", "wall_s", "throughput_tok_s", "goodput_tok_s", "seconds")
+
+
+def history_paths(window: str) -> tuple[str, ...]:
+    """The ledger snapshot paths the charts of ``window`` draw: Redis sends only these (``data.ledger_history``)."""
+    return (*DRAWN_PATHS, f"rates.{RATE_WINDOW.get(window, '60s')}")
+
+
+def _read_history(url: str, run: str, count: int | None, paths: tuple[str, ...]) -> tuple[pd.DataFrame, list[str]]:
     problems: list[str] = []  # cached with the frame: the warnings must outlive the read
     if count is None:
-        return data.ledger_history_whole(get_client(url), run, MAX_POINTS, problems=problems), problems
-    return data.ledger_history(get_client(url), run, count=count, max_points=MAX_POINTS, problems=problems), problems
+        return data.ledger_history_whole(get_client(url), run, MAX_POINTS, problems=problems, paths=paths), problems
+    return data.ledger_history(get_client(url), run, count=count, max_points=MAX_POINTS, problems=problems,
+                               paths=paths), problems
 
 
 @st.cache_data(ttl=WINDOWS["1 h"][1], show_spinner=False)
-def _history_short(url: str, run: str, count: int) -> tuple[pd.DataFrame, list[str]]:
-    return _read_history(url, run, count)
+def _history_short(url: str, run: str, count: int, paths: tuple[str, ...]) -> tuple[pd.DataFrame, list[str]]:
+    return _read_history(url, run, count, paths)
 
 
 @st.cache_data(ttl=WINDOWS["6 h"][1], show_spinner=False)
-def _history_long(url: str, run: str, count: int | None) -> tuple[pd.DataFrame, list[str]]:
-    return _read_history(url, run, count)
+def _history_long(url: str, run: str, count: int | None, paths: tuple[str, ...]) -> tuple[pd.DataFrame, list[str]]:
+    return _read_history(url, run, count, paths)
 
 
 def history(url: str, run: str, window: str) -> tuple[pd.DataFrame, list[str]]:
-    """The ledger history of ``window`` (thinned to :data:`MAX_POINTS`), cached per its period, and
-    what of it could not be read."""
+    """The ledger history of ``window`` (thinned to :data:`MAX_POINTS`, only the drawn paths), cached per its
+    period, and what of it could not be read."""
     count, ttl = WINDOWS.get(window, WINDOWS[DEFAULT_WINDOW])
-    return (_history_short if ttl <= WINDOWS["1 h"][1] else _history_long)(url, run, count)
+    return (_history_short if ttl <= WINDOWS["1 h"][1] else _history_long)(url, run, count, history_paths(window))
 
 
 def badput_gpu_hours(snap: dict) -> tuple[float, float]:
