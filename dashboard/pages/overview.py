@@ -40,6 +40,8 @@ from trainhealth.text import fmt_duration, fmt_int, fmt_pct, fmt_rate, fmt_usd, 
 SLOW_TTL_S = 10
 #: Ledger snapshots drawn on the goodput chart: the whole run, sampled evenly in time (one per ~1.5 px).
 LEDGER_POINTS = 1_200
+#: What the goodput chart draws of each snapshot (since-start tokens/s): Redis sends only these.
+LEDGER_PATHS = ("t", "throughput_tok_s", "goodput_tok_s")
 #: Session-state key of the step series read so far: ``{(run, step_from, step_to): data.StepSeries}``, so a
 #: refresh reads only the entries added since the last one.
 SERIES_KEY = "th_series"
@@ -60,8 +62,9 @@ ALIGNMENTS = {"step": "step", "tokens": "tokens trained"}
 
 
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
-def _checkpoints(url: str, run: str) -> pd.DataFrame:
-    return data.events(get_client(url), run)
+def _checkpoints(url: str, run: str) -> tuple[pd.DataFrame, list[str]]:
+    problems: list[str] = []  # cached with the frame: the warnings must outlive the read
+    return data.checkpoints(get_client(url), run, problems), problems
 
 
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
@@ -72,7 +75,8 @@ def _run_ids(url: str) -> list[str]:
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
 def _ledger_history(url: str, run: str) -> tuple[pd.DataFrame, list[str]]:
     problems: list[str] = []  # cached with the frame: the warnings must outlive the read
-    return data.ledger_history_whole(get_client(url), run, LEDGER_POINTS, problems=problems), problems
+    return data.ledger_history_whole(get_client(url), run, LEDGER_POINTS, problems=problems,
+                                   paths=LEDGER_PATHS), problems
 
 
 def stalled_throughput(snap: dict, state: JobState | None) -> tuple[float | None, str, str] | None:
@@ -352,14 +356,14 @@ def live(run: str) -> None:
         snap = data.ledger_latest(cl, run, problems)
         state = data.job_state(cl, run)  # unreadable: the page's header says so
         anomalies = data.anomalies(cl, run, problems)
-        checkpoints = _checkpoints(url, run)
+        checkpoints, checkpoint_problems = _checkpoints(url, run)
         history, history_problems = _ledger_history(url, run)
     except redis.RedisError as exc:
         redis_trouble(exc)
         return
 
     status_line(series.tail, meta, state)
-    show_problems([*problems, *history_problems])
+    show_problems([*problems, *checkpoint_problems, *history_problems])
     kpis(snap, anomalies, meta, state)
 
     if series.tail is None:
