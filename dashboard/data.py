@@ -415,12 +415,41 @@ def _steps_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return frame
 
 
+#: Newest entries of the ``agg`` stream (KEYS[1]) for :class:`RankWindow`: ``XREVRANGE + - COUNT ARGV[1]``, of which
+#: the newest ARGV[2] are returned and, older, only those whose ``step`` field is a multiple of ARGV[3] (the stride),
+#: oldest first, each as its id and flat fields. The entries passed over never leave Redis. Read-only.
+RANK_WINDOW_SCRIPT = """
+local entries = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', tonumber(ARGV[1]))
+local full, stride = tonumber(ARGV[2]), tonumber(ARGV[3])
+local out = {}
+for i = #entries, 1, -1 do
+  local e = entries[i]
+  local keep = i <= full or stride <= 1
+  if not keep then
+    local f = e[2]
+    for j = 1, #f, 2 do
+      if f[j] == 'step' then
+        local step = tonumber(f[j + 1])
+        keep = step ~= nil and step % stride == 0
+        break
+      end
+    end
+  end
+  if keep then out[#out + 1] = e end
+end
+return out
+"""
+
+
 class RankWindow:
     """The newest ``count`` entries of a run's ``agg`` stream with their per-rank ``busy`` lists, kept between
     refreshes (the Ranks page keeps one per session): a refresh reads only the entries added since the last.
 
-    At 1,024 ranks an entry's ``busy`` list is ~10 kB of JSON, so re-reading 500 steps every 2 s moved ~5 MB per
-    refresh; this reads them once, then the few new entries.
+    At 1,024 ranks an entry's ``busy`` list is ~13 kB of JSON, so re-reading 500 steps every 2 s moved ~6 MB per
+    refresh; this reads them once, then the few new entries. With a budget of ``values`` busy values, a window
+    larger than that at the run's ranks keeps every one of its newest ``full`` entries but, older, only those whose
+    step is a multiple of :attr:`stride` (chosen so that the window holds about ``values`` values): at 1,024 ranks
+    the 500-step window is ~2 MB read once instead of ~6.5 MB, its newest 100 steps (the rank table's) whole.
 
     Attributes
     ----------
@@ -428,12 +457,15 @@ class RankWindow:
         :func:`recent_steps`' frame of the entries held, oldest first.
     last_id : str or None
         The newest entry id read.
+    stride : int
+        1: every entry of the window is held; else only every ``stride``-th step older than the newest ``full``.
     reads : list of (str, str, int)
         ``(start, end, entries returned)`` of each read of the last :meth:`refresh` (none when nothing was new).
     """
 
-    def __init__(self, run: str, count: int = defaults.DASHBOARD_STEPS) -> None:
-        self.run, self.count = run, count
+    def __init__(self, run: str, count: int = defaults.DASHBOARD_STEPS, full: int = RANK_TABLE_STEPS,
+                 values: int | None = None) -> None:
+        self.run, self.count, self.full, self.values = run, count, full, values
         self.key = run_keys(run).agg
         self.reads: list[tuple[str, str, int]] = []
         self._clear()
@@ -442,44 +474,79 @@ class RankWindow:
         self._rows: list[_StepRow] = []  # the window's entries, oldest first, with what in each cannot be read
         self.frame = _empty_steps()
         self.last_id: str | None = None
+        self.stride = 1
+        self._matrix: pd.DataFrame | None = None
+
+    def _stride(self, n_ranks: Any) -> int:
+        """The stride that keeps the window within :attr:`values` busy values at ``n_ranks`` ranks (1: no budget)."""
+        ranks = _num(n_ranks)
+        if self.values is None or not math.isfinite(ranks) or ranks * self.count <= self.values:
+            return 1
+        older = self.count - self.full  # entries beyond the newest `full`, and room for them within the budget
+        room = max(1, int(self.values // max(1.0, ranks)) - self.full)
+        return max(1, math.ceil(older / room))
+
+    def _read_window(self, client: redis.Redis) -> list[tuple[Any, Any]]:
+        """The window's entries as :data:`RANK_WINDOW_SCRIPT` reads them (every one when :attr:`stride` is 1)."""
+        if self.stride <= 1:
+            return list(reversed(client.xrevrange(self.key, count=self.count)))
+        got = client.register_script(RANK_WINDOW_SCRIPT)(keys=[self.key], args=[self.count, self.full, self.stride])
+        return [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True))) for entry_id, flat in got]
+
+    def _thin(self) -> None:
+        """Past the newest :attr:`full`, keep only the rows of steps that are multiples of :attr:`stride`, within
+        the window's newest :attr:`count` steps."""
+        if self.stride <= 1 or len(self._rows) <= self.full:
+            return
+        newest = max(row["step"] for row, _ in self._rows[-self.full:] if row is not None) \
+            if any(row is not None for row, _ in self._rows[-self.full:]) else math.inf
+        older = [(row, why) for row, why in self._rows[:-self.full]
+                 if row is None or (row["step"] % self.stride == 0 and row["step"] > newest - self.count)]
+        self._rows = older + self._rows[-self.full:]
 
     def refresh(self, client: redis.Redis, problems: list[str] | None = None) -> RankWindow:
-        """Bring the window up to date: ``XREVRANGE + - COUNT 1`` for the newest id, and when it is newer than
-        :attr:`last_id` ``XRANGE (last_id newest COUNT count`` (the first time, or when more than ``count`` entries
-        are new or the stream went back: ``XREVRANGE … COUNT count``, as :func:`recent_steps`). Unreadable entries of
-        the window are reported in ``problems`` on every call."""
+        """Bring the window up to date: the newest entry's id and ranks (:func:`project`: no ``busy`` list) and, when
+        it is newer than :attr:`last_id`, ``XRANGE (last_id newest COUNT count`` (the first time, or when more than
+        ``count`` entries are new or the stream went back: the window read anew, ``XREVRANGE … COUNT count`` or,
+        with a stride, :data:`RANK_WINDOW_SCRIPT`). Unreadable entries of the window are reported in ``problems``
+        on every call."""
         self.reads = []
-        newest = client.xrevrange(self.key, count=1)
-        if not newest:
+        ids, values = project(client, self.run, ("n_ranks",), count=1, newest_first=True)
+        if not ids:
             self._clear()
             return self
-        tail = _s(newest[0][0])
+        tail = ids[0]
         if self.last_id is not None and _entry_id(tail) < _entry_id(self.last_id):
             self._clear()  # the stream was deleted and written again
+        fresh = False
         if self.last_id is None:
-            entries = list(reversed(client.xrevrange(self.key, count=self.count)))
-            self.reads.append(("+", "-", len(entries)))
-            self._rows = []
+            fresh = True
         elif tail != self.last_id:
             entries = client.xrange(self.key, "(" + self.last_id, tail, count=self.count)
             self.reads.append(("(" + self.last_id, tail, len(entries)))
-            if len(entries) >= self.count:
-                entries = list(reversed(client.xrevrange(self.key, count=self.count)))
-                self.reads.append(("+", "-", len(entries)))
-                self._rows = []
+            fresh = len(entries) >= self.count
         else:
             entries = []
+        if fresh:
+            self.stride = self._stride(values[0][0])
+            entries = self._read_window(client)
+            self.reads.append(("+", "-", len(entries)))
+            self._rows = []
         if entries:
             self._rows = (self._rows + _step_rows(entries, True))[-self.count:]
+            self._thin()
             self.frame = _steps_frame([row for row, _ in self._rows if row is not None])
             self.last_id = _s(entries[-1][0])
+            self._matrix = None
         _report_rows(problems, self.key, self._rows)
         return self
 
     @property
     def matrix(self) -> pd.DataFrame:
-        """:func:`busy_matrix` of the window."""
-        return busy_matrix(self.frame)
+        """:func:`busy_matrix` of the window (made once per change of the window)."""
+        if self._matrix is None:
+            self._matrix = busy_matrix(self.frame)
+        return self._matrix
 
 
 def busy_matrix(steps: pd.DataFrame) -> pd.DataFrame:

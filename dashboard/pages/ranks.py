@@ -41,6 +41,11 @@ AROUND_TTL_S = 10
 #: Session-state key of the rank window read so far (:func:`rank_window`).
 WINDOW_KEY = "th_rank_window"
 WINDOWS = (100, 500, DASHBOARD_STEPS)
+#: Busy values (ranks x steps) the window reads at most: beyond, its newest ``data.RANK_TABLE_STEPS`` steps are read
+#: whole and only every n-th older one (data.RankWindow). 131,072: 500 steps whole up to 256 ranks; at 1,024 ranks
+#: the newest 100 and every 15th before (~1.6 MB read once instead of ~6.5 MB), which the heatmap draws in
+#: ~64 columns anyway (charts.HEATMAP_MAX_CELLS).
+WINDOW_VALUES = 131_072
 MODES = ("busy seconds", "ratio to step median")
 #: Anomaly kinds about particular ranks or nodes, each shown as a warning on top: the flagging ones
 #: (:data:`trainhealth.dashboard.data.FLAGGED_KINDS`) and a dead rank (its job is hung or crashed).
@@ -207,8 +212,16 @@ def rank_window(cl: Any, run: str, window: int, problems: list[str]) -> data.Ran
     1,024 ranks 500 steps are ~5 MB of JSON: read once, not every 2 s)."""
     kept = st.session_state.get(WINDOW_KEY)
     if kept is None or (kept.run, kept.count) != (run, window):
-        kept = st.session_state[WINDOW_KEY] = data.RankWindow(run, window)
+        kept = st.session_state[WINDOW_KEY] = data.RankWindow(run, window, values=WINDOW_VALUES)
     return kept.refresh(cl, problems)
+
+
+def sampled_note(kept: data.RankWindow, n_ranks: int) -> str | None:
+    """What the heatmap and the drill-down show of a window read with a stride, None when every step is there."""
+    if kept.stride <= 1:
+        return None
+    return (f"The newest {kept.full:,} steps are shown step by step; before them, every {kept.stride:,}th step (at "
+            f"{plural(n_ranks, 'rank')}, the window reads at most {WINDOW_VALUES:,} busy values).")
 
 
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
@@ -217,7 +230,8 @@ def live(run: str, window: int, relative: bool) -> None:
     problems: list[str] = []
     try:
         cl = client()
-        matrix = rank_window(cl, run, window, problems).matrix
+        kept = rank_window(cl, run, window, problems)
+        matrix = kept.matrix
         anomalies = data.anomalies(cl, run, problems)
         state = data.job_state(cl, run)  # unreadable: the page's header says so
         hosts = _hosts(st.session_state.get(URL_KEY, ""), run)
@@ -243,6 +257,9 @@ def live(run: str, window: int, relative: bool) -> None:
         return
     st.plotly_chart(charts.rank_heatmap(matrix, relative=relative, highlight=flagged).update_layout(
         uirevision=run), config={"displaylogo": False}, key="heatmap")
+    note = sampled_note(kept, matrix.shape[0])
+    if note:
+        st.caption(note)
 
     recent, onset = data.rank_table_window(matrix, anomalies)
     summary = data.rank_summary(recent, hosts)
