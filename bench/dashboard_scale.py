@@ -59,7 +59,8 @@ live run (a refresh finds no new step; the newest step ended a few minutes befor
 - Bytes read from Redis: ``INFO stats`` ``total_net_output_bytes`` of the bench's redis-server before and after the
   AppTest cold run and the first refresh (the INFO reply itself subtracted). The heartbeat's ~100 bytes per 2 s
   are in it.
-- The running app: ``streamlit run dashboard/app.py`` (``--browser.gatherUsageStats false``) and ``streamlit run``
+- The running app: ``streamlit run dashboard/app.py`` (with the options ``trainhealth dashboard`` gives it:
+  ``commands/_shared.py`` ``DASHBOARD_OPTIONS``) and ``streamlit run``
   of the one-chart page, driven by Debian's Chromium (headless, Playwright). Each page is opened ``--loads`` times,
   each in a fresh browser context (a new session), after one warm-up load of the Alerts page (imports done, the
   legacy ``pages/`` mode over). *First chart* = ms from navigation start to the first ``.js-plotly-plot .main-svg``
@@ -112,6 +113,7 @@ import service_throughput
 
 from trainhealth import defaults
 from trainhealth.collectors.sender import Sender
+from trainhealth.commands._shared import DASHBOARD_OPTIONS
 from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.pipeline import Output, agg_fields
@@ -676,14 +678,16 @@ def warm_up(run: str) -> None:
 # -- the running app -------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def streamlit_server(script: Path, redis_url: str, log: Path) -> Iterator[tuple[str, int]]:
-    """``streamlit run script`` on a free port; yields (base URL, pid); always stopped."""
+    """``streamlit run script`` on a free port, the dashboard with the options ``trainhealth dashboard`` gives it
+    (``DASHBOARD_OPTIONS``), the one-chart page with Streamlit's defaults; yields (base URL, pid); always stopped."""
     port = free_port()
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
+    options = list(DASHBOARD_OPTIONS) if script == APP else ["--browser.gatherUsageStats", "false"]
     with log.open("w") as fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamlit", "run", str(script), "--server.headless", "true", "--server.port",
-             str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
-             "--server.fileWatcherType", "none"], cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+             str(port), "--server.address", "127.0.0.1", "--server.fileWatcherType", "none", *options],
+            cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
