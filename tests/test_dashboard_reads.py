@@ -153,3 +153,46 @@ def test_unreadable_snapshots_are_reported_as_before(r: redis.Redis) -> None:
         "4 snapshots in th:{bad}:ledger are unreadable (first: entry 1-0: not JSON ('garbage'))",
         "2 snapshots in th:{bad}:ledger have unreadable values, shown as missing (first: entry 5-0: wall_s 'long' is "
         "not a number; seconds.productive 'x' is not a number)"]
+
+
+# --- the Ranks page's window of busy lists, within a budget of values ---------------------------------------------
+
+def busy_entry(step: int, ranks: int) -> dict:
+    """An ``agg`` entry whose busy seconds say their rank and step (rank r of step s: s + r / 10,000)."""
+    return {"step": step, "gen": 0, "t_start": repr(T0 + step), "t_end": repr(T0 + step + 0.9), "n_ranks": ranks,
+            "busy": json.dumps([round(step + r / 10_000, 6) for r in range(ranks)]), "loss": "2.0"}
+
+
+def seed_busy(r: redis.Redis, run: str, steps: range, ranks: int) -> None:
+    pipe = r.pipeline(transaction=False)
+    for s in steps:
+        pipe.xadd(run_keys(run).agg, busy_entry(s, ranks), id=f"1-{s}")
+    pipe.execute()
+
+
+def test_rank_window_within_a_budget_keeps_the_newest_steps_and_every_nth_before(r: redis.Redis) -> None:
+    seed_busy(r, "wide", range(1, 601), 1024)
+    window, cold = measured(r, lambda: data.RankWindow("wide", 500, values=131_072).refresh(r))
+    # 131,072 values at 1,024 ranks: 128 entries, the newest 100 whole and every ceil(400 / 28) = 15th step before.
+    assert window.stride == 15 and window.reads == [("+", "-", 127)]
+    older = list(range(105, 501, 15))
+    assert list(window.matrix.columns) == older + list(range(501, 601))
+    whole = data.rank_matrix(r, "wide", 500)
+    assert window.matrix.equals(whole[window.matrix.columns])
+    assert window.matrix.loc[1023, 600] == 600.1023
+    _, all_of_it = measured(r, lambda: r.xrevrange(run_keys("wide").agg, count=500))
+    assert cold < 0.27 * all_of_it  # 127 entries of 500
+
+    _, idle = measured(r, lambda: window.refresh(r))
+    assert window.reads == [] and idle < 120  # the newest entry's id and ranks, not its ~10 kB busy list
+    seed_busy(r, "wide", range(601, 604), 1024)
+    window.refresh(r)
+    # Steps 501-503 left the newest 100 and are no multiples of 15: dropped; 105 is still within 603 - 500.
+    assert window.reads == [("(1-600", "1-603", 3)]
+    assert list(window.matrix.columns) == older + list(range(504, 604))
+    assert window.matrix.equals(data.rank_matrix(r, "wide", 500)[window.matrix.columns])
+
+    # Within the budget (64 ranks x 500 steps): every step, as without one.
+    seed_busy(r, "narrow", range(1, 601), 64)
+    narrow = data.RankWindow("narrow", 500, values=131_072).refresh(r)
+    assert narrow.stride == 1 and narrow.matrix.equals(data.rank_matrix(r, "narrow", 500))
