@@ -38,8 +38,10 @@ from trainhealth.text import fmt_duration, fmt_int, fmt_pct, fmt_rate, fmt_usd, 
 #: Slow-moving reads (checkpoint markers, the sampled ledger history) are re-read at most this
 #: often (s) instead of on every 2 s refresh; the KPIs and loss curve stay fully live.
 SLOW_TTL_S = 10
-#: Ledger snapshots drawn on the goodput chart: the whole run, sampled evenly in time (one per ~1.5 px).
-LEDGER_POINTS = 1_200
+#: Ledger snapshots drawn on the goodput chart: the whole run, sampled evenly in time (one per ~1.5 px of its ~900).
+#: Each sample costs Redis a ~2 kB JSON decode (data.LEDGER_SAMPLE_SCRIPT, ~30 us): 600 are ~20 ms every SLOW_TTL_S;
+#: the since-start curves it draws move by at most 1/600 of their range between two samples.
+LEDGER_POINTS = 600
 #: What the goodput chart draws of each snapshot (since-start tokens/s): Redis sends only these.
 LEDGER_PATHS = ("t", "throughput_tok_s", "goodput_tok_s")
 #: Session-state key of the step series read so far: ``{(run, step_from, step_to): data.StepSeries}``, so a
@@ -357,13 +359,12 @@ def live(run: str) -> None:
         state = data.job_state(cl, run)  # unreadable: the page's header says so
         anomalies = data.anomalies(cl, run, problems)
         checkpoints, checkpoint_problems = _checkpoints(url, run)
-        history, history_problems = _ledger_history(url, run)
     except redis.RedisError as exc:
         redis_trouble(exc)
         return
 
     status_line(series.tail, meta, state)
-    show_problems([*problems, *checkpoint_problems, *history_problems])
+    show_problems([*problems, *checkpoint_problems])
     kpis(snap, anomalies, meta, state)
 
     if series.tail is None:
@@ -377,6 +378,13 @@ def live(run: str) -> None:
         else:
             curves(run, series, anomalies, checkpoints, lo, hi)
 
+    # Read after the curves are drawn: the browser draws them meanwhile.
+    try:
+        history, history_problems = _ledger_history(url, run)
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+    show_problems(history_problems)
     left, right = st.columns([3, 2])
     with left:
         if history.empty:

@@ -234,7 +234,6 @@ def live(run: str, window: int, relative: bool) -> None:
         matrix = kept.matrix
         anomalies = data.anomalies(cl, run, problems)
         state = data.job_state(cl, run)  # unreadable: the page's header says so
-        hosts = _hosts(st.session_state.get(URL_KEY, ""), run)
     except redis.RedisError as exc:
         redis_trouble(exc)
         return
@@ -261,6 +260,11 @@ def live(run: str, window: int, relative: bool) -> None:
     if note:
         st.caption(note)
 
+    try:  # read after the heatmap is drawn: the browser draws it meanwhile
+        hosts = _hosts(st.session_state.get(URL_KEY, ""), run)
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
     recent, onset = data.rank_table_window(matrix, anomalies)
     summary = data.rank_summary(recent, hosts)
     nodes = data.node_summary(summary, anomalies)
