@@ -58,7 +58,9 @@ live run (a refresh finds no new step; the newest step ended a few minutes befor
   ``dashboard/frame.py``), with its frame. Modules are imported once, before the first measurement.
 - Bytes read from Redis: ``INFO stats`` ``total_net_output_bytes`` of the bench's redis-server before and after the
   AppTest cold run and the first refresh (the INFO reply itself subtracted). The heartbeat's ~100 bytes per 2 s
-  are in it.
+  are in it. Beside them, the ms Redis spent executing commands meanwhile (``INFO commandstats`` ``usec``, summed):
+  what those reads cost the server every collector and service shares, the dashboard's read-only Lua scripts
+  included (a script decoding JSON in Redis saves bytes and costs Redis time).
 - The running app: ``streamlit run dashboard/app.py`` (with the options ``trainhealth dashboard`` gives it:
   ``commands/_shared.py`` ``DASHBOARD_OPTIONS``) and ``streamlit run``
   of the one-chart page, driven by Debian's Chromium (headless, Playwright). Each page is opened ``--loads`` times,
@@ -234,6 +236,13 @@ class RedisProc(service_throughput.RedisProc):
         """Bytes Redis sent to the other clients since the reading ``before``."""
         return self.out_bytes() - before - self.info_bytes
 
+    def busy_us(self) -> int:
+        """Microseconds Redis has spent executing commands (``INFO commandstats`` ``usec``, summed; the INFO
+        readings themselves left out): what the dashboard's reads cost the server every client shares, its
+        read-only scripts (EVALSHA/EVAL) included."""
+        stats = self.stats.info("commandstats")
+        return sum(int(v["usec"]) for k, v in stats.items() if k != "cmdstat_info")
+
     def stop(self) -> None:
         """Stop the server and remove its directory."""
         self.stats.close()
@@ -242,10 +251,12 @@ class RedisProc(service_throughput.RedisProc):
 
 @contextlib.contextmanager
 def counted(rp: RedisProc, into: dict[str, Any], key: str) -> Iterator[None]:
-    """Put the bytes Redis sent to clients while the block ran in ``into[key]``."""
-    b0 = rp.out_bytes()
+    """Put the bytes Redis sent to clients while the block ran in ``into[key]``, and the ms Redis spent executing
+    commands in ``into[key + "_redis_ms"]``."""
+    b0, u0 = rp.out_bytes(), rp.busy_us()
     yield
     into[key] = rp.sent_since(b0)
+    into[key + "_redis_ms"] = round((rp.busy_us() - u0) / 1e3, 1)
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
@@ -808,9 +819,10 @@ def open_page(browser: Any, url: str, selector: str, observe_s: float = 0.0,
         if observe_s and rp is not None:
             seen = page.evaluate("window.__th.msgs.length")
             t0 = page.evaluate("performance.now()")
-            b0 = rp.out_bytes()
+            b0, u0 = rp.out_bytes(), rp.busy_us()
             page.wait_for_timeout(observe_s * 1000)
             sent = rp.sent_since(b0)
+            busy_ms = (rp.busy_us() - u0) / 1e3
             t1 = page.evaluate("performance.now()")
             runs = script_runs(page.evaluate("window.__th.msgs")[seen:])
             frag = [r for r in runs if r["fragment"] and r["end"] is not None and r["start"] >= t0]
@@ -819,6 +831,7 @@ def open_page(browser: Any, url: str, selector: str, observe_s: float = 0.0,
             out["fragment_ms"] = [round(r["end"] - r["start"], 1) for r in frag]
             out["refresh_ms"] = round(sum(r["end"] - r["start"] for r in frag) / cycles, 1)
             out["refresh_bytes"] = round(sent / cycles)
+            out["refresh_redis_ms"] = round(busy_ms / cycles, 1)
             out["full_reruns"] = sum(1 for r in runs if not r["fragment"])
         return out
     finally:
@@ -862,12 +875,14 @@ def browser_pages(rp: RedisProc, plan: Plan, baseline: Path, loads: int, observe
                 out[name] = {"loads": got, "first_load_ms": first.get("first_ms"),
                              "warm_ms": statistics.median(warm) if warm else None,
                              "app_cold_ms": first.get("app_cold_ms"), "app_refresh_ms": last.get("refresh_ms"),
-                             "app_refresh_bytes": last.get("refresh_bytes"), "drawn": kind,
+                             "app_refresh_bytes": last.get("refresh_bytes"),
+                             "app_refresh_redis_ms": last.get("refresh_redis_ms"), "drawn": kind,
                              "errors": [g["error"] for g in got if "error" in g], "rss_mb": round(rss_mb(server), 1)}
                 b = out[name]
                 print(f"  browser {name:<15} first {_num(b['first_load_ms'])} ms, warm {_num(b['warm_ms'])} ms, app "
                       f"cold {_num(b['app_cold_ms'])} ms, refresh {_num(b['app_refresh_ms'])} ms / "
-                      f"{_num(b['app_refresh_bytes'])} B per 2 s, RSS {b['rss_mb']:,.0f} MB"
+                      f"{_num(b['app_refresh_bytes'])} B / Redis {_num(b['app_refresh_redis_ms'], '{:,.1f}')} ms per "
+                      f"2 s, RSS {b['rss_mb']:,.0f} MB"
                       + (f"; errors: {b['errors']}" if b["errors"] else ""), flush=True)
         finally:
             browser.close()
@@ -918,7 +933,8 @@ def measure_size(world: int, args: argparse.Namespace, baseline: Path, tmp: Path
                 pages[name] = {"apptest": apptest(APP, page, plan.run, rp, args.repeats)}
                 a = pages[name]["apptest"]
                 print(f"  AppTest {name:<10} cold {a['cold']:>8,.0f} ms {a['cold_ms']}, refresh {a['refresh']:>7,.0f} "
-                      f"ms {a['refresh_ms']}, bytes {a['cold_bytes']:,} / {a['refresh_bytes']:,}"
+                      f"ms {a['refresh_ms']}, bytes {a['cold_bytes']:,} / {a['refresh_bytes']:,}, Redis "
+                      f"{a['cold_bytes_redis_ms']:,.1f} / {a['refresh_bytes_redis_ms']:,.1f} ms"
                       + (f"; errors: {a['errors']}" if a["errors"] else ""), flush=True)
         if not args.skip_browser:
             for name, got in browser_pages(rp, plan, baseline, args.loads, args.observe, tmp).items():
@@ -952,7 +968,7 @@ def table(result: dict[str, Any]) -> str:
     base = pages.get(BASELINE, {}).get("browser", {})
     head = ["page", "AppTest cold ms", "AppTest refresh ms", "app cold ms", "app refresh ms / 2 s",
             "first drawn ms (first load · warm)", "x one-chart (first · warm)", "cold bytes", "refresh bytes",
-            "app bytes / 2 s", "app RSS MB"]
+            "app bytes / 2 s", "Redis ms (cold · refresh · app / 2 s)", "app RSS MB"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in [BASELINE, *(p[0] for p in PAGES)]:
         a, b = pages.get(name, {}).get("apptest", {}), pages.get(name, {}).get("browser", {})
@@ -976,6 +992,8 @@ def table(result: dict[str, Any]) -> str:
                                             _mark(a.get("refresh_bytes"), lambda v: v <= REFRESH_BYTES)),
             _num(b.get("app_refresh_bytes")) + ("" if baseline else
                                                 _mark(b.get("app_refresh_bytes"), lambda v: v <= REFRESH_BYTES)),
+            "—" if baseline else " · ".join(_num(v, "{:,.1f}") for v in (
+                a.get("cold_bytes_redis_ms"), a.get("refresh_bytes_redis_ms"), b.get("app_refresh_redis_ms"))),
             _num(b.get("rss_mb")),
         ]
         rows.append("| " + " | ".join(cells) + " |")

@@ -29,9 +29,11 @@ from trainhealth.dashboard.common import (
     TOKEN_GAP_NOTE,
     URL_KEY,
     client,
+    current_focus,
     get_client,
     rates_table,
     redis_trouble,
+    reuse,
     show_problems,
     to_datetime,
     viewer_tz,
@@ -171,17 +173,25 @@ def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str, rate_windo
     if hist.empty:
         st.info("No goodput ledger history yet.", icon=":material/hourglass_empty:")
         return
-    fig = charts.wall_time_breakdown(hist, tz, custom_names=list(snap.get("custom_by_name") or {}))
-    fig.update_layout(uirevision=run)  # keep the user's zoom across refreshes
-    zoom_to_focus(fig, run, tz, hist["t"])  # a link's step: open around its time
-    st.plotly_chart(fig, config={"displaylogo": False}, key="breakdown")
+    # Each chart is made again only when the history, the snapshot or the choices changed (common.reuse).
+    custom = list(snap.get("custom_by_name") or {})
+    drawn = (run, tz, rate_window, len(hist), float(hist["t"].iloc[0]), float(hist["t"].iloc[-1]), tuple(custom),
+             current_focus(run))
+
+    def breakdown() -> Any:
+        fig = charts.wall_time_breakdown(hist, tz, custom_names=custom)
+        fig.update_layout(uirevision=run)  # keep the user's zoom across refreshes
+        return zoom_to_focus(fig, run, tz, hist["t"])  # a link's step: open around its time
+
+    st.plotly_chart(reuse("breakdown", drawn, breakdown), config={"displaylogo": False}, key="breakdown")
     left, right = st.columns([3, 2])
     with left:
         if data.has_token_counts(snap):
-            fig = charts.goodput_over_time(hist, tz, rate_window=rate_window)
-            fig.update_layout(uirevision=run)
-            zoom_to_focus(fig, run, tz, hist["t"])
-            st.plotly_chart(fig, config={"displaylogo": False}, key="tokens")
+            def tokens() -> Any:
+                fig = charts.goodput_over_time(hist, tz, rate_window=rate_window).update_layout(uirevision=run)
+                return zoom_to_focus(fig, run, tz, hist["t"])
+
+            st.plotly_chart(reuse("tokens", drawn, tokens), config={"displaylogo": False}, key="tokens")
             st.caption(TOKEN_GAP_NOTE)
         else:
             st.info("No token counts in this run, so there is no throughput or goodput in tokens/s; the "
@@ -193,8 +203,9 @@ def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str, rate_windo
             st.info("No badput so far: all wall time was productive.", icon=":material/check_circle:")
         else:
             priced = snap.get("badput_cost_usd") is not None
-            st.plotly_chart(charts.badput_cost_bar(shown, priced, snap.get("wall_s")),
-                            config={"displaylogo": False}, key="cost")
+            fig = reuse("cost", (run, snap.get("t"), snap.get("wall_s"), priced, tuple(shown["seconds"])),
+                        lambda: charts.badput_cost_bar(shown, priced, snap.get("wall_s")))
+            st.plotly_chart(fig, config={"displaylogo": False}, key="cost")
             rest = [charts.label(c) for c in causes.loc[causes["seconds"] < MIN_BAR_S, "category"]]
             if rest:
                 st.caption("Nothing lost to " + ", ".join(rest) + ".")

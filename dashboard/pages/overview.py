@@ -23,8 +23,11 @@ from trainhealth.dashboard.common import (
     URL_KEY,
     anomaly_delta,
     client,
+    current_focus,
+    frame_signature,
     get_client,
     redis_trouble,
+    reuse,
     show_problems,
     viewer_tz,
     zoom_to_focus,
@@ -61,6 +64,8 @@ NO_COMPARE = "—"  # no run id looks like this (trainhealth.keys.validate_run_i
 # (``th_step_from.w:19900``) and copies a change back (:func:`_chosen`). So a drag on the chart or "Whole run"
 # redraws the inputs, and a page whose widgets get new ids between runs keeps the choice.
 ALIGNMENTS = {"step": "step", "tokens": "tokens trained"}
+#: What of the anomalies the curves draw (markers, spans, hover text): a change makes them again.
+CURVE_ANOMALY_COLUMNS = ("id", "kind", "severity", "status", "step", "end_step", "ranks", "message")
 
 
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
@@ -278,11 +283,17 @@ def curves_caption(series: data.StepSeries, reduced: bool) -> str | None:
 
 def curves(run: str, series: data.StepSeries, anomalies: pd.DataFrame, checkpoints: pd.DataFrame,
            lo: int | None, hi: int | None) -> None:
-    """The loss / grad-norm chart of the series; dragging across it picks a step range."""
-    fig = charts.training_curves(series.frame, anomalies, checkpoints, max_points=charts.MAX_POINTS)
+    """The loss / grad-norm chart of the series; dragging across it picks a step range. Made again only when the
+    series, the anomalies or the checkpoints changed (:func:`~trainhealth.dashboard.common.reuse`)."""
+    def build() -> Any:
+        fig = charts.training_curves(series.frame, anomalies, checkpoints, max_points=charts.MAX_POINTS)
+        # Keep the user's zoom across refreshes, not across ranges; dragging selects a step range (horizontal only).
+        return fig.update_layout(uirevision=f"{run}:{lo}:{hi}", dragmode="select", selectdirection="h")
+
+    fig = reuse("curves", (run, lo, hi, series.last_id, len(series.frame), series.rolled_steps,
+                           frame_signature(anomalies, CURVE_ANOMALY_COLUMNS),
+                           frame_signature(checkpoints, data.EVENT_COLUMNS)), build)
     reduced = "reduced" in (fig.layout.title.text or "")
-    # Keep the user's zoom across refreshes, not across ranges; dragging selects a step range (horizontal only).
-    fig.update_layout(uirevision=f"{run}:{lo}:{hi}", dragmode="select", selectdirection="h")
     key = f"curves:{lo}:{hi}"  # a new range starts without the previous range's selection box
     st.plotly_chart(fig, config={"displaylogo": False}, key=key, on_select=functools.partial(_zoom_to_selection, key),
                     selection_mode="box")
@@ -394,9 +405,12 @@ def live(run: str) -> None:
                     "throughput or goodput in tokens/s. Goodput (time) and the badput breakdown still apply.",
                     icon=":material/info:")
         else:
-            fig = charts.goodput_over_time(history, viewer_tz())
-            fig.update_layout(uirevision=run)
-            zoom_to_focus(fig, run, viewer_tz(), history["t"])  # a link's step: open around its time
+            def goodput_figure() -> Any:
+                fig = charts.goodput_over_time(history, viewer_tz()).update_layout(uirevision=run)
+                return zoom_to_focus(fig, run, viewer_tz(), history["t"])  # a link's step: open around its time
+
+            fig = reuse("goodput", (run, viewer_tz(), len(history), float(history["t"].iloc[0]),
+                                    float(history["t"].iloc[-1]), current_focus(run)), goodput_figure)
             st.plotly_chart(fig, config={"displaylogo": False}, key="goodput")
             st.caption(TOKEN_GAP_NOTE)
     with right:
@@ -407,7 +421,8 @@ def live(run: str) -> None:
             if shown.empty:
                 st.info("No badput so far: all wall time was productive.", icon=":material/check_circle:")
             else:
-                fig = charts.badput_bar(shown, snap.get("wall_s"))
+                fig = reuse("badput", (run, snap.get("t"), snap.get("wall_s"), tuple(shown["seconds"])),
+                            lambda: charts.badput_bar(shown, snap.get("wall_s")))
                 st.plotly_chart(fig, config={"displaylogo": False}, key="badput")
             caption = ledger_caption(snap)
             if caption:
