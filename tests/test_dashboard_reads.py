@@ -11,6 +11,7 @@ import json
 import math
 
 import pandas as pd
+import pytest
 import redis
 
 from trainhealth.dashboard import data
@@ -196,3 +197,14 @@ def test_rank_window_within_a_budget_keeps_the_newest_steps_and_every_nth_before
     seed_busy(r, "narrow", range(1, 601), 64)
     narrow = data.RankWindow("narrow", 500, values=131_072).refresh(r)
     assert narrow.stride == 1 and narrow.matrix.equals(data.rank_matrix(r, "narrow", 500))
+
+
+def test_busy_lists_read_fast_are_the_standard_librarys_floats() -> None:
+    full = json.dumps([round(0.8 + r / 9_973, 6) for r in range(1024)])
+    assert data._busy_list(full) == json.loads(full) and data._busy_list(full.encode()) == json.loads(full)
+    assert data._busy_list("[1, 0.5, 2e-3]") == [1.0, 0.5, 0.002]
+    with_gaps = data._busy_list("[0.5, null, NaN, 1e400]")  # nulls and tokens msgspec refuses: the slow path
+    assert with_gaps[0] == 0.5 and math.isnan(with_gaps[1]) and math.isnan(with_gaps[2]) and with_gaps[3] == math.inf
+    for bad in ("[0.8, oops", "{}", '"x"'):
+        with pytest.raises(ValueError):
+            data._busy_list(bad)
