@@ -237,7 +237,7 @@ def frame_signature(frame: pd.DataFrame, columns: Sequence[str]) -> tuple:
     """The values of ``columns`` of a small frame (anomalies, checkpoints) as a hashable tuple, for :func:`reuse`."""
     if frame.empty:
         return ()
-    return tuple(map(tuple, frame[list(columns)].astype(str).to_numpy()))
+    return tuple(zip(*(map(repr, frame[c].tolist()) for c in columns), strict=True))
 
 
 # --- anomaly kinds in words --------------------------------------------------------------------

@@ -842,20 +842,20 @@ def anomalies(client: redis.Redis, run: str, problems: list[str] | None = None) 
         _report(problems, unreadable(key, "anomaly", "anomalies", skipped))
     if partly:
         _report(problems, unreadable(key, "anomaly", "anomalies", partly, partly=True))
-    frame = pd.DataFrame(rows, columns=ANOMALY_COLUMNS)
+    # Active first, then the most severe (a slow step, info, must not push a loss spike out of view), newest (a
+    # missing first_seen last), the id breaking ties: sorted here, a few rows, before the frame is made.
+    def order(row: dict[str, Any]) -> tuple:
+        seen = _num(row["first_seen"])
+        return (row["status"] != "active", _SEVERITY_ORDER.get(row["severity"], 3), math.isnan(seen),
+                -seen if not math.isnan(seen) else 0.0, str(row["id"]))
+
+    frame = pd.DataFrame(sorted(rows, key=order), columns=ANOMALY_COLUMNS)
     for c in ("step", "end_step"):
         frame[c] = pd.to_numeric(frame[c]).astype("float64")
         frame[c] = frame[c].where(np.isfinite(frame[c])).round().astype("Int64")
     for c in ("first_seen", "last_seen"):
         frame[c] = frame[c].astype("float64")
-    if frame.empty:
-        return frame
-    # Active first, then the most severe (a slow step, info, must not push a loss spike out of view), newest.
-    frame["_inactive"] = frame["status"] != "active"
-    frame["_sev"] = frame["severity"].map({"critical": 0, "warning": 1, "info": 2}).fillna(3)
-    frame = frame.sort_values(["_inactive", "_sev", "first_seen", "id"], ascending=[True, True, False, True],
-                              kind="stable", na_position="last")
-    return frame.drop(columns=["_inactive", "_sev"]).reset_index(drop=True)
+    return frame
 
 
 # --- incidents -------------------------------------------------------------------------
