@@ -52,7 +52,8 @@ def measure(rp: dashboard_scale.RedisProc, client: redis.Redis, fn: Callable[[],
     fn()
     walls, sent, busy = [], [], []
     for _ in range(repeats):
-        b0, u0 = rp.out_bytes(), rp.busy_us()
+        u0 = rp.busy_us()  # before the byte count starts: its own INFO reply is not the read's
+        b0 = rp.out_bytes()
         t0 = time.perf_counter()
         fn()
         walls.append((time.perf_counter() - t0) * 1e3)

@@ -253,7 +253,8 @@ class RedisProc(service_throughput.RedisProc):
 def counted(rp: RedisProc, into: dict[str, Any], key: str) -> Iterator[None]:
     """Put the bytes Redis sent to clients while the block ran in ``into[key]``, and the ms Redis spent executing
     commands in ``into[key + "_redis_ms"]``."""
-    b0, u0 = rp.out_bytes(), rp.busy_us()
+    u0 = rp.busy_us()  # first: its INFO reply is sent before the byte count starts, and counted out at the end
+    b0 = rp.out_bytes()
     yield
     into[key] = rp.sent_since(b0)
     into[key + "_redis_ms"] = round((rp.busy_us() - u0) / 1e3, 1)
@@ -819,7 +820,8 @@ def open_page(browser: Any, url: str, selector: str, observe_s: float = 0.0,
         if observe_s and rp is not None:
             seen = page.evaluate("window.__th.msgs.length")
             t0 = page.evaluate("performance.now()")
-            b0, u0 = rp.out_bytes(), rp.busy_us()
+            u0 = rp.busy_us()  # before the byte count starts: its own INFO reply is not the dashboard's
+            b0 = rp.out_bytes()
             page.wait_for_timeout(observe_s * 1000)
             sent = rp.sent_since(b0)
             busy_ms = (rp.busy_us() - u0) / 1e3
