@@ -58,8 +58,11 @@ live run (a refresh finds no new step; the newest step ended a few minutes befor
   ``dashboard/frame.py``), with its frame. Modules are imported once, before the first measurement.
 - Bytes read from Redis: ``INFO stats`` ``total_net_output_bytes`` of the bench's redis-server before and after the
   AppTest cold run and the first refresh (the INFO reply itself subtracted). The heartbeat's ~100 bytes per 2 s
-  are in it.
-- The running app: ``streamlit run dashboard/app.py`` (``--browser.gatherUsageStats false``) and ``streamlit run``
+  are in it. Beside them, the ms Redis spent executing commands meanwhile (``INFO commandstats`` ``usec``, summed):
+  what those reads cost the server every collector and service shares, the dashboard's read-only Lua scripts
+  included (a script decoding JSON in Redis saves bytes and costs Redis time).
+- The running app: ``streamlit run dashboard/app.py`` (with the options ``trainhealth dashboard`` gives it:
+  ``commands/_shared.py`` ``DASHBOARD_OPTIONS``) and ``streamlit run``
   of the one-chart page, driven by Debian's Chromium (headless, Playwright). Each page is opened ``--loads`` times,
   each in a fresh browser context (a new session), after one warm-up load of the Alerts page (imports done, the
   legacy ``pages/`` mode over). *First chart* = ms from navigation start to the first ``.js-plotly-plot .main-svg``
@@ -112,6 +115,7 @@ import service_throughput
 
 from trainhealth import defaults
 from trainhealth.collectors.sender import Sender
+from trainhealth.commands._shared import DASHBOARD_OPTIONS
 from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.pipeline import Output, agg_fields
@@ -232,6 +236,13 @@ class RedisProc(service_throughput.RedisProc):
         """Bytes Redis sent to the other clients since the reading ``before``."""
         return self.out_bytes() - before - self.info_bytes
 
+    def busy_us(self) -> int:
+        """Microseconds Redis has spent executing commands (``INFO commandstats`` ``usec``, summed; the INFO
+        readings themselves left out): what the dashboard's reads cost the server every client shares, its
+        read-only scripts (EVALSHA/EVAL) included."""
+        stats = self.stats.info("commandstats")
+        return sum(int(v["usec"]) for k, v in stats.items() if k != "cmdstat_info")
+
     def stop(self) -> None:
         """Stop the server and remove its directory."""
         self.stats.close()
@@ -240,10 +251,13 @@ class RedisProc(service_throughput.RedisProc):
 
 @contextlib.contextmanager
 def counted(rp: RedisProc, into: dict[str, Any], key: str) -> Iterator[None]:
-    """Put the bytes Redis sent to clients while the block ran in ``into[key]``."""
+    """Put the bytes Redis sent to clients while the block ran in ``into[key]``, and the ms Redis spent executing
+    commands in ``into[key + "_redis_ms"]``."""
+    u0 = rp.busy_us()  # first: its INFO reply is sent before the byte count starts, and counted out at the end
     b0 = rp.out_bytes()
     yield
     into[key] = rp.sent_since(b0)
+    into[key + "_redis_ms"] = round((rp.busy_us() - u0) / 1e3, 1)
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
@@ -676,14 +690,16 @@ def warm_up(run: str) -> None:
 # -- the running app -------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def streamlit_server(script: Path, redis_url: str, log: Path) -> Iterator[tuple[str, int]]:
-    """``streamlit run script`` on a free port; yields (base URL, pid); always stopped."""
+    """``streamlit run script`` on a free port, the dashboard with the options ``trainhealth dashboard`` gives it
+    (``DASHBOARD_OPTIONS``), the one-chart page with Streamlit's defaults; yields (base URL, pid); always stopped."""
     port = free_port()
     env = {**os.environ, "TRAINHEALTH_REDIS_URL": redis_url}
+    options = list(DASHBOARD_OPTIONS) if script == APP else ["--browser.gatherUsageStats", "false"]
     with log.open("w") as fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamlit", "run", str(script), "--server.headless", "true", "--server.port",
-             str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
-             "--server.fileWatcherType", "none"], cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+             str(port), "--server.address", "127.0.0.1", "--server.fileWatcherType", "none", *options],
+            cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -804,9 +820,11 @@ def open_page(browser: Any, url: str, selector: str, observe_s: float = 0.0,
         if observe_s and rp is not None:
             seen = page.evaluate("window.__th.msgs.length")
             t0 = page.evaluate("performance.now()")
+            u0 = rp.busy_us()  # before the byte count starts: its own INFO reply is not the dashboard's
             b0 = rp.out_bytes()
             page.wait_for_timeout(observe_s * 1000)
             sent = rp.sent_since(b0)
+            busy_ms = (rp.busy_us() - u0) / 1e3
             t1 = page.evaluate("performance.now()")
             runs = script_runs(page.evaluate("window.__th.msgs")[seen:])
             frag = [r for r in runs if r["fragment"] and r["end"] is not None and r["start"] >= t0]
@@ -815,6 +833,7 @@ def open_page(browser: Any, url: str, selector: str, observe_s: float = 0.0,
             out["fragment_ms"] = [round(r["end"] - r["start"], 1) for r in frag]
             out["refresh_ms"] = round(sum(r["end"] - r["start"] for r in frag) / cycles, 1)
             out["refresh_bytes"] = round(sent / cycles)
+            out["refresh_redis_ms"] = round(busy_ms / cycles, 1)
             out["full_reruns"] = sum(1 for r in runs if not r["fragment"])
         return out
     finally:
@@ -858,12 +877,14 @@ def browser_pages(rp: RedisProc, plan: Plan, baseline: Path, loads: int, observe
                 out[name] = {"loads": got, "first_load_ms": first.get("first_ms"),
                              "warm_ms": statistics.median(warm) if warm else None,
                              "app_cold_ms": first.get("app_cold_ms"), "app_refresh_ms": last.get("refresh_ms"),
-                             "app_refresh_bytes": last.get("refresh_bytes"), "drawn": kind,
+                             "app_refresh_bytes": last.get("refresh_bytes"),
+                             "app_refresh_redis_ms": last.get("refresh_redis_ms"), "drawn": kind,
                              "errors": [g["error"] for g in got if "error" in g], "rss_mb": round(rss_mb(server), 1)}
                 b = out[name]
                 print(f"  browser {name:<15} first {_num(b['first_load_ms'])} ms, warm {_num(b['warm_ms'])} ms, app "
                       f"cold {_num(b['app_cold_ms'])} ms, refresh {_num(b['app_refresh_ms'])} ms / "
-                      f"{_num(b['app_refresh_bytes'])} B per 2 s, RSS {b['rss_mb']:,.0f} MB"
+                      f"{_num(b['app_refresh_bytes'])} B / Redis {_num(b['app_refresh_redis_ms'], '{:,.1f}')} ms per "
+                      f"2 s, RSS {b['rss_mb']:,.0f} MB"
                       + (f"; errors: {b['errors']}" if b["errors"] else ""), flush=True)
         finally:
             browser.close()
@@ -914,7 +935,8 @@ def measure_size(world: int, args: argparse.Namespace, baseline: Path, tmp: Path
                 pages[name] = {"apptest": apptest(APP, page, plan.run, rp, args.repeats)}
                 a = pages[name]["apptest"]
                 print(f"  AppTest {name:<10} cold {a['cold']:>8,.0f} ms {a['cold_ms']}, refresh {a['refresh']:>7,.0f} "
-                      f"ms {a['refresh_ms']}, bytes {a['cold_bytes']:,} / {a['refresh_bytes']:,}"
+                      f"ms {a['refresh_ms']}, bytes {a['cold_bytes']:,} / {a['refresh_bytes']:,}, Redis "
+                      f"{a['cold_bytes_redis_ms']:,.1f} / {a['refresh_bytes_redis_ms']:,.1f} ms"
                       + (f"; errors: {a['errors']}" if a["errors"] else ""), flush=True)
         if not args.skip_browser:
             for name, got in browser_pages(rp, plan, baseline, args.loads, args.observe, tmp).items():
@@ -948,7 +970,7 @@ def table(result: dict[str, Any]) -> str:
     base = pages.get(BASELINE, {}).get("browser", {})
     head = ["page", "AppTest cold ms", "AppTest refresh ms", "app cold ms", "app refresh ms / 2 s",
             "first drawn ms (first load · warm)", "x one-chart (first · warm)", "cold bytes", "refresh bytes",
-            "app bytes / 2 s", "app RSS MB"]
+            "app bytes / 2 s", "Redis ms (cold · refresh · app / 2 s)", "app RSS MB"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in [BASELINE, *(p[0] for p in PAGES)]:
         a, b = pages.get(name, {}).get("apptest", {}), pages.get(name, {}).get("browser", {})
@@ -972,6 +994,8 @@ def table(result: dict[str, Any]) -> str:
                                             _mark(a.get("refresh_bytes"), lambda v: v <= REFRESH_BYTES)),
             _num(b.get("app_refresh_bytes")) + ("" if baseline else
                                                 _mark(b.get("app_refresh_bytes"), lambda v: v <= REFRESH_BYTES)),
+            "—" if baseline else " · ".join(_num(v, "{:,.1f}") for v in (
+                a.get("cold_bytes_redis_ms"), a.get("refresh_bytes_redis_ms"), b.get("app_refresh_redis_ms"))),
             _num(b.get("rss_mb")),
         ]
         rows.append("| " + " | ".join(cells) + " |")

@@ -69,12 +69,20 @@ def child_env(url: str) -> dict[str, str]:
     return env
 
 
+#: Streamlit options of the dashboard beyond the address: no usage statistics (no calls home), Streamlit's own "You
+#: can now view…" lines hidden (the command prints the one address to open, with its ``?run=``), and no full garbage
+#: collection after every script run (``runner.postScriptGC``): each page refreshes three or four fragments every
+#: 2 s, and a ``gc.collect(2)`` of the server's heap after each took ~70 ms, most of a refresh cycle's server time at
+#: 1,024 ranks (BENCHMARKS.md, issue 16). Python's own generational collection still runs.
+DASHBOARD_OPTIONS = ("--browser.gatherUsageStats", "false", "--theme.base", "light", "--logger.hideWelcomeMessage",
+                     "true", "--runner.postScriptGC", "false")
+
+
 def dashboard_command(url: str, port: int, headless: bool = True) -> list[str]:
-    """The streamlit command line of the dashboard (usage statistics off: no calls home; Streamlit's own
-    "You can now view…" lines hidden: the command prints the one address to open, with its ``?run=``)."""
+    """The streamlit command line of the dashboard (:data:`DASHBOARD_OPTIONS`) on 127.0.0.1:``port``."""
     return [sys.executable, "-m", "streamlit", "run", str(DASHBOARD_APP), "--server.port", str(port),
-            "--server.headless", "true" if headless else "false", "--browser.gatherUsageStats", "false",
-            "--server.address", "127.0.0.1", "--theme.base", "light", "--logger.hideWelcomeMessage", "true"]
+            "--server.headless", "true" if headless else "false", "--server.address", "127.0.0.1",
+            *DASHBOARD_OPTIONS]
 
 
 def interrupt_on_signals() -> None:

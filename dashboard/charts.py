@@ -15,8 +15,10 @@ from trainhealth.text import category_label
 #: Colour of an anomaly by severity (Grafana-like: red critical, orange warning, blue info).
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 #: Most heatmap cells sent to the browser; wider matrices are averaged over step bins
-#: (1,024 ranks × 2,000 steps = 2 M cells would be ~20 MB of JSON every refresh).
-HEATMAP_MAX_CELLS = 250_000
+#: (1,024 ranks × 2,000 steps = 2 M cells would be ~20 MB of JSON every refresh). 65,536: at 1,024 ranks 64 columns
+#: of ~14 px on a wide screen, each rank a row (sent as float32: ~350 kB; 250,000 float64 cells were ~2.3 MB a refresh
+#: and drew the Ranks page's first chart at 2.1x a one-chart page).
+HEATMAP_MAX_CELLS = 65_536
 #: Anomalies about the curves themselves: their step range is shaded on the loss/grad-norm panels.
 SHADED_KINDS = frozenset({"nan_inf", "loss_spike", "divergence"})
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
@@ -560,7 +562,7 @@ def rank_heatmap(matrix: pd.DataFrame, relative: bool = False, highlight: list[i
     ``highlight`` ranks (active stragglers) get an outline.
     """
     shown = downsample_steps(matrix)
-    z = shown.to_numpy()
+    z = shown.to_numpy(dtype="float64")
     if relative and z.size:
         with np.errstate(all="ignore"):
             med = np.nanmedian(z, axis=0)
@@ -582,7 +584,7 @@ def rank_heatmap(matrix: pd.DataFrame, relative: bool = False, highlight: list[i
         if hi > 0:
             scale = {"zmin": 0.0, "zmax": hi}
     fig = go.Figure(go.Heatmap(
-        z=z, x=[int(c) for c in shown.columns], y=[int(r) for r in shown.index],
+        z=z.astype("float32"), x=[int(c) for c in shown.columns], y=[int(r) for r in shown.index],
         colorscale="RdBu_r" if relative else "Viridis", colorbar={"title": {"text": unit}},
         hovertemplate="rank %{y}<br>step %{x}<br>busy %{z:.3f} " + unit + "<extra></extra>", **scale,
     ))

@@ -6,9 +6,9 @@ import getpass
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pandas as pd
 import redis
@@ -208,6 +208,37 @@ def rates_table(snap: dict) -> pd.DataFrame:
 def status_moved(seen: tuple[str, str] | None, run: str, status: str) -> bool:
     """True when ``run``'s status differs from the one ``seen`` since the last full run (same run)."""
     return seen is not None and seen[0] == run and seen[1] != status
+
+
+# --- what a refresh that finds nothing new need not build again ---------------------------------------------------
+
+_T = TypeVar("_T")
+#: Session-state key prefix of :func:`reuse`'s values.
+REUSE_PREFIX = "th_reuse:"
+
+
+def reuse(name: str, signature: Hashable, build: Callable[[], _T]) -> _T:
+    """``build()``, or what it returned on this session's previous call under ``name`` if ``signature`` (what the
+    value is made of: entry ids, counts, the choices shown) is the same.
+
+    Every live fragment rebuilds its charts every 2 s, and a Plotly figure of a whole run takes 10-40 ms to make;
+    a refresh that finds no new step (a hung or stopped job, a job whose steps take longer than the refresh) keeps
+    them. One value per name and session; callers keep ``build`` free of side effects.
+    """
+    key = REUSE_PREFIX + name
+    kept = st.session_state.get(key)
+    if kept is not None and kept[0] == signature:
+        return kept[1]
+    value = build()
+    st.session_state[key] = (signature, value)
+    return value
+
+
+def frame_signature(frame: pd.DataFrame, columns: Sequence[str]) -> tuple:
+    """The values of ``columns`` of a small frame (anomalies, checkpoints) as a hashable tuple, for :func:`reuse`."""
+    if frame.empty:
+        return ()
+    return tuple(zip(*(map(repr, frame[c].tolist()) for c in columns), strict=True))
 
 
 # --- anomaly kinds in words --------------------------------------------------------------------

@@ -325,8 +325,24 @@ def _empty_steps() -> pd.DataFrame:
     return frame
 
 
+try:  # the server extra's msgspec: a 1,024-rank busy list in ~25 us instead of ~190 us (json), to the same floats
+    from msgspec import DecodeError as _DecodeError
+    from msgspec.json import Decoder as _Decoder
+
+    _decode_seconds: Any = _Decoder(list[float]).decode
+except ImportError:  # the standard library decides every list
+    _decode_seconds, _DecodeError = None, ValueError
+
+
 def _busy_list(v: Any) -> list[float]:
     """A ``busy`` field (JSON list of seconds per rank, null = missing rank); ValueError if it is none."""
+    if _decode_seconds is not None:
+        try:  # the fast path: a list of numbers without nulls, as the service writes a full step
+            values = _decode_seconds(v if isinstance(v, (bytes, str)) else str(v))
+            if len(values) <= MAX_RANKS:
+                return values
+        except _DecodeError:
+            pass  # nulls, NaN tokens or garbage: read as below
     try:
         values = _json(v)
     except (TypeError, ValueError) as exc:
@@ -418,12 +434,41 @@ def _steps_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return frame
 
 
+#: Newest entries of the ``agg`` stream (KEYS[1]) for :class:`RankWindow`: ``XREVRANGE + - COUNT ARGV[1]``, of which
+#: the newest ARGV[2] are returned and, older, only those whose ``step`` field is a multiple of ARGV[3] (the stride),
+#: oldest first, each as its id and flat fields. The entries passed over never leave Redis. Read-only.
+RANK_WINDOW_SCRIPT = """
+local entries = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', tonumber(ARGV[1]))
+local full, stride = tonumber(ARGV[2]), tonumber(ARGV[3])
+local out = {}
+for i = #entries, 1, -1 do
+  local e = entries[i]
+  local keep = i <= full or stride <= 1
+  if not keep then
+    local f = e[2]
+    for j = 1, #f, 2 do
+      if f[j] == 'step' then
+        local step = tonumber(f[j + 1])
+        keep = step ~= nil and step % stride == 0
+        break
+      end
+    end
+  end
+  if keep then out[#out + 1] = e end
+end
+return out
+"""
+
+
 class RankWindow:
     """The newest ``count`` entries of a run's ``agg`` stream with their per-rank ``busy`` lists, kept between
     refreshes (the Ranks page keeps one per session): a refresh reads only the entries added since the last.
 
-    At 1,024 ranks an entry's ``busy`` list is ~10 kB of JSON, so re-reading 500 steps every 2 s moved ~5 MB per
-    refresh; this reads them once, then the few new entries.
+    At 1,024 ranks an entry's ``busy`` list is ~13 kB of JSON, so re-reading 500 steps every 2 s moved ~6 MB per
+    refresh; this reads them once, then the few new entries. With a budget of ``values`` busy values, a window
+    larger than that at the run's ranks keeps every one of its newest ``full`` entries but, older, only those whose
+    step is a multiple of :attr:`stride` (chosen so that the window holds about ``values`` values): at 1,024 ranks
+    the 500-step window is ~2 MB read once instead of ~6.5 MB, its newest 100 steps (the rank table's) whole.
 
     Attributes
     ----------
@@ -431,12 +476,15 @@ class RankWindow:
         :func:`recent_steps`' frame of the entries held, oldest first.
     last_id : str or None
         The newest entry id read.
+    stride : int
+        1: every entry of the window is held; else only every ``stride``-th step older than the newest ``full``.
     reads : list of (str, str, int)
         ``(start, end, entries returned)`` of each read of the last :meth:`refresh` (none when nothing was new).
     """
 
-    def __init__(self, run: str, count: int = defaults.DASHBOARD_STEPS) -> None:
-        self.run, self.count = run, count
+    def __init__(self, run: str, count: int = defaults.DASHBOARD_STEPS, full: int = RANK_TABLE_STEPS,
+                 values: int | None = None) -> None:
+        self.run, self.count, self.full, self.values = run, count, full, values
         self.key = run_keys(run).agg
         self.reads: list[tuple[str, str, int]] = []
         self._clear()
@@ -445,44 +493,79 @@ class RankWindow:
         self._rows: list[_StepRow] = []  # the window's entries, oldest first, with what in each cannot be read
         self.frame = _empty_steps()
         self.last_id: str | None = None
+        self.stride = 1
+        self._matrix: pd.DataFrame | None = None
+
+    def _stride(self, n_ranks: Any) -> int:
+        """The stride that keeps the window within :attr:`values` busy values at ``n_ranks`` ranks (1: no budget)."""
+        ranks = _num(n_ranks)
+        if self.values is None or not math.isfinite(ranks) or ranks * self.count <= self.values:
+            return 1
+        older = self.count - self.full  # entries beyond the newest `full`, and room for them within the budget
+        room = max(1, int(self.values // max(1.0, ranks)) - self.full)
+        return max(1, math.ceil(older / room))
+
+    def _read_window(self, client: redis.Redis) -> list[tuple[Any, Any]]:
+        """The window's entries as :data:`RANK_WINDOW_SCRIPT` reads them (every one when :attr:`stride` is 1)."""
+        if self.stride <= 1:
+            return list(reversed(client.xrevrange(self.key, count=self.count)))
+        got = client.register_script(RANK_WINDOW_SCRIPT)(keys=[self.key], args=[self.count, self.full, self.stride])
+        return [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True))) for entry_id, flat in got]
+
+    def _thin(self) -> None:
+        """Past the newest :attr:`full`, keep only the rows of steps that are multiples of :attr:`stride`, within
+        the window's newest :attr:`count` steps."""
+        if self.stride <= 1 or len(self._rows) <= self.full:
+            return
+        newest = max(row["step"] for row, _ in self._rows[-self.full:] if row is not None) \
+            if any(row is not None for row, _ in self._rows[-self.full:]) else math.inf
+        older = [(row, why) for row, why in self._rows[:-self.full]
+                 if row is None or (row["step"] % self.stride == 0 and row["step"] > newest - self.count)]
+        self._rows = older + self._rows[-self.full:]
 
     def refresh(self, client: redis.Redis, problems: list[str] | None = None) -> RankWindow:
-        """Bring the window up to date: ``XREVRANGE + - COUNT 1`` for the newest id, and when it is newer than
-        :attr:`last_id` ``XRANGE (last_id newest COUNT count`` (the first time, or when more than ``count`` entries
-        are new or the stream went back: ``XREVRANGE … COUNT count``, as :func:`recent_steps`). Unreadable entries of
-        the window are reported in ``problems`` on every call."""
+        """Bring the window up to date: the newest entry's id and ranks (:func:`project`: no ``busy`` list) and, when
+        it is newer than :attr:`last_id`, ``XRANGE (last_id newest COUNT count`` (the first time, or when more than
+        ``count`` entries are new or the stream went back: the window read anew, ``XREVRANGE … COUNT count`` or,
+        with a stride, :data:`RANK_WINDOW_SCRIPT`). Unreadable entries of the window are reported in ``problems``
+        on every call."""
         self.reads = []
-        newest = client.xrevrange(self.key, count=1)
-        if not newest:
+        ids, values = project(client, self.run, ("n_ranks",), count=1, newest_first=True)
+        if not ids:
             self._clear()
             return self
-        tail = _s(newest[0][0])
+        tail = ids[0]
         if self.last_id is not None and _entry_id(tail) < _entry_id(self.last_id):
             self._clear()  # the stream was deleted and written again
+        fresh = False
         if self.last_id is None:
-            entries = list(reversed(client.xrevrange(self.key, count=self.count)))
-            self.reads.append(("+", "-", len(entries)))
-            self._rows = []
+            fresh = True
         elif tail != self.last_id:
             entries = client.xrange(self.key, "(" + self.last_id, tail, count=self.count)
             self.reads.append(("(" + self.last_id, tail, len(entries)))
-            if len(entries) >= self.count:
-                entries = list(reversed(client.xrevrange(self.key, count=self.count)))
-                self.reads.append(("+", "-", len(entries)))
-                self._rows = []
+            fresh = len(entries) >= self.count
         else:
             entries = []
+        if fresh:
+            self.stride = self._stride(values[0][0])
+            entries = self._read_window(client)
+            self.reads.append(("+", "-", len(entries)))
+            self._rows = []
         if entries:
             self._rows = (self._rows + _step_rows(entries, True))[-self.count:]
+            self._thin()
             self.frame = _steps_frame([row for row, _ in self._rows if row is not None])
             self.last_id = _s(entries[-1][0])
+            self._matrix = None
         _report_rows(problems, self.key, self._rows)
         return self
 
     @property
     def matrix(self) -> pd.DataFrame:
-        """:func:`busy_matrix` of the window."""
-        return busy_matrix(self.frame)
+        """:func:`busy_matrix` of the window (made once per change of the window)."""
+        if self._matrix is None:
+            self._matrix = busy_matrix(self.frame)
+        return self._matrix
 
 
 def busy_matrix(steps: pd.DataFrame) -> pd.DataFrame:
@@ -583,6 +666,47 @@ def events(client: redis.Redis, run: str, count: int = EVENTS_SCAN_ENTRIES) -> p
     out = (raw.groupby(["kind", "step"], as_index=False)
               .agg(t=("t", "min"), seconds=("seconds", "max"), n_ranks=("rank", "nunique")))
     return out.sort_values(["t", "kind"], kind="stable").reset_index(drop=True)[EVENT_COLUMNS]
+
+
+def checkpoints(client: redis.Redis, run: str, problems: list[str] | None = None) -> pd.DataFrame:
+    """The run's checkpoint saves and loads as the detector service merged them over ranks (``checkpoints`` hash,
+    detectors/checkpoints.py): one row per checkpoint, as :func:`events` gives them, without reading the events.
+
+    Columns :data:`EVENT_COLUMNS`: ``kind``, ``step``, ``t`` (the earliest report, unix s), ``seconds`` (the longest
+    block over ranks, s, NaN when not reported), ``n_ranks``; sorted by ``t``. One ``HGETALL`` of a few kB (the
+    newest ``CHECKPOINTS_KEPT``). A mark that cannot be read is left out and, with ``problems``, reported.
+    """
+    key = run_keys(run).checkpoints
+    rows, bad = [], []
+    for name, raw in sorted((_s(f), v) for f, v in client.hgetall(key).items()):
+        where = f"field {name!r}: "
+        try:
+            d = _json(raw)
+        except (TypeError, ValueError):
+            bad.append(f"{where}not JSON ({show_value(raw)})")
+            continue
+        if not isinstance(d, dict):
+            bad.append(f"{where}not a JSON object but {show_value(d)}")
+            continue
+        why: list[str] = []
+        kind = d.get("kind")
+        if kind not in CHECKPOINT_KINDS:
+            why.append(f"kind {show_value(kind)} is not a checkpoint kind")
+        row = {"kind": kind, "step": _get_num(d, "step", why, bound=MAX_INT, integral=True),
+               "t": _get_num(d, "t", why, finite=True, bound=MAX_TIME),
+               "seconds": _get_num(d, "seconds", why, finite=True) if d.get("seconds") is not None else math.nan,
+               "n_ranks": _get_num(d, "n_ranks", why, bound=MAX_RANKS, integral=True)}
+        if why or any(math.isnan(row[c]) for c in ("step", "t", "n_ranks")):
+            bad.append(where + ("; ".join(why) or f"incomplete ({show_value(raw)})"))
+            continue
+        rows.append(row)
+    if bad:
+        _report(problems, unreadable(key, "checkpoint", "checkpoints", bad))
+    if not rows:
+        frame = pd.DataFrame({c: pd.Series(dtype="float64") for c in EVENT_COLUMNS})
+        return frame.astype({"kind": object, "step": "int64", "n_ranks": "int64"})
+    out = pd.DataFrame(rows, columns=EVENT_COLUMNS).astype({"step": "int64", "n_ranks": "int64"})
+    return out.sort_values(["t", "kind"], kind="stable").reset_index(drop=True)
 
 
 def rank_hosts(client: redis.Redis, run: str, count: int = EVENTS_SCAN_ENTRIES,
@@ -721,20 +845,20 @@ def anomalies(client: redis.Redis, run: str, problems: list[str] | None = None) 
         _report(problems, unreadable(key, "anomaly", "anomalies", skipped))
     if partly:
         _report(problems, unreadable(key, "anomaly", "anomalies", partly, partly=True))
-    frame = pd.DataFrame(rows, columns=ANOMALY_COLUMNS)
+    # Active first, then the most severe (a slow step, info, must not push a loss spike out of view), newest (a
+    # missing first_seen last), the id breaking ties: sorted here, a few rows, before the frame is made.
+    def order(row: dict[str, Any]) -> tuple:
+        seen = _num(row["first_seen"])
+        return (row["status"] != "active", _SEVERITY_ORDER.get(row["severity"], 3), math.isnan(seen),
+                -seen if not math.isnan(seen) else 0.0, str(row["id"]))
+
+    frame = pd.DataFrame(sorted(rows, key=order), columns=ANOMALY_COLUMNS)
     for c in ("step", "end_step"):
         frame[c] = pd.to_numeric(frame[c]).astype("float64")
         frame[c] = frame[c].where(np.isfinite(frame[c])).round().astype("Int64")
     for c in ("first_seen", "last_seen"):
         frame[c] = frame[c].astype("float64")
-    if frame.empty:
-        return frame
-    # Active first, then the most severe (a slow step, info, must not push a loss spike out of view), newest.
-    frame["_inactive"] = frame["status"] != "active"
-    frame["_sev"] = frame["severity"].map({"critical": 0, "warning": 1, "info": 2}).fillna(3)
-    frame = frame.sort_values(["_inactive", "_sev", "first_seen", "id"], ascending=[True, True, False, True],
-                              kind="stable", na_position="last")
-    return frame.drop(columns=["_inactive", "_sev"]).reset_index(drop=True)
+    return frame
 
 
 # --- incidents -------------------------------------------------------------------------
@@ -933,8 +1057,133 @@ def _thin(n: int, max_points: int | None) -> list[int]:
     return sorted({round(i * (n - 1) / (max_points - 1)) for i in range(max_points)})
 
 
+#: What a ledger snapshot's history row is made of (:func:`history_row`): every path of the snapshot a history
+#: frame has. A page that draws less passes its own paths (``("t", "throughput_tok_s", "goodput_tok_s")``).
+HISTORY_PATHS = (*LEDGER_COLUMNS, "seconds", "rates")
+
+#: Samples a ledger stream (KEYS[1]) in Redis and sends only the parts of each sampled snapshot the charts draw.
+#: ARGV: ``whole`` or ``newest``, the most points, the newest entries (``newest`` only), then the snapshot paths to
+#: keep (``t``, ``seconds``: the whole map, ``rates.60s``: one window). ``whole``: a stream of at most that many
+#: entries whole, else the first entry at or after each of that many evenly spaced times (entry ids, ms) from the
+#: oldest to the newest, and the newest. ``newest``: the newest entries, thinned to that many evenly spaced (the
+#: oldest and the newest kept). Python's rounding (half to even) places the samples, so both read the same
+#: entries. Per entry kept, oldest first: its id and its ``json`` field's paths as a JSON object (numbers as
+#: ``%.17g``, the double exactly; NaN and infinities as Python's json writes them), or, for an entry without a
+#: ``json`` field, ``!`` alone, and for a ``json`` that is no JSON object, ``!`` and the field. Read-only.
+LEDGER_SAMPLE_SCRIPT = """
+local mode, points = ARGV[1], tonumber(ARGV[2])
+local function round(x)  -- half to even, as Python's round()
+  local r = math.floor(x + 0.5)
+  if r - x == 0.5 and r % 2 == 1 then r = r - 1 end
+  return r
+end
+local entries = {}
+if mode == 'whole' then
+  if redis.call('XLEN', KEYS[1]) <= points then
+    entries = redis.call('XRANGE', KEYS[1], '-', '+')
+  else
+    local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+    local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+    local t0 = tonumber(string.match(first[1], '^(%d+)'))
+    local t1 = tonumber(string.match(last[1], '^(%d+)'))
+    local seen = nil
+    for i = 0, points - 2 do
+      local at = round(t0 + (t1 - t0) * i / math.max(1, points - 1))
+      local got = redis.call('XRANGE', KEYS[1], string.format('%.0f', at), '+', 'COUNT', 1)[1]
+      if got and got[1] ~= seen then entries[#entries + 1] = got; seen = got[1] end
+    end
+    if last[1] ~= seen then entries[#entries + 1] = last end
+  end
+elseif mode == 'newest' then
+  local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', tonumber(ARGV[3]))
+  local n = #newest
+  local keep, last = {}, -1
+  if n <= points then
+    for i = 0, n - 1 do keep[#keep + 1] = i end
+  elseif points < 2 then
+    keep[1] = n - 1
+  else
+    for i = 0, points - 1 do
+      local j = round(i * (n - 1) / (points - 1))
+      if j ~= last then keep[#keep + 1] = j; last = j end
+    end
+  end
+  for _, j in ipairs(keep) do entries[#entries + 1] = newest[n - j] end
+else
+  return redis.error_reply('whole or newest only')
+end
+
+local function num(v)
+  if v ~= v then return 'NaN' elseif v == math.huge then return 'Infinity' elseif v == -math.huge then
+    return '-Infinity' end
+  return string.format('%.17g', v)
+end
+local encode
+encode = function(v)
+  local kind = type(v)
+  if kind == 'number' then return num(v) end
+  if kind == 'string' or kind == 'boolean' then return cjson.encode(v) end
+  if kind ~= 'table' then return 'null' end  -- cjson.null
+  local parts = {}
+  if #v > 0 then
+    for _, x in ipairs(v) do parts[#parts + 1] = encode(x) end
+    return '[' .. table.concat(parts, ',') .. ']'
+  end
+  for k, x in pairs(v) do parts[#parts + 1] = cjson.encode(tostring(k)) .. ':' .. encode(x) end
+  return '{' .. table.concat(parts, ',') .. '}'
+end
+
+local out = {}
+for _, e in ipairs(entries) do
+  local body = nil
+  local f = e[2]
+  for j = 1, #f, 2 do if f[j] == 'json' then body = f[j + 1] end end
+  out[#out + 1] = e[1]
+  if body == nil then
+    out[#out + 1] = '!'
+  else
+    local ok, snap = pcall(cjson.decode, body)
+    if not ok or type(snap) ~= 'table' or (#snap > 0) or next(snap) == nil and string.match(body, '^%s*%[') then
+      out[#out + 1] = '!' .. body
+    else
+      local kept = {}
+      for i = 4, #ARGV do
+        local path, src, dst, name = ARGV[i], snap, kept, nil
+        for part in string.gmatch(path, '[^.]+') do
+          if name ~= nil then
+            if type(src) ~= 'table' then src = nil; break end
+            if type(dst[name]) ~= 'table' then dst[name] = {} end
+            dst = dst[name]
+          end
+          src, name = src[part], part
+          if src == nil then break end
+        end
+        if src ~= nil and name ~= nil then dst[name] = src end
+      end
+      out[#out + 1] = encode(kept)
+    end
+  end
+end
+return out
+"""
+
+
+def _ledger_sample(client: redis.Redis, run: str, mode: str, points: int, count: int,
+                   paths: Iterable[str], problems: list[str] | None) -> pd.DataFrame:
+    """One :data:`LEDGER_SAMPLE_SCRIPT` call, as a :func:`ledger_history` frame (what cannot be read reported)."""
+    key = run_keys(run).ledger
+    flat = client.register_script(LEDGER_SAMPLE_SCRIPT)(keys=[key], args=[mode, points, count, *paths])
+    entries = []
+    for entry_id, body in zip(flat[::2], flat[1::2], strict=True):
+        body = _s(body)
+        entries.append((entry_id, {} if body == "!" else {"json": body[1:]} if body.startswith("!") else
+                        {"json": body}))
+    return _ledger_frame(key, entries, problems)
+
+
 def ledger_history(client: redis.Redis, run: str, count: int = LEDGER_HISTORY_ENTRIES,
-                   max_points: int | None = None, problems: list[str] | None = None) -> pd.DataFrame:
+                   max_points: int | None = None, problems: list[str] | None = None,
+                   paths: Iterable[str] = HISTORY_PATHS) -> pd.DataFrame:
     """The newest ``count`` ledger snapshots (``ledger`` stream, field ``json``), oldest first.
 
     Columns :data:`LEDGER_COLUMNS` (floats; NaN where a snapshot lacks the value), one
@@ -942,16 +1191,14 @@ def ledger_history(client: redis.Redis, run: str, count: int = LEDGER_HISTORY_EN
     category of :data:`LEDGER_CATEGORIES` and any category a snapshot adds, and
     :data:`RATE_COLUMNS` (the rolling 1 min / 10 min / 1 h rates, tokens/s).
 
-    One ``XREVRANGE … COUNT``. With ``max_points``, a longer history is thinned to that many
-    evenly spaced snapshots (the oldest and the newest always kept) before decoding them: the
-    snapshots are cumulative, so dropping some loses resolution, not totals. Entries that are
-    not a JSON object are skipped, values of the wrong type are NaN; with ``problems``, both
-    are reported there.
+    One :data:`LEDGER_SAMPLE_SCRIPT` call: with ``max_points``, a longer history is thinned in Redis to that many
+    evenly spaced snapshots (the oldest and the newest always kept): the snapshots are cumulative, so dropping some
+    loses resolution, not totals. Only the snapshot ``paths`` are sent (the others' columns are NaN): a page that
+    draws three numbers reads three numbers of each snapshot, not its ~2 kB. Entries that are not a JSON object are
+    skipped, values of the wrong type are NaN; with ``problems``, both are reported there.
     """
-    key = run_keys(run).ledger
-    entries = client.xrevrange(key, count=count)
-    entries.reverse()
-    return _ledger_frame(key, [entries[i] for i in _thin(len(entries), max_points)], problems)
+    points = count if max_points is None else min(max_points, count)
+    return _ledger_sample(client, run, "newest", max(1, points), count, paths, problems)
 
 
 def _ledger_frame(key: str, entries: list[tuple[Any, Any]], problems: list[str] | None) -> pd.DataFrame:
@@ -1243,43 +1490,56 @@ def detector_errors(heartbeats: list[dict[str, Any]], run: str, now: float,
     return out
 
 
+#: The banner's reduction of a run's heartbeats (``hb`` hash, KEYS[1]) and newest aggregate (``agg`` stream,
+#: KEYS[2]), in Redis: the highest ``step`` and ``step_t`` and the lowest ``inc`` over the heartbeats that are JSON
+#: objects (finite numbers, or strings of them, as :func:`_num` reads them; anything else is passed over), each as a
+#: decimal string (``%.17g``: the double exactly) or nil when none, then the newest ``agg`` entry's ``step`` and
+#: ``t_end`` as stored (nil when absent). So the dashboard receives ~100 bytes, not every rank's heartbeat (~180 B a
+#: rank) nor the newest entry's ``busy`` list (~10 kB at 1,024 ranks). Read-only.
+PROCESSING_STATE_SCRIPT = """
+local function finite(v)
+  if type(v) == 'string' then v = tonumber(v) end
+  if type(v) ~= 'number' or v ~= v or v == math.huge or v == -math.huge then return nil end
+  return v
+end
+local step, step_t, inc = nil, nil, nil
+for _, raw in ipairs(redis.call('HVALS', KEYS[1])) do
+  local ok, beat = pcall(cjson.decode, raw)
+  if ok and type(beat) == 'table' then
+    local s, st, i = finite(beat['step']), finite(beat['step_t']), finite(beat['inc'])
+    if s and (step == nil or s > step) then step = s end
+    if st and (step_t == nil or st > step_t) then step_t = st end
+    if i and (inc == nil or i < inc) then inc = i end
+  end
+end
+local function text(v) if v == nil then return false end return string.format('%.17g', v) end
+local agg_step, agg_t_end = false, false
+local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+if newest then
+  local f = newest[2]
+  for j = 1, #f, 2 do
+    if f[j] == 'step' then agg_step = f[j + 1] elseif f[j] == 't_end' then agg_t_end = f[j + 1] end
+  end
+end
+return {text(step), text(step_t), text(inc), agg_step, agg_t_end}
+"""
+
+
 def processing_state(client: redis.Redis, run: str) -> dict[str, Any]:
     """How far the run's aggregates trail its ranks: newest completed step per heartbeats vs aggregates.
 
     Returns ``hb_step`` / ``hb_step_t`` (the highest step any rank's heartbeat reports and the
     newest time a rank completed a step, unix s; None when no heartbeat names a step),
     ``agg_step`` / ``agg_t_end`` (the newest aggregate's step and end, None when none) and
-    ``inc`` (the earliest process start among the heartbeats). One ``HGETALL`` of ``hb`` and
-    one ``XREVRANGE … COUNT 1`` of ``agg``.
+    ``inc`` (the earliest process start among the heartbeats). One :data:`PROCESSING_STATE_SCRIPT` call: the
+    heartbeats are reduced in Redis, which sends five numbers whatever the number of ranks.
     """
     keys = run_keys(run)
-    pipe = client.pipeline(transaction=False)
-    pipe.hgetall(keys.heartbeats)
-    pipe.xrevrange(keys.agg, count=1)
-    beats, newest = pipe.execute()
-    hb_step = hb_step_t = inc = None
-    for raw in beats.values():
-        try:
-            beat = _json(raw)
-        except (TypeError, ValueError):
-            continue
-        if not isinstance(beat, dict):
-            continue
-        step, step_t, start = _num(beat.get("step")), _num(beat.get("step_t")), _num(beat.get("inc"))
-        if math.isfinite(step):
-            hb_step = int(step) if hb_step is None else max(hb_step, int(step))
-        if math.isfinite(step_t):
-            hb_step_t = step_t if hb_step_t is None else max(hb_step_t, step_t)
-        if math.isfinite(start):
-            inc = start if inc is None else min(inc, start)
-    agg_step = agg_t_end = None
-    if newest:
-        d = _decode_map(newest[0][1])
-        step, t_end = _num(d.get("step")), _num(d.get("t_end"))
-        agg_step = int(step) if math.isfinite(step) else None
-        agg_t_end = t_end if math.isfinite(t_end) else None
-    return {"hb_step": hb_step, "hb_step_t": hb_step_t, "agg_step": agg_step, "agg_t_end": agg_t_end,
-            "inc": inc}
+    reply = client.register_script(PROCESSING_STATE_SCRIPT)(keys=[keys.heartbeats, keys.agg])
+    hb_step, hb_step_t, inc, step, t_end = (_num(v) for v in (list(reply) + [None] * 5)[:5])
+    finite = lambda x: x if math.isfinite(x) else None  # noqa: E731
+    return {"hb_step": None if finite(hb_step) is None else int(hb_step), "hb_step_t": finite(hb_step_t),
+            "agg_step": None if finite(step) is None else int(step), "agg_t_end": finite(t_end), "inc": finite(inc)}
 
 
 def unprocessed_lag(state: Mapping[str, Any], min_lag_s: float = PROCESSING_LAG_S) -> float | None:
@@ -1707,32 +1967,19 @@ def progress(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def ledger_history_whole(client: redis.Redis, run: str, max_points: int = 600,
-                         problems: list[str] | None = None) -> pd.DataFrame:
+                         problems: list[str] | None = None, paths: Iterable[str] = HISTORY_PATHS) -> pd.DataFrame:
     """The whole retained ledger stream as at most ``max_points`` snapshots evenly spaced in time, oldest first.
 
-    A :func:`ledger_history` frame. A stream of at most ``max_points`` entries is read whole (one ``XRANGE``);
-    a longer one is sampled: the first entry at or after each of ``max_points`` evenly spaced times between
-    the oldest and the newest entry id (unix ms), one pipelined ``XRANGE <ms> + COUNT 1`` each, so the bytes
-    read do not grow with the run (the ledger keeps ``LEDGER_RETENTION_ENTRIES`` snapshots, ~11 h at 2 s).
+    A :func:`ledger_history` frame of the snapshot ``paths``. A stream of at most ``max_points`` entries is read
+    whole; a longer one is sampled: the first entry at or after each of ``max_points`` evenly spaced times between
+    the oldest and the newest entry id (unix ms), so the bytes read do not grow with the run (the ledger keeps
+    ``LEDGER_RETENTION_ENTRIES`` snapshots, ~11 h at 2 s). Both in Redis, one :data:`LEDGER_SAMPLE_SCRIPT` call,
+    which sends only the ``paths`` of the sampled snapshots.
     Sampling, not reducing by extremes: each snapshot is cumulative since the run started, so the since-start
     curves move by at most (gap / age) of their range between two samples; the rolling-rate columns are the
     sampled snapshots' own.
     """
-    key = run_keys(run).ledger
-    if client.xlen(key) <= max_points:
-        return _ledger_frame(key, client.xrange(key), problems)
-    (first, _), = client.xrange(key, count=1)
-    (last, _), = client.xrevrange(key, count=1)
-    t0, t1 = _entry_id(_s(first))[0], _entry_id(_s(last))[0]
-    pipe = client.pipeline(transaction=False)
-    for i in range(max_points - 1):
-        pipe.xrange(key, min=str(round(t0 + (t1 - t0) * i / max(1, max_points - 1))), count=1)
-    pipe.xrevrange(key, count=1)  # the newest itself (others may share its millisecond)
-    entries: dict[str, tuple[Any, Any]] = {}
-    for got in pipe.execute():
-        for entry_id, fields in got:
-            entries.setdefault(_s(entry_id), (entry_id, fields))
-    return _ledger_frame(key, sorted(entries.values(), key=lambda e: _entry_id(_s(e[0]))), problems)
+    return _ledger_sample(client, run, "whole", max(1, max_points), 0, paths, problems)
 
 
 # --- the Runs page, deep links and the rank drill-down (issue 16) --------------------------------
@@ -2022,7 +2269,13 @@ def node_summary(summary: pd.DataFrame, anomalies: pd.DataFrame) -> pd.DataFrame
     known = known.assign(flagged=known["rank"].isin(flagged), busy=known["median_busy_s"].astype("float64"))
     by_host = known.groupby("host", sort=False)
     nodes = by_host.agg(ranks=("rank", "size"), median_busy_s=("busy", "median"), flagged_ranks=("flagged", "sum"))
-    nodes["rank_list"] = by_host["rank"].agg(rank_ranges)
+    # Each host's ranks in words: one sort and a split (a grouped Python call per host took ~15 ms at 128 hosts).
+    ordered = known.sort_values(["host", "rank"], kind="stable")
+    hosts, starts = np.unique(ordered["host"].to_numpy(dtype=object), return_index=True)
+    ranks = ordered["rank"].to_numpy(dtype="int64")
+    ends = [*starts[1:], len(ranks)]
+    nodes["rank_list"] = pd.Series({h: rank_ranges(ranks[a:b].tolist()) for h, a, b in zip(hosts, starts, ends,
+                                                                                          strict=True)})
     slowest = by_host["busy"].idxmax()
     nodes["slowest_rank"] = known.loc[slowest.dropna().to_numpy(), "rank"].set_axis(slowest.dropna().index)
     typical = float(nodes["median_busy_s"].median())

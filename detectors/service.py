@@ -32,6 +32,7 @@ from trainhealth import defaults
 from trainhealth.anomaly import Anomaly
 from trainhealth.connection import REDIS_DOWN, read_groups
 from trainhealth.detectors.advisor import RollbackAdvisor
+from trainhealth.detectors.checkpoints import CHECKPOINT_KINDS, Checkpoint, CheckpointLog
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.incidents import LABELS, Incident
 from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
@@ -152,6 +153,9 @@ class _Run:
     #: Per (rank, incarnation): the newest record time (unix s) read, to tell a batch written twice (see
     #: :meth:`_note_seq`).
     seq_newest_t: dict[tuple[int, Any], float] = field(default_factory=dict)
+    #: The run's checkpoints merged over ranks (``th:{run}:checkpoints``), and those stored (field -> JSON).
+    checkpoints: CheckpointLog = field(default_factory=CheckpointLog)
+    stored_checkpoints: dict[str, str] = field(default_factory=dict)
 
 
 def fair_share(runs: int, services: list[str], me: str) -> int:
@@ -403,6 +407,14 @@ class DetectorService:
                 else:
                     self._warn_once(f"stored:{key}:{_s(field_)}", "run %s: entry %r of %s is not a JSON object; "
                                     "it is rewritten if the run still has it", keys.run, _s(field_), key)
+        for field_, raw in self.client.hgetall(keys.checkpoints).items():
+            try:
+                run.checkpoints.load(Checkpoint.from_json(raw))
+                run.stored_checkpoints[_s(field_)] = _s(raw)
+            except ValueError:  # rewritten from the events if the stream still has them
+                self._warn_once(f"stored:{keys.checkpoints}:{_s(field_)}", "run %s: entry %r of %s is not a "
+                                "checkpoint; it is rewritten if the run still has it", keys.run, _s(field_),
+                                keys.checkpoints)
         last = self.client.xrevrange(keys.agg, count=1)
         if last:
             run.last_agg = _sid(last[0][0])
@@ -446,6 +458,7 @@ class DetectorService:
         pipe = self.client.pipeline(transaction=True)
         final.anomalies = list({a.id: a for a in final.anomalies}.values())
         self._write(run, final, pipe)
+        self._write_checkpoints(run, pipe)
         for stream, end in delivered.items():
             for p in self.client.xpending_range(stream, self.group, min="-", max=end, count=100_000):
                 pipe.xack(stream, self.group, p["message_id"])
@@ -528,6 +541,8 @@ class DetectorService:
         group: list[tuple[int, list[tuple] | list[Event]]] = []  # (seq, records) of one ms's entries
         group_ms = -1
         step_entries = step_records = 0
+        marks: dict[str, Checkpoint] = {}  # checkpoints changed by this chunk's events, and those dropped
+        gone: list[str] = []
         for sid, stream, fields in chunk:
             try:
                 recs: list[tuple] | list[Event] = (
@@ -538,6 +553,11 @@ class DetectorService:
                 # Bad input never stops the service: the entry is skipped (and acknowledged with its batch).
                 self._bad_record(keys.run, sid, stream, collect is None, None, exc)
                 continue
+            if stream == keys.events and recs[0].kind in CHECKPOINT_KINDS:
+                changed, dropped = run.checkpoints.update(recs[0])
+                if collect is None:  # live; a rebuild writes what differs from the stored marks at its end
+                    marks.update((c.field, c) for c in changed)
+                    gone.extend(dropped)
             if stream == keys.steps:
                 step_entries += 1
                 step_records += len(recs)
@@ -550,6 +570,11 @@ class DetectorService:
             group.append((sid[1], recs))
         if group:
             ordered += _time_order(group)
+        changed = {f: c.to_json() for f, c in marks.items() if f not in gone}
+        if changed:
+            pipe.hset(keys.checkpoints, mapping=changed)
+        if gone:
+            pipe.hdel(keys.checkpoints, *gone)
         if step_entries:  # bigger entries shrink the next read at once; smaller ones grow it gradually
             avg = max(1.0, step_records / step_entries)
             self._per_entry = max(avg, 0.7 * self._per_entry + 0.3 * avg)
@@ -561,6 +586,17 @@ class DetectorService:
                 collect.incidents.update(out.incidents)
                 out.anomalies, out.recommendations, out.incidents = [], {}, {}
             self._write(run, out, pipe)
+
+    def _write_checkpoints(self, run: _Run, pipe: Any) -> None:
+        """After a rebuild: the checkpoint marks that differ from the stored ones, and the stored ones dropped."""
+        kept = {c.field: c.to_json() for c in run.checkpoints.marks}
+        changed = {f: j for f, j in kept.items() if run.stored_checkpoints.get(f) != j}
+        if changed:
+            pipe.hset(run.keys.checkpoints, mapping=changed)
+        gone = [f for f in run.stored_checkpoints if f not in kept]
+        if gone:
+            pipe.hdel(run.keys.checkpoints, *gone)
+        run.stored_checkpoints = {}
 
     def _note_seq(self, run: _Run, fields: dict, rows: list[tuple], pipe: Any, live: bool) -> bool:
         """Records Redis trimmed before this service read them: a gap in one sender's ``seq``; and batches written

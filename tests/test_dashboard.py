@@ -25,9 +25,11 @@ from streamlit.testing.v1 import AppTest
 from trainhealth.config import redact_url
 from trainhealth.dashboard import charts, data, frame
 from trainhealth.dashboard.common import anomaly_delta
+from trainhealth.detectors.checkpoints import CheckpointLog
 from trainhealth.embedded_redis import free_port
 from trainhealth.keys import RUNS, run_keys, service_heartbeat
 from trainhealth.text import fmt_duration, fmt_pct, fmt_rate, fmt_usd, plural
+from trainhealth.wire import decode_event
 
 pytestmark = pytest.mark.usefixtures("fresh_streamlit_caches")
 
@@ -99,9 +101,14 @@ def seed_run(r: redis.Redis) -> None:
             })
             i += 1
 
+    marks = CheckpointLog()  # the detector service's merge of the checkpoint events (th:{run}:checkpoints)
+
     def ev(kind: str, rank: int, t: float, inc: float, **extra: object) -> None:
-        r.xadd(k.events, {"kind": kind, "rank": rank, "t": repr(t), "inc": repr(inc),
-                          **{name: str(v) for name, v in extra.items()}})
+        fields = {"kind": kind, "rank": rank, "t": repr(t), "inc": repr(inc),
+                  **{name: str(v) for name, v in extra.items()}}
+        r.xadd(k.events, fields)
+        for mark in marks.update(decode_event(fields))[0]:
+            r.hset(k.checkpoints, mark.field, mark.to_json())
 
     for rank in range(4):
         ev("run_start", rank, T0, T0, host=HOSTS[rank], pid=100 + rank, world_size=4, local_rank=rank % 2,
@@ -295,6 +302,22 @@ def test_events_deduped_per_checkpoint(seeded: redis.Redis, dr: redis.Redis, dec
         {"kind": "checkpoint_load", "step": 8, "t": T0 + 75, "seconds": 2.0, "n_ranks": 4},
         {"kind": "checkpoint_save", "step": 12, "t": T0 + 98, "seconds": 1.0, "n_ranks": 4},
     ]
+    # The detector service's marks (th:{run}:checkpoints) say the same, read without the events.
+    pd.testing.assert_frame_equal(data.checkpoints(dr if decoded else seeded, RUN), ev)
+
+
+def test_unreadable_checkpoint_marks_are_reported(r: redis.Redis) -> None:
+    k = run_keys("ck")
+    good = {"kind": "checkpoint_save", "step": 999, "t": T0, "seconds": None, "n_ranks": 8}
+    r.hset(k.checkpoints, mapping={"a": "{nope", "b": json.dumps({**good, "kind": "badput"}),
+                                   "c": json.dumps({**good, "step": "x"}), "d": json.dumps(good)})
+    problems: list[str] = []
+    frame = data.checkpoints(r, "ck", problems)
+    assert frame.drop(columns="seconds").to_dict("records") == [{"kind": "checkpoint_save", "step": 999, "t": T0,
+                                                                 "n_ranks": 8}]
+    assert math.isnan(frame["seconds"][0])  # no rank said how long it blocked
+    assert problems == ["3 checkpoints in th:{ck}:checkpoints are unreadable (first: field 'a': not JSON ('{nope'))"]
+    assert list(data.checkpoints(r, "none").columns) == data.EVENT_COLUMNS
 
 
 def test_anomalies_active_first_then_severity_then_newest(seeded: redis.Redis) -> None:
@@ -396,10 +419,10 @@ def test_heatmap_single_trace_for_1024_ranks() -> None:
     fig = charts.rank_heatmap(matrix, highlight=[7])
     assert len(fig.data) == 1 and fig.data[0].type == "heatmap"
     z = np.asarray(fig.data[0].z)
-    assert z.shape == (1024, 223)  # 2000 steps in bins of 9 ≤ 250,000 cells
+    assert z.shape == (1024, 63) and z.dtype == np.float32  # 2000 steps in bins of 32 ≤ 65,536 cells, 4 bytes each
     assert z.shape[0] * z.shape[1] <= charts.HEATMAP_MAX_CELLS
-    assert z[0, 0] == pytest.approx(matrix.iloc[0, :9].mean())
-    assert fig.data[0].x[0] == 9 and fig.data[0].x[-1] == 2000
+    assert z[0, 0] == pytest.approx(matrix.iloc[0, :32].mean(), rel=1e-6)
+    assert fig.data[0].x[0] == 32 and fig.data[0].x[-1] == 2000
     assert len(fig.layout.shapes) == 1 and fig.layout.shapes[0].y0 == 6.5
 
 

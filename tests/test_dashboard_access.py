@@ -269,6 +269,7 @@ def test_run_option_prints_the_link_and_streamlit_prints_no_second_address(fake_
     assert capsys.readouterr().out.splitlines()[1] == f"Dashboard: http://127.0.0.1:{port}/?run=gpt-demo"
     cmd = fake_run[0]["cmd"]
     assert cmd[cmd.index("--logger.hideWelcomeMessage") + 1] == "true"
+    assert cmd[cmd.index("--runner.postScriptGC") + 1] == "false"  # no full collection after every fragment run
     fake_run.clear()
     assert main(["dashboard", "--port", str(port), "--redis-url", redis_url, "--run", "bad run"]) == 2
     assert "run='bad run' is not a valid run id" in capsys.readouterr().err and fake_run == []

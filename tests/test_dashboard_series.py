@@ -387,6 +387,15 @@ def _chart_x(page, index: int = 0) -> list[float]:
                   const t = gd._fullData.find(d => d.name === 'loss'); return Array.from(t.x); }""", index)
 
 
+def _spike_drawn(page) -> tuple[float, list[float]]:
+    """The loss the browser holds at the spike's step and the range of the loss panel's y axis as drawn."""
+    return page.evaluate(
+        """s => { const gd = document.querySelectorAll('.js-plotly-plot')[0];
+                  const t = gd._fullData.find(d => d.name === 'loss');
+                  const axis = gd._fullLayout['yaxis' + (t.yaxis || 'y').slice(1)];
+                  return [t.y[Array.from(t.x).indexOf(s)], axis.range.slice()]; }""", SPIKE_STEP)
+
+
 def test_drag_across_the_chart_reads_that_range_at_full_resolution(long_run: redis.Redis, redis_url: str,
                                                                    tmp_path: Path) -> None:
     from playwright.sync_api import expect, sync_playwright
@@ -402,6 +411,9 @@ def test_drag_across_the_chart_reads_that_range_at_full_resolution(long_run: red
             expect(page.get_by_text(re.compile(r"^Steps 1–100,000: 100,000 entries"))).to_be_visible()
             x = _chart_x(page)
             assert len(x) == 2001 and SPIKE_STEP in x
+            # The spike at step 20,000 of 100,000 is drawn at the whole-run zoom: its loss, inside the y axis.
+            y, y_range = _spike_drawn(page)
+            assert y == SPIKE_LOSS and y_range[0] < SPIKE_LOSS <= y_range[1]
             page.wait_for_timeout(500)
             page.screenshot(path=str(_BROWSER["ARTIFACTS"] / "dashboard_whole_run.png"), full_page=True)
             # Drag across the loss panel from 10 % to 30 % of its width: that range is read again.
@@ -423,6 +435,8 @@ def test_drag_across_the_chart_reads_that_range_at_full_resolution(long_run: red
             expect(page.get_by_text("Steps 19,900–20,100: 201 entries, every one drawn (full resolution).")
                    ).to_be_visible()
             assert _chart_x(page) == list(range(19_900, 20_101))
+            y, y_range = _spike_drawn(page)
+            assert y == SPIKE_LOSS and y_range[0] < SPIKE_LOSS <= y_range[1]
             page.wait_for_timeout(500)
             page.screenshot(path=str(_BROWSER["ARTIFACTS"] / "dashboard_step_range.png"), full_page=True)
         finally:

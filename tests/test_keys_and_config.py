@@ -17,6 +17,7 @@ def test_run_keys_literal_strings() -> None:
     assert k.heartbeats == "th:{llama-70b.v2_run}:hb"
     assert k.agg == "th:{llama-70b.v2_run}:agg"
     assert k.agg_rollup == "th:{llama-70b.v2_run}:agg:rollup"
+    assert k.checkpoints == "th:{llama-70b.v2_run}:checkpoints"
     assert k.anomalies == "th:{llama-70b.v2_run}:anomalies"
     assert k.incidents == "th:{llama-70b.v2_run}:incidents"
     assert k.anomaly_log == "th:{llama-70b.v2_run}:anomaly_log"

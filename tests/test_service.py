@@ -585,3 +585,42 @@ def test_a_batch_written_twice_after_a_lost_reply_is_read_once(r: redis.Redis) -
     drain(svc2)
     assert [i.decode() for i, _ in r.xrange("th:{twice}:agg")] == [f"1-{s}" for s in range(40)]
     assert r.hkeys("th:{twice}:anomalies") == []
+
+
+def checkpoint_marks(r: redis.Redis, run: str) -> dict[str, dict]:
+    return {k.decode(): json.loads(v) for k, v in r.hgetall(f"th:{{{run}}}:checkpoints").items()}
+
+
+def test_checkpoints_are_merged_over_ranks_and_kept_through_a_rebuild(r: redis.Redis) -> None:
+    mons = [Monitor("ck", client=r, rank=rank, world_size=3, host=f"node-{rank}", started_at=T0, flush_interval=0.01)
+            for rank in range(3)]
+    for s in range(0, 30):
+        for mon in mons:
+            mon.log_step(s, loss=3.0, grad_norm=1.0, tokens=100, timestamp=T0 + 10 + s)
+        if s in (9, 19):
+            for rank, mon in enumerate(mons):
+                mon.checkpoint_saved(s, 1.0 + rank / 4 + s / 100)
+    for mon in mons:
+        assert mon.flush(10)
+    svc = DetectorService(r, consumer="a", clock=lambda: T0 + 100, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc)
+    marks = checkpoint_marks(r, "ck")
+    assert sorted(marks) == ["checkpoint_save:19", "checkpoint_save:9"]
+    events = [f for _, f in r.xrange("th:{ck}:events") if f[b"kind"] == b"checkpoint_save"]
+    first_t = {s: min(float(f[b"t"]) for f in events if int(f[b"step"]) == s) for s in (9, 19)}
+    assert marks["checkpoint_save:9"] == {"kind": "checkpoint_save", "step": 9, "t": first_t[9], "seconds": 1.59,
+                                          "n_ranks": 3}
+    assert marks["checkpoint_save:19"] == {"kind": "checkpoint_save", "step": 19, "t": first_t[19], "seconds": 1.69,
+                                           "n_ranks": 3}
+    # Two of step 9's reports are trimmed from the events stream; a new service rebuilds from what is left: the
+    # stored count stands, and a rank's late second report of step 19 counts once.
+    for entry_id, f in r.xrange("th:{ck}:events"):
+        if f[b"kind"] == b"checkpoint_save" and f[b"step"] == b"9" and f[b"rank"] != b"0":
+            r.xdel("th:{ck}:events", entry_id)
+    mons[2].checkpoint_saved(19, 0.5)
+    assert mons[2].flush(10)
+    svc2 = DetectorService(r, consumer="a", clock=lambda: T0 + 200, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc2)
+    assert checkpoint_marks(r, "ck") == marks
+    for mon in mons:
+        mon._sender.stop(1)

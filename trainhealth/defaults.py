@@ -42,6 +42,9 @@ LEDGER_RETENTION_ENTRIES = 20_000
 ROLLUP_STEPS = 100
 #: Rollup entries kept per run, about: 100,000,000 steps at ROLLUP_STEPS.
 ROLLUP_RETENTION_ENTRIES = 1_000_000
+#: Checkpoint saves and loads kept per run in ``th:{run}:checkpoints`` (detectors/checkpoints.py), the newest by
+#: step: the whole-run charts' markers. One every 1,000 steps of a 1,000,000-step run, ~100 B each.
+CHECKPOINTS_KEPT = 2_000
 #: Environment variable overriding ``STEPS_RETENTION_RECORDS``.
 RETENTION_ENV = "TRAINHEALTH_RETENTION"
 #: Environment variable overriding ``STEPS_RETENTION_BYTES``.

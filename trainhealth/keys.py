@@ -93,6 +93,12 @@ class RunKeys:
         return f"{self._p}:agg:rollup"
 
     @property
+    def checkpoints(self) -> str:
+        """Hash: ``<kind>:<step>`` -> JSON of one checkpoint save or load merged over the ranks that reported it
+        (earliest time, longest block, how many ranks), written by the service (detectors/checkpoints.py)."""
+        return f"{self._p}:checkpoints"
+
+    @property
     def anomalies(self) -> str:
         """Hash: anomaly id -> JSON of the anomaly's current state."""
         return f"{self._p}:anomalies"

@@ -29,9 +29,11 @@ from trainhealth.dashboard.common import (
     TOKEN_GAP_NOTE,
     URL_KEY,
     client,
+    current_focus,
     get_client,
     rates_table,
     redis_trouble,
+    reuse,
     show_problems,
     to_datetime,
     viewer_tz,
@@ -58,28 +60,39 @@ MIN_BAR_S = 0.05
 CLOSED_COLUMNS = ["status", "action", "kind", "onset_step", "checkpoint_step", "summary", "by", "decided"]
 
 
-def _read_history(url: str, run: str, count: int | None) -> tuple[pd.DataFrame, list[str]]:
+#: The snapshot paths the charts draw (:func:`history_paths`): the wall time and its breakdown, the since-start
+#: tokens/s; with the one rolling-rate window of the chosen history.
+DRAWN_PATHS = ("t", "wall_s", "throughput_tok_s", "goodput_tok_s", "seconds")
+
+
+def history_paths(window: str) -> tuple[str, ...]:
+    """The ledger snapshot paths the charts of ``window`` draw: Redis sends only these (``data.ledger_history``)."""
+    return (*DRAWN_PATHS, f"rates.{RATE_WINDOW.get(window, '60s')}")
+
+
+def _read_history(url: str, run: str, count: int | None, paths: tuple[str, ...]) -> tuple[pd.DataFrame, list[str]]:
     problems: list[str] = []  # cached with the frame: the warnings must outlive the read
     if count is None:
-        return data.ledger_history_whole(get_client(url), run, MAX_POINTS, problems=problems), problems
-    return data.ledger_history(get_client(url), run, count=count, max_points=MAX_POINTS, problems=problems), problems
+        return data.ledger_history_whole(get_client(url), run, MAX_POINTS, problems=problems, paths=paths), problems
+    return data.ledger_history(get_client(url), run, count=count, max_points=MAX_POINTS, problems=problems,
+                               paths=paths), problems
 
 
 @st.cache_data(ttl=WINDOWS["1 h"][1], show_spinner=False)
-def _history_short(url: str, run: str, count: int) -> tuple[pd.DataFrame, list[str]]:
-    return _read_history(url, run, count)
+def _history_short(url: str, run: str, count: int, paths: tuple[str, ...]) -> tuple[pd.DataFrame, list[str]]:
+    return _read_history(url, run, count, paths)
 
 
 @st.cache_data(ttl=WINDOWS["6 h"][1], show_spinner=False)
-def _history_long(url: str, run: str, count: int | None) -> tuple[pd.DataFrame, list[str]]:
-    return _read_history(url, run, count)
+def _history_long(url: str, run: str, count: int | None, paths: tuple[str, ...]) -> tuple[pd.DataFrame, list[str]]:
+    return _read_history(url, run, count, paths)
 
 
 def history(url: str, run: str, window: str) -> tuple[pd.DataFrame, list[str]]:
-    """The ledger history of ``window`` (thinned to :data:`MAX_POINTS`), cached per its period, and
-    what of it could not be read."""
+    """The ledger history of ``window`` (thinned to :data:`MAX_POINTS`, only the drawn paths), cached per its
+    period, and what of it could not be read."""
     count, ttl = WINDOWS.get(window, WINDOWS[DEFAULT_WINDOW])
-    return (_history_short if ttl <= WINDOWS["1 h"][1] else _history_long)(url, run, count)
+    return (_history_short if ttl <= WINDOWS["1 h"][1] else _history_long)(url, run, count, history_paths(window))
 
 
 def badput_gpu_hours(snap: dict) -> tuple[float, float]:
@@ -185,17 +198,25 @@ def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str, rate_windo
     if hist.empty:
         st.info("No goodput ledger history yet.", icon=":material/hourglass_empty:")
         return
-    fig = charts.wall_time_breakdown(hist, tz, custom_names=list(snap.get("custom_by_name") or {}))
-    fig.update_layout(uirevision=run)  # keep the user's zoom across refreshes
-    zoom_to_focus(fig, run, tz, hist["t"])  # a link's step: open around its time
-    st.plotly_chart(fig, config={"displaylogo": False}, key="breakdown")
+    # Each chart is made again only when the history, the snapshot or the choices changed (common.reuse).
+    custom = list(snap.get("custom_by_name") or {})
+    drawn = (run, tz, rate_window, len(hist), float(hist["t"].iloc[0]), float(hist["t"].iloc[-1]), tuple(custom),
+             current_focus(run))
+
+    def breakdown() -> Any:
+        fig = charts.wall_time_breakdown(hist, tz, custom_names=custom)
+        fig.update_layout(uirevision=run)  # keep the user's zoom across refreshes
+        return zoom_to_focus(fig, run, tz, hist["t"])  # a link's step: open around its time
+
+    st.plotly_chart(reuse("breakdown", drawn, breakdown), config={"displaylogo": False}, key="breakdown")
     left, right = st.columns([3, 2])
     with left:
         if data.has_token_counts(snap):
-            fig = charts.goodput_over_time(hist, tz, rate_window=rate_window)
-            fig.update_layout(uirevision=run)
-            zoom_to_focus(fig, run, tz, hist["t"])
-            st.plotly_chart(fig, config={"displaylogo": False}, key="tokens")
+            def tokens() -> Any:
+                fig = charts.goodput_over_time(hist, tz, rate_window=rate_window).update_layout(uirevision=run)
+                return zoom_to_focus(fig, run, tz, hist["t"])
+
+            st.plotly_chart(reuse("tokens", drawn, tokens), config={"displaylogo": False}, key="tokens")
             st.caption(TOKEN_GAP_NOTE)
         else:
             st.info("No token counts in this run, so there is no throughput or goodput in tokens/s; the "
@@ -207,8 +228,9 @@ def charts_section(hist: pd.DataFrame, snap: dict, tz: str, run: str, rate_windo
             st.info("No badput so far: all wall time was productive.", icon=":material/check_circle:")
         else:
             priced = snap.get("badput_cost_usd") is not None
-            st.plotly_chart(charts.badput_cost_bar(shown, priced, snap.get("wall_s")),
-                            config={"displaylogo": False}, key="cost")
+            fig = reuse("cost", (run, snap.get("t"), snap.get("wall_s"), priced, tuple(shown["seconds"])),
+                        lambda: charts.badput_cost_bar(shown, priced, snap.get("wall_s")))
+            st.plotly_chart(fig, config={"displaylogo": False}, key="cost")
             rest = [charts.label(c) for c in causes.loc[causes["seconds"] < MIN_BAR_S, "category"]]
             if rest:
                 st.caption("Nothing lost to " + ", ".join(rest) + ".")

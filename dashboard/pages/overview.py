@@ -23,8 +23,11 @@ from trainhealth.dashboard.common import (
     URL_KEY,
     anomaly_delta,
     client,
+    current_focus,
+    frame_signature,
     get_client,
     redis_trouble,
+    reuse,
     show_problems,
     viewer_tz,
     zoom_to_focus,
@@ -38,8 +41,12 @@ from trainhealth.text import fmt_duration, fmt_int, fmt_pct, fmt_rate, fmt_usd, 
 #: Slow-moving reads (checkpoint markers, the sampled ledger history) are re-read at most this
 #: often (s) instead of on every 2 s refresh; the KPIs and loss curve stay fully live.
 SLOW_TTL_S = 10
-#: Ledger snapshots drawn on the goodput chart: the whole run, sampled evenly in time (one per ~1.5 px).
-LEDGER_POINTS = 1_200
+#: Ledger snapshots drawn on the goodput chart: the whole run, sampled evenly in time (one per ~1.5 px of its ~900).
+#: Each sample costs Redis a ~2 kB JSON decode (data.LEDGER_SAMPLE_SCRIPT, ~30 us): 600 are ~20 ms every SLOW_TTL_S;
+#: the since-start curves it draws move by at most 1/600 of their range between two samples.
+LEDGER_POINTS = 600
+#: What the goodput chart draws of each snapshot (since-start tokens/s): Redis sends only these.
+LEDGER_PATHS = ("t", "throughput_tok_s", "goodput_tok_s")
 #: Session-state key of the step series read so far: ``{(run, step_from, step_to): data.StepSeries}``, so a
 #: refresh reads only the entries added since the last one.
 SERIES_KEY = "th_series"
@@ -57,11 +64,14 @@ NO_COMPARE = "—"  # no run id looks like this (trainhealth.keys.validate_run_i
 # (``th_step_from.w:19900``) and copies a change back (:func:`_chosen`). So a drag on the chart or "Whole run"
 # redraws the inputs, and a page whose widgets get new ids between runs keeps the choice.
 ALIGNMENTS = {"step": "step", "tokens": "tokens trained"}
+#: What of the anomalies the curves draw (markers, spans, hover text): a change makes them again.
+CURVE_ANOMALY_COLUMNS = ("id", "kind", "severity", "status", "step", "end_step", "ranks", "message")
 
 
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
-def _checkpoints(url: str, run: str) -> pd.DataFrame:
-    return data.events(get_client(url), run)
+def _checkpoints(url: str, run: str) -> tuple[pd.DataFrame, list[str]]:
+    problems: list[str] = []  # cached with the frame: the warnings must outlive the read
+    return data.checkpoints(get_client(url), run, problems), problems
 
 
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
@@ -72,7 +82,8 @@ def _run_ids(url: str) -> list[str]:
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
 def _ledger_history(url: str, run: str) -> tuple[pd.DataFrame, list[str]]:
     problems: list[str] = []  # cached with the frame: the warnings must outlive the read
-    return data.ledger_history_whole(get_client(url), run, LEDGER_POINTS, problems=problems), problems
+    return data.ledger_history_whole(get_client(url), run, LEDGER_POINTS, problems=problems,
+                                   paths=LEDGER_PATHS), problems
 
 
 def stalled_throughput(snap: dict, state: JobState | None) -> tuple[float | None, str, str] | None:
@@ -275,11 +286,17 @@ def curves_caption(series: data.StepSeries, reduced: bool) -> str | None:
 
 def curves(run: str, series: data.StepSeries, anomalies: pd.DataFrame, checkpoints: pd.DataFrame,
            lo: int | None, hi: int | None) -> None:
-    """The loss / grad-norm chart of the series; dragging across it picks a step range."""
-    fig = charts.training_curves(series.frame, anomalies, checkpoints, max_points=charts.MAX_POINTS)
+    """The loss / grad-norm chart of the series; dragging across it picks a step range. Made again only when the
+    series, the anomalies or the checkpoints changed (:func:`~trainhealth.dashboard.common.reuse`)."""
+    def build() -> Any:
+        fig = charts.training_curves(series.frame, anomalies, checkpoints, max_points=charts.MAX_POINTS)
+        # Keep the user's zoom across refreshes, not across ranges; dragging selects a step range (horizontal only).
+        return fig.update_layout(uirevision=f"{run}:{lo}:{hi}", dragmode="select", selectdirection="h")
+
+    fig = reuse("curves", (run, lo, hi, series.last_id, len(series.frame), series.rolled_steps,
+                           frame_signature(anomalies, CURVE_ANOMALY_COLUMNS),
+                           frame_signature(checkpoints, data.EVENT_COLUMNS)), build)
     reduced = "reduced" in (fig.layout.title.text or "")
-    # Keep the user's zoom across refreshes, not across ranges; dragging selects a step range (horizontal only).
-    fig.update_layout(uirevision=f"{run}:{lo}:{hi}", dragmode="select", selectdirection="h")
     key = f"curves:{lo}:{hi}"  # a new range starts without the previous range's selection box
     st.plotly_chart(fig, config={"displaylogo": False}, key=key, on_select=functools.partial(_zoom_to_selection, key),
                     selection_mode="box")
@@ -355,14 +372,13 @@ def live(run: str) -> None:
         snap = data.ledger_latest(cl, run, problems)
         state = data.job_state(cl, run)  # unreadable: the page's header says so
         anomalies = data.anomalies(cl, run, problems)
-        checkpoints = _checkpoints(url, run)
-        history, history_problems = _ledger_history(url, run)
+        checkpoints, checkpoint_problems = _checkpoints(url, run)
     except redis.RedisError as exc:
         redis_trouble(exc)
         return
 
     status_line(series.tail, meta, state)
-    show_problems([*problems, *history_problems])
+    show_problems([*problems, *checkpoint_problems])
     kpis(snap, anomalies, meta, state)
 
     if series.tail is None:
@@ -376,6 +392,13 @@ def live(run: str) -> None:
         else:
             curves(run, series, anomalies, checkpoints, lo, hi)
 
+    # Read after the curves are drawn: the browser draws them meanwhile.
+    try:
+        history, history_problems = _ledger_history(url, run)
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+    show_problems(history_problems)
     left, right = st.columns([3, 2])
     with left:
         if history.empty:
@@ -385,9 +408,12 @@ def live(run: str) -> None:
                     "throughput or goodput in tokens/s. Goodput (time) and the badput breakdown still apply.",
                     icon=":material/info:")
         else:
-            fig = charts.goodput_over_time(history, viewer_tz())
-            fig.update_layout(uirevision=run)
-            zoom_to_focus(fig, run, viewer_tz(), history["t"])  # a link's step: open around its time
+            def goodput_figure() -> Any:
+                fig = charts.goodput_over_time(history, viewer_tz()).update_layout(uirevision=run)
+                return zoom_to_focus(fig, run, viewer_tz(), history["t"])  # a link's step: open around its time
+
+            fig = reuse("goodput", (run, viewer_tz(), len(history), float(history["t"].iloc[0]),
+                                    float(history["t"].iloc[-1]), current_focus(run)), goodput_figure)
             st.plotly_chart(fig, config={"displaylogo": False}, key="goodput")
             st.caption(TOKEN_GAP_NOTE)
     with right:
@@ -398,7 +424,8 @@ def live(run: str) -> None:
             if shown.empty:
                 st.info("No badput so far: all wall time was productive.", icon=":material/check_circle:")
             else:
-                fig = charts.badput_bar(shown, snap.get("wall_s"))
+                fig = reuse("badput", (run, snap.get("t"), snap.get("wall_s"), tuple(shown["seconds"])),
+                            lambda: charts.badput_bar(shown, snap.get("wall_s")))
                 st.plotly_chart(fig, config={"displaylogo": False}, key="badput")
             caption = ledger_caption(snap)
             if caption:

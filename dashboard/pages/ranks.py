@@ -10,6 +10,7 @@ another row of the rank table makes it the link's rank.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 from typing import Any
 
 import pandas as pd
@@ -23,9 +24,11 @@ from trainhealth.dashboard.common import (
     Focus,
     client,
     current_focus,
+    frame_signature,
     get_client,
     kind_words,
     redis_trouble,
+    reuse,
     select_table,
     set_focus,
     show_problems,
@@ -41,6 +44,11 @@ AROUND_TTL_S = 10
 #: Session-state key of the rank window read so far (:func:`rank_window`).
 WINDOW_KEY = "th_rank_window"
 WINDOWS = (100, 500, DASHBOARD_STEPS)
+#: Busy values (ranks x steps) the window reads at most: beyond, its newest ``data.RANK_TABLE_STEPS`` steps are read
+#: whole and only every n-th older one (data.RankWindow). 131,072: 500 steps whole up to 256 ranks; at 1,024 ranks
+#: the newest 100 and every 15th before (~1.6 MB read once instead of ~6.5 MB), which the heatmap draws in
+#: ~64 columns anyway (charts.HEATMAP_MAX_CELLS).
+WINDOW_VALUES = 131_072
 MODES = ("busy seconds", "ratio to step median")
 #: Anomaly kinds about particular ranks or nodes, each shown as a warning on top: the flagging ones
 #: (:data:`trainhealth.dashboard.data.FLAGGED_KINDS`) and a dead rank (its job is hung or crashed).
@@ -78,6 +86,8 @@ NODE_CONFIG = {
     "slow_node": st.column_config.CheckboxColumn("slow node", help="The slow-node detector's verdict: an active "
                                                  "slow_node anomaly names this host."),
 }
+#: What of the anomalies the rank and node tables read (verdicts, the straggler's onset, slow nodes).
+ANOMALY_SIGNATURE = ("id", "kind", "status", "step", "ranks", "hosts")
 #: Session-state keys: ``(run, rank)`` picked by a click or a link; ``(run, Focus)`` last applied.
 CHOSEN_KEY, APPLIED_KEY = "ranks_chosen", "ranks_applied"
 
@@ -183,18 +193,20 @@ def timeline_figure(timeline: pd.DataFrame, rank: int, focus: Focus) -> go.Figur
     return fig
 
 
-def drill_down(run: str, matrix: pd.DataFrame, rank: int, host: str | None) -> None:
-    """One rank's section seconds per step, around the link's step when there is one."""
+def drill_down(run: str, matrix: pd.DataFrame, rank: int, host: str | None, version: Hashable = None) -> None:
+    """One rank's section seconds per step, around the link's step when there is one. ``version`` names the
+    matrix's content (its newest entry): the same again, the timeline and its chart are kept (common.reuse)."""
     focus = current_focus(run)
     steps, problems = drill_window(matrix, focus, run)
     show_problems(problems)
-    timeline = data.rank_timeline(steps, rank)
+    timeline = reuse("rank_timeline", (run, version, rank, focus, steps.shape), lambda: data.rank_timeline(steps, rank))
     st.markdown(f"##### Rank {rank}" + (f" · {host}" if host else "") + ": section timeline")
     if timeline["busy_s"].notna().sum() == 0:
         st.info(f"Rank {rank} reported no section time in these steps.", icon=":material/timer_off:")
         return
-    st.plotly_chart(timeline_figure(timeline, rank, focus).update_layout(uirevision=f"{run}:{rank}"),
-                    config={"displaylogo": False}, key="rank_timeline")
+    fig = reuse("rank_timeline_figure", (run, version, rank, focus, steps.shape),
+                lambda: timeline_figure(timeline, rank, focus).update_layout(uirevision=f"{run}:{rank}"))
+    st.plotly_chart(fig, config={"displaylogo": False}, key="rank_timeline")
     first, last = int(timeline["step"].iloc[0]), int(timeline["step"].iloc[-1])
     around = f" around the link's {focus.describe().split(' · ')[0]}" if focus.has_step else ""
     st.caption(f"Seconds rank {rank} spent in its timed sections (their sum: the service keeps one figure per rank "
@@ -207,8 +219,16 @@ def rank_window(cl: Any, run: str, window: int, problems: list[str]) -> data.Ran
     1,024 ranks 500 steps are ~5 MB of JSON: read once, not every 2 s)."""
     kept = st.session_state.get(WINDOW_KEY)
     if kept is None or (kept.run, kept.count) != (run, window):
-        kept = st.session_state[WINDOW_KEY] = data.RankWindow(run, window)
+        kept = st.session_state[WINDOW_KEY] = data.RankWindow(run, window, values=WINDOW_VALUES)
     return kept.refresh(cl, problems)
+
+
+def sampled_note(kept: data.RankWindow, n_ranks: int) -> str | None:
+    """What the heatmap and the drill-down show of a window read with a stride, None when every step is there."""
+    if kept.stride <= 1:
+        return None
+    return (f"The newest {kept.full:,} steps are shown step by step; before them, every {kept.stride:,}th step (at "
+            f"{plural(n_ranks, 'rank')}, the window reads at most {WINDOW_VALUES:,} busy values).")
 
 
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
@@ -217,10 +237,10 @@ def live(run: str, window: int, relative: bool) -> None:
     problems: list[str] = []
     try:
         cl = client()
-        matrix = rank_window(cl, run, window, problems).matrix
+        kept = rank_window(cl, run, window, problems)
+        matrix = kept.matrix
         anomalies = data.anomalies(cl, run, problems)
         state = data.job_state(cl, run)  # unreadable: the page's header says so
-        hosts = _hosts(st.session_state.get(URL_KEY, ""), run)
     except redis.RedisError as exc:
         redis_trouble(exc)
         return
@@ -241,19 +261,36 @@ def live(run: str, window: int, relative: bool) -> None:
     if not data.has_rank_timings(matrix):
         st.info(NO_TIMINGS, icon=":material/timer_off:")
         return
-    st.plotly_chart(charts.rank_heatmap(matrix, relative=relative, highlight=flagged).update_layout(
-        uirevision=run), config={"displaylogo": False}, key="heatmap")
+    # The window's newest entry names its content: a refresh that read nothing new keeps what it made (common.reuse).
+    version = (kept.last_id, kept.count, kept.stride, matrix.shape)
+    heatmap = reuse("heatmap", (run, version, relative, tuple(flagged)), lambda: charts.rank_heatmap(
+        matrix, relative=relative, highlight=flagged).update_layout(uirevision=run))
+    st.plotly_chart(heatmap, config={"displaylogo": False}, key="heatmap")
+    note = sampled_note(kept, matrix.shape[0])
+    if note:
+        st.caption(note)
 
-    recent, onset = data.rank_table_window(matrix, anomalies)
-    summary = data.rank_summary(recent, hosts)
-    nodes = data.node_summary(summary, anomalies)
+    try:  # read after the heatmap is drawn: the browser draws it meanwhile
+        hosts = _hosts(st.session_state.get(URL_KEY, ""), run)
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+    culprit_rank = culprit.rank if culprit is not None else None
+
+    def tables() -> tuple[pd.DataFrame, int | None, pd.DataFrame, pd.DataFrame]:
+        recent, onset = data.rank_table_window(matrix, anomalies)
+        summary = data.rank_summary(recent, hosts)
+        return recent, onset, data.node_summary(summary, anomalies), rank_table(summary, verdicts, culprit_rank)
+
+    recent, onset, nodes, ranks = reuse("rank_tables", (run, version, frame_signature(anomalies, ANOMALY_SIGNATURE),
+                                                        frame_signature(hosts, data.HOST_COLUMNS), culprit_rank),
+                                        tables)
     if len(nodes) > 1:
         st.markdown("##### Nodes, slowest first")
         st.caption("Each host's ranks together, over the same steps as the rank table: a node-level cause (clocks, "
                    "thermals, PCIe/NVLink, host CPU) slows all of them. Slow node = the slow-node detector's "
                    "verdict.")
         st.dataframe(nodes, hide_index=True, key="node_table", column_config=NODE_CONFIG)
-    ranks = rank_table(summary, verdicts, culprit.rank if culprit is not None else None)
     st.markdown("##### Ranks, slowest first")
     st.caption(table_caption(recent, onset))
     ids = [int(r) for r in ranks["rank"]]
@@ -266,7 +303,7 @@ def live(run: str, window: int, relative: bool) -> None:
         set_focus(run, focus)
         st.session_state[CHOSEN_KEY], st.session_state[APPLIED_KEY] = (run, rank), (run, focus)
     host = ranks.loc[ranks["rank"] == rank, "host"].iloc[0]
-    drill_down(run, matrix, rank, host if isinstance(host, str) else None)
+    drill_down(run, matrix, rank, host if isinstance(host, str) else None, version)
 
 
 run = page_run()
