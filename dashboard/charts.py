@@ -33,6 +33,7 @@ CATEGORY_COLORS = {
     "program_startup": "#9467bd",
     "data_loading": "#1f77b4",
     "straggler_wait": "#ff7f0e",
+    "communication": "#bcbd22",
     "skipped_steps": "#e377c2",
     "checkpoint_save": "#17becf",
     "checkpoint_restore": "#9edae5",

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import redis
 
-from trainhealth import defaults
+from trainhealth import defaults, goodput
 from trainhealth.anomaly import ALL_KINDS
 from trainhealth.exceptions import ConfigError
 from trainhealth.job import Culprit, JobState
@@ -59,13 +59,10 @@ LEDGER_COLUMNS = ["t", "started_at", "wall_s", "world_size", "gpu_hour_usd", "la
                   "goodput_tok_s", "goodput_pct", "badput_cost_usd"]
 #: Goodput ledger categories (seconds of wall time), in docs/goodput.md's order; everything but
 #: :data:`NOT_BADPUT` is badput. Categories a snapshot adds beyond these are shown too.
-LEDGER_CATEGORIES = ("productive", "program_startup", "data_loading", "straggler_wait", "skipped_steps",
-                     "checkpoint_save", "checkpoint_restore", "wasted_progress_from_disruption",
-                     "wasted_progress_from_rollback", "infrastructure_recovery_from_disruption", "custom", "hang",
-                     "idle", "unobserved")
+LEDGER_CATEGORIES = goodput.CATEGORIES
 #: Categories that are not badput: productive time, and ``unobserved`` time (steps the records do not cover: records
 #: lost, a log's skipped stretches), which is not known to be lost (docs/goodput.md).
-NOT_BADPUT = ("productive", "unobserved")
+NOT_BADPUT = goodput.NOT_BADPUT
 #: Windows of the ledger's rolling rates (``rates`` keys) and the history columns they fill:
 #: ``rate.<window>.throughput_tok_s`` and ``rate.<window>.goodput_tok_s``.
 RATE_WINDOWS = ("60s", "600s", "3600s")

@@ -27,7 +27,7 @@ from typing import Any
 import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from trainhealth import defaults
+from trainhealth import defaults, goodput
 from trainhealth.job import STATES
 from trainhealth.keys import RUNS, SERVICES, run_keys
 from trainhealth.warn_once import WarnOnce
@@ -42,7 +42,7 @@ LIVE_STATUSES = ("running", "crashed")
 DROP_CAUSE_LABELS = (*DROP_CAUSES, "unknown")
 #: Ledger categories that are not badput: ``productive``, and ``unobserved`` (time the records do not cover, in
 #: ledgers that book it: neither productive nor badput), each exported as a metric of its own.
-NOT_BADPUT = ("productive", "unobserved")
+NOT_BADPUT = goodput.NOT_BADPUT
 #: The ``window`` label of the whole run's token rates, beside the ledger's rolling windows (``60s``, ...).
 WHOLE_RUN = "all"
 #: The most ranks ``slowest_ranks`` may ask for: the per-rank series stay few per run.

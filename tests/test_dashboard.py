@@ -355,9 +355,9 @@ def test_badput_breakdown_sorted_with_custom_split_by_name(seeded: redis.Redis) 
     # "custom" (3.0 s) is replaced by its names: eval 2.5 s and profiling 0.5 s.
     assert list(bd["category"]) == ["wasted_progress_from_disruption", "data_loading", "checkpoint_save",
                                     "infrastructure_recovery_from_disruption", "eval", "program_startup",
-                                    "checkpoint_restore", "profiling", "straggler_wait", "skipped_steps",
-                                    "wasted_progress_from_rollback", "hang", "idle"]
-    assert list(bd["seconds"]) == [8.0, 5.0, 5.0, 4.5, 2.5, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0]
+                                    "checkpoint_restore", "profiling", "straggler_wait", "communication",
+                                    "skipped_steps", "wasted_progress_from_rollback", "hang", "idle"]
+    assert list(bd["seconds"]) == [8.0, 5.0, 5.0, 4.5, 2.5, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert bd.loc[0, "cost_usd"] == pytest.approx(8.0 * 4 * 2.5 / 3600)
     assert bd.loc[4, "cost_usd"] == pytest.approx(2.5 * 4 * 2.5 / 3600)  # the custom cost split by seconds
     assert bd["seconds"].sum() == 28.5 and bd["cost_usd"].sum() == pytest.approx(28.5 * 4 * 2.5 / 3600)
@@ -371,7 +371,7 @@ def test_badput_custom_names_collision_remainder_and_old_snapshots() -> None:
     assert {k: bd[k] for k in ("evaluation", "custom: idle", "custom", "idle")} == {
         "evaluation": 2.0, "custom: idle": 1.0, "custom": 1.0, "idle": 0.0}
     old = data.badput_seconds(_snapshot(T0 + 100, 100.0, 12, 14, 12, 1, SECONDS, {}))  # no names written
-    assert "custom" in set(old["category"]) and len(old) == 12  # every category but productive
+    assert "custom" in set(old["category"]) and len(old) == 13  # every badput category (not productive, unobserved)
     extra = data.badput_seconds({"seconds": {"productive": 1.0, "new_kind": 2.0}})  # a category added later
     assert extra.loc[0].to_dict() == {"category": "new_kind", "seconds": 2.0, "cost_usd": pytest.approx(math.nan,
                                                                                                       nan_ok=True)}
@@ -521,7 +521,7 @@ def test_overview_kpis_and_charts(seeded: redis.Redis, redis_url: str) -> None:
         "(start-up, checkpoints, restarts, hangs, idle). Straggler wait and data loading slow both curves alike, "
         "so they are not in the gap: see Goodput (time) and the badput by cause.",
         "Productive: 71.5 s of 100.0 s wall time · 1 restart · 12 logged steps kept of 14 done",
-        "0.0 s: straggler wait, skipped or NaN steps, wasted progress from rollback, hang, idle"]
+        "0.0 s: straggler wait, communication, skipped or NaN steps, wasted progress from rollback, hang, idle"]
     sidebar = [c.value for c in at.sidebar.caption]
     assert sidebar[-1] == f"Redis: `{redis_url}`"
     assert sidebar[0].startswith("**running** · 4 ranks · started ") and sidebar[0].endswith(" · source `demo`")

@@ -61,7 +61,7 @@ RATES = [
     {"60s": (52_428.8, 0.0), "600s": (52_428.8, 40_000.0), "3600s": (52_428.8, 42_000.0)},
     {"60s": (51_200.0, 26_214.4), "600s": (52_000.0, 38_010.88), "3600s": (52_428.8, 42_088.675556)},
 ]
-ZERO = ["straggler_wait", "skipped_steps", "wasted_progress_from_disruption",
+ZERO = ["straggler_wait", "communication", "skipped_steps", "wasted_progress_from_disruption",
         "infrastructure_recovery_from_disruption", "hang"]
 
 
@@ -458,8 +458,8 @@ def test_goodput_page_charts(seeded: dict) -> None:
                                   "$1.78 · 0.71 GPU-h", "$1.33 · 0.53 GPU-h"]
     assert cost["marker"]["color"][::-1] == [charts.CATEGORY_COLORS[lc] for _, lc, _ in CAUSES]
     assert figs["cost"]["layout"]["title"]["text"] == "Money lost per cause (USD since start)"
-    assert at.main.caption[-1].value == ("Nothing lost to straggler wait, skipped or NaN steps, wasted progress from "
-                                         "disruption, infrastructure recovery from disruption, hang.")
+    assert at.main.caption[-1].value == ("Nothing lost to straggler wait, communication, skipped or NaN steps, wasted "
+                                         "progress from disruption, infrastructure recovery from disruption, hang.")
     charts_caption = "the last 1 h of ledger snapshots (times in UTC); each snapshot covers the run since it started."
     assert [c.value for c in at.main.caption if c.value.startswith("Charts:")] == [f"Charts: {charts_caption}"]
 
