@@ -27,6 +27,7 @@ from trainhealth.anomaly import ALL_KINDS
 from trainhealth.exceptions import ConfigError
 from trainhealth.job import Culprit, JobState
 from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys, validate_run_id
+from trainhealth.text import fmt_ranks
 from trainhealth.wire import decode_event
 
 #: Runs listed in the picker (newest first); older ones are reachable by ``?run=`` links.
@@ -2236,18 +2237,8 @@ def rank_verdicts(anomalies: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"rank": kinds.index.astype("int64"), "kinds": kinds.to_numpy()})
 
 
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """``[0, 1, 2, 3, 8]`` → ``0–3, 8``."""
-    out: list[str] = []
-    values = sorted(set(ranks))
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        out.append(str(values[i]) if i == j else f"{values[i]}–{values[j]}")
-        i = j + 1
-    return ", ".join(out)
+#: ``[0, 1, 2, 3, 8]`` → ``0–3, 8`` (the one formatter of rank lists, :func:`trainhealth.text.fmt_ranks`).
+rank_ranges = fmt_ranks
 
 
 def node_summary(summary: pd.DataFrame, anomalies: pd.DataFrame) -> pd.DataFrame:
