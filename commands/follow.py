@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,18 @@ FOLLOW_PASSES: dict[str, int] = {
     "megatron": 1, "nanogpt": 1, "modded_nanogpt": 1, "word_lm": 1, "llmc": 1, "mmengine": 1, "text_kv": 1,
     "hf_stdout": 2, "llamafactory": 2, "wandb_jsonl": 2, "jsonl": 2, "nccl_watchdog": 1, "torchelastic": 1,
 }
+#: Formats written whole again at each save (``trainer_state.json``; Lightning's CSVLogger when a column appears;
+#: W&B and other CSV exports) or appended in records a line reader cannot take (TensorBoard event files): re-read
+#: whole when the file changes, and only the steps beyond the last one sent go out (a rewrite that goes back, as a
+#: job resumed from a checkpoint writes, is followed from where it went back). At most :data:`REREAD_MAX_BYTES`.
+REREAD_FORMATS = ("hf_trainer_state", "lightning_csv", "wandb_csv", "csv", "tensorboard")
+#: Largest file re-read whole on each change (bytes); a larger one is refused (replay it once it is complete).
+REREAD_MAX_BYTES = 256 << 20
+#: Shortest interval between two re-reads of a whole-file format (s): a file rewritten many times a second is
+#: read at most this often.
+REREAD_EVERY_S = 2.0
+#: Every format a follow takes.
+FOLLOWED = (*FOLLOW_PASSES, *REREAD_FORMATS)
 #: Events a followed log reports that go to Redis as they are (checkpoint saves go through checkpoint_saved()).
 FORWARDED_EVENTS = ("collective_timeout", "worker_restart")
 
@@ -66,7 +79,8 @@ class Follower:
     path : Path
         The log file (it may not exist yet).
     fmt : str
-        A key of :data:`FOLLOW_PASSES`.
+        One of :data:`FOLLOWED`: a line format is followed line by line, one of :data:`REREAD_FORMATS` re-read whole
+        when it changes.
     monitor : Monitor
         Where the records go.
     mapping : dict | None
@@ -94,6 +108,9 @@ class Follower:
 
     def run(self) -> None:
         """Follow until :attr:`stop` says so. Raises :class:`InputFormatError` for a log its reader refuses."""
+        if self.fmt in REREAD_FORMATS:
+            self._reread()
+            return
         start = lines = 0
         if not self.from_start and self.path.exists():
             start, lines = line_start(self.path, self.path.stat().st_size)
@@ -108,6 +125,50 @@ class Follower:
                 self._push(item)
         finally:
             following.reset(token)
+
+    def _reread(self) -> None:
+        """A whole-file format: read it again each time it changes (size, time or inode), send what is new."""
+        seen: tuple[int, int, int] | None = None
+        last: int | None = None  # the newest train step sent
+        last_eval: int | None = None
+        first = True
+        while not self.stop():
+            try:
+                st = self.path.stat()
+                ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+            except FileNotFoundError:
+                ident = None
+            if ident is not None and ident != seen and ident[1] > 0:
+                if ident[1] > REREAD_MAX_BYTES:
+                    raise InputFormatError(f"{self.path}: {ident[1]:,} bytes is too large to re-read at every change "
+                                           f"(at most {REREAD_MAX_BYTES:,}); replay it once it is complete")
+                try:
+                    items = list(read_items(self.path, self.fmt, self.mapping))
+                except InputFormatError:
+                    items = None  # caught mid-write (a JSON cut short, a CSV row half written): read it next time
+                if items is not None:
+                    seen = ident
+                    points = [p for p in items if isinstance(p, LogPoint) and not p.is_eval]
+                    newest = max((p.step for p in points), default=None)
+                    if first and not self.from_start:
+                        last = newest  # from the end: what the file holds already is not sent
+                        last_eval = max((p.step for p in items if isinstance(p, LogPoint) and p.is_eval),
+                                        default=None)
+                    else:
+                        if newest is not None and last is not None and newest < last:
+                            last = max((p.step for p in points if p.step < newest), default=None)  # went back
+                        for item in items:
+                            step = getattr(item, "step", None)
+                            if isinstance(item, LogPoint) and item.is_eval:
+                                if last_eval is None or (step is not None and step > last_eval):
+                                    self._push(item)
+                                    last_eval = step
+                            elif last is None or (step is not None and step > last):
+                                self._push(item)
+                                if isinstance(item, LogPoint):
+                                    last = step
+                    first = False
+            time.sleep(max(self.poll_s, REREAD_EVERY_S if seen is not None else self.poll_s))
 
     def _push(self, item: LogPoint | LogEvent) -> None:
         mon = self.monitor
@@ -135,9 +196,9 @@ def register(sub: Any) -> None:
     f = with_url(command(sub, "follow", "Tail a training job's log file into Redis as it is written, so the "
                                         "detectors and the dashboard act on it live, without touching the job's "
                                         "code. Survives rotation and truncation. Formats (detected, or --format): "
-                                        + ", ".join(FOLLOW_PASSES) + "."))
+                                        + ", ".join(FOLLOWED) + " (the last five re-read whole when they change)."))
     f.add_argument("path", metavar="PATH", help="the log file (it may not exist yet)")
-    f.add_argument("--format", choices=list(FOLLOW_PASSES), help="the log's format (default: detected from its "
+    f.add_argument("--format", choices=list(FOLLOWED), help="the log's format (default: detected from its "
                    "name and content; needed when the file does not exist yet)")
     f.add_argument("--map", action="append", metavar="FIELD=COLUMN",
                    help="map one of our fields (step, loss, grad_norm, lr, tokens, step_seconds, ...) to a field "
@@ -166,16 +227,12 @@ def run(args: argparse.Namespace) -> int:
     if fmt is None:
         if not path.exists() or path.stat().st_size == 0:
             raise ConfigError(f"{path}: does not exist or is empty, so its format cannot be detected: pass --format "
-                              f"({', '.join(FOLLOW_PASSES)})")
+                              f"({', '.join(FOLLOWED)})")
         fmt = detect(path)
-    if fmt not in FOLLOW_PASSES:
-        raise ConfigError(f"{path}: a {FORMATS[fmt][2]} ({fmt}) cannot be followed: "
-                          + ("it is rewritten whole, not appended to" if fmt in ("hf_trainer_state", "megatron_golden",
-                                                                                  "kineto_trace", "lightning_csv",
-                                                                                  "wandb_csv", "csv")
-                             else "it is not a line log of one rank")
-                          + f"; use `trainhealth replay` when it is complete. Followed formats: "
-                          f"{', '.join(FOLLOW_PASSES)}")
+    if fmt not in FOLLOWED:
+        raise ConfigError(f"{path}: a {FORMATS[fmt][2]} ({fmt}) cannot be followed: it is written once, complete "
+                          "(a test's golden values, a profiler trace, a benchmark's output); use `trainhealth "
+                          f"replay`. Followed formats: {', '.join(FOLLOWED)}")
     run_id = args.run if args.run is not None else default_run_id(path)
     try:
         validate_run_id(run_id)

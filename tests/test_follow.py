@@ -206,9 +206,9 @@ def test_a_nan_written_to_a_followed_log_is_a_live_critical_anomaly(r: redis.Red
 
 def test_follow_refuses_what_it_cannot_follow(redis_url: str, real_logs: Path, tmp_path: Path) -> None:
     cases = {
-        str(real_logs / "hf_tinyllama_sft_healthy.trainer_state.json"):
-            "a Hugging Face trainer_state.json (hf_trainer_state) cannot be followed: it is rewritten whole, not "
-            "appended to; use `trainhealth replay` when it is complete.",
+        str(real_logs / "megatron_bert_release_a100.golden_values.json"):
+            "(megatron_golden) cannot be followed: it is written once, complete (a test's golden values, a profiler "
+            "trace, a benchmark's output); use `trainhealth replay`.",
         str(real_logs / "kineto_trace_rank0_ws128.json.gz"):
             "is gzip-compressed; a gzip stream cannot be followed while it is written",
         str(tmp_path / "missing.log"): "does not exist or is empty, so its format cannot be detected: pass --format",
@@ -258,3 +258,94 @@ def test_a_followed_restart_and_watchdog_timeout_reach_the_events_stream(r: redi
             assert int(f[b"rank"]) == (ev.rank if ev.rank is not None else 0)
             for key, value in ev.fields:
                 assert f[key.encode()].decode() == str(value), (key, f)
+
+
+def test_a_trainer_state_rewritten_at_each_save_sends_only_its_new_steps(r: redis.Redis, real_logs: Path,
+                                                                         tmp_path: Path) -> None:
+    """HF's trainer_state.json is written whole at each save: the follow re-reads it when it changes and sends the
+    steps beyond the last it sent; a job resumed from an earlier checkpoint writes it back to that step, then on."""
+    from trainhealth.collectors.monitor import Monitor
+    from trainhealth.commands import follow as follow_cmd
+
+    state = json.loads((real_logs / "hf_tinyllama_sft_healthy.trainer_state.json").read_text())
+    train = [e for e in state["log_history"] if "loss" in e]
+    path = tmp_path / "trainer_state.json"
+
+    def save(entries: list[dict]) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**state, "log_history": entries}))
+        os.replace(tmp, path)  # as the Trainer saves it: a new file under the name
+
+    save(train[:10])
+    mon = Monitor("fol-state", client=r, rank=0, world_size=1, flush_interval=0.01)
+    stop = threading.Event()
+    fol = follow_cmd.Follower(path, "hf_trainer_state", mon, poll_s=0.05, stop=stop.is_set)
+    follow_cmd.REREAD_EVERY_S, every = 0.05, follow_cmd.REREAD_EVERY_S
+    t = threading.Thread(target=fol.run, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.5)
+        save(train[:25])            # a save: steps 11-25 are new
+        time.sleep(0.5)
+        save(train[:20])            # resumed from the checkpoint of entry 20: the file goes back
+        time.sleep(0.5)
+        save(train[:20] + train[20:30])  # and on
+        deadline = time.monotonic() + 10
+        want = [e["step"] for e in train[10:25]] + [train[19]["step"]] + [e["step"] for e in train[20:30]]
+        while steps(r, "fol-state") != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        t.join(10)
+        follow_cmd.REREAD_EVERY_S = every
+        mon.close("stopped")
+    assert steps(r, "fol-state") == want
+    # The step the file went back to is a resume of the same process (the Monitor says so), not a new run.
+    resumes = [f for _, f in r.xrange("th:{fol-state}:events") if f[b"kind"] == b"resume"]
+    assert [(int(f[b"step"]), int(f[b"from_step"])) for f in resumes] == [(train[19]["step"], train[24]["step"])]
+
+
+def test_a_lightning_csv_growing_and_rewritten_with_a_new_column_is_followed(r: redis.Redis, real_logs: Path,
+                                                                            tmp_path: Path) -> None:
+    """Lightning's CSVLogger appends rows, and writes the file whole again when a metric appears: both are
+    followed, the steps beyond the last sent go out once."""
+    from trainhealth.collectors.monitor import Monitor
+    from trainhealth.commands import follow as follow_cmd
+
+    lines = (real_logs / "lightning_slm_wikitext103.metrics.csv").read_text().splitlines(keepends=True)
+    path = tmp_path / "metrics.csv"
+
+    def steps_of(text: str) -> list[int]:
+        part = tmp_path / "part.csv"
+        part.write_text(text)
+        return [p.step for p in read(part)]
+
+    path.write_text("".join(lines[:40]))
+    mon = Monitor("fol-csv", client=r, rank=0, world_size=1, flush_interval=0.01)
+    stop = threading.Event()
+    fol = follow_cmd.Follower(path, "lightning_csv", mon, poll_s=0.05, stop=stop.is_set)
+    follow_cmd.REREAD_EVERY_S, every = 0.05, follow_cmd.REREAD_EVERY_S
+    t = threading.Thread(target=fol.run, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.5)
+        with open(path, "a") as f:
+            f.write("".join(lines[40:120]))  # appended rows
+        time.sleep(0.5)
+        # A new metric: the whole file again, one more column on every row, and more rows.
+        rewritten = "".join(ln.rstrip("\n") + ("," + ("extra" if i == 0 else "1.0")) + "\n"
+                            for i, ln in enumerate(lines[:200]))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(rewritten)
+        os.replace(tmp, path)
+        seen = max(steps_of("".join(lines[:40])))
+        want = [s for s in steps_of(rewritten) if s > seen]
+        deadline = time.monotonic() + 10
+        while steps(r, "fol-csv") != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        t.join(10)
+        follow_cmd.REREAD_EVERY_S = every
+        mon.close("stopped")
+    assert steps(r, "fol-csv") == want and len(want) > 20
