@@ -133,11 +133,7 @@ class Follower:
         last_eval: int | None = None
         first = True
         while not self.stop():
-            try:
-                st = self.path.stat()
-                ident = (st.st_ino, st.st_size, st.st_mtime_ns)
-            except FileNotFoundError:
-                ident = None
+            ident = _identity(self.path)
             if ident is not None and ident != seen and ident[1] > 0:
                 if ident[1] > REREAD_MAX_BYTES:
                     raise InputFormatError(f"{self.path}: {ident[1]:,} bytes is too large to re-read at every change "
@@ -190,6 +186,19 @@ class Follower:
         self.steps += 1
 
 
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """What tells a change of ``path``: (inode, size, mtime) of a file; for a directory (a TensorBoard run's),
+    (its files, their total size, the newest mtime). None when it does not exist."""
+    try:
+        if path.is_dir():
+            files = [p.stat() for p in path.iterdir() if p.is_file()]
+            return (len(files), sum(f.st_size for f in files), max((f.st_mtime_ns for f in files), default=0))
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 # -- the command ---------------------------------------------------------------------------------
 def register(sub: Any) -> None:
     """Add ``follow`` to the ``trainhealth`` sub-parsers."""
@@ -219,8 +228,8 @@ def run(args: argparse.Namespace) -> int:
 
     path = Path(args.path)
     why = check_followable(path)
-    if why is not None:
-        raise ConfigError(why)
+    if why is not None and not (path.is_dir() and (args.format or "tensorboard") == "tensorboard"):
+        raise ConfigError(why)  # a directory only as a TensorBoard run's (detected as such below, or refused)
     if not 0.01 <= args.poll <= 60:
         raise ConfigError(f"--poll={args.poll!r} must be between 0.01 and 60 seconds")
     fmt = args.format

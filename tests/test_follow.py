@@ -349,3 +349,49 @@ def test_a_lightning_csv_growing_and_rewritten_with_a_new_column_is_followed(r: 
         follow_cmd.REREAD_EVERY_S = every
         mon.close("stopped")
     assert steps(r, "fol-csv") == want and len(want) > 20
+
+
+def test_a_tensorboard_run_directory_is_followed_as_it_grows(r: redis.Redis, real_logs: Path, tmp_path: Path) -> None:
+    """An event file written record by record (TensorBoard's own writer) in a run directory: each re-read sends
+    the steps beyond the last sent."""
+    import shutil
+
+    from trainhealth.collectors.monitor import Monitor
+    from trainhealth.commands import follow as follow_cmd
+
+    src = next((real_logs / "tensorboard_t5_summarization").iterdir())
+    data = src.read_bytes()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    target = run_dir / src.name
+    # Cut the file at a record boundary near its middle: TFRecord frames are length(8) crc(4) data crc(4).
+    import struct
+    pos, cut = 0, 0
+    while pos < len(data):
+        n = struct.unpack("<Q", data[pos:pos + 8])[0]
+        pos += 12 + n + 4
+        if pos <= len(data) // 2:
+            cut = pos
+    target.write_bytes(data[:cut])
+    half = [p.step for p in read(run_dir)]
+    mon = Monitor("fol-tb", client=r, rank=0, world_size=1, flush_interval=0.01)
+    stop = threading.Event()
+    fol = follow_cmd.Follower(run_dir, "tensorboard", mon, poll_s=0.05, stop=stop.is_set)
+    follow_cmd.REREAD_EVERY_S, every = 0.05, follow_cmd.REREAD_EVERY_S
+    t = threading.Thread(target=fol.run, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.5)
+        with open(target, "ab") as f:
+            f.write(data[cut:])
+        want = [p.step for p in read(src) if p.step > max(half)]
+        deadline = time.monotonic() + 15
+        while steps(r, "fol-tb") != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        t.join(10)
+        follow_cmd.REREAD_EVERY_S = every
+        mon.close("stopped")
+        shutil.rmtree(run_dir)
+    assert steps(r, "fol-tb") == want and len(want) > 100
