@@ -503,6 +503,7 @@ class Monitor:
         timestamp: float | None = None,
         step_s: float | None = None,
         loss_missing: bool | None = None,
+        loss_scale: float | None = None,
         **unknown: Any,
     ) -> None:
         """Record a step's metrics: loss, global grad norm, learning rate, tokens and samples on this rank.
@@ -510,7 +511,8 @@ class Monitor:
         ``consumed_samples`` (global samples consumed so far, as Megatron counts them) and/or
         ``batch_index`` (the data loader's batch index) give the **data position** after this
         step, so a rollback recommendation can name the exact batches to skip. ``skipped=True``
-        marks an optimizer step skipped by the loss scaler (fp16 overflow).
+        marks an optimizer step skipped by the loss scaler (fp16 overflow); ``loss_scale`` is the scaler's scale
+        after the step (``GradScaler.get_scale()``, DeepSpeed's), which halves at each overflow.
 
         ``timestamp`` (unix s) overrides when the step ended, for replaying logs; default now.
         ``step_s`` is the step's duration in seconds as the job itself measured it (a framework's
@@ -533,6 +535,8 @@ class Monitor:
             metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "samples": samples,
                        "consumed_samples": consumed_samples, "batch_index": batch_index, "skipped": skipped,
                        "step_s": step_s}
+            if loss_scale is not None:
+                metrics["loss_scale"] = loss_scale  # only mixed-precision jobs have one
             if loss_missing:
                 metrics["loss_missing"] = 1  # only replayed logs set it: live records keep their fields
             cur = self._cur

@@ -72,7 +72,7 @@ _PLAIN = frozenset({int, float, bool, type(None)})
 #: service refuses a record whose value there is not a finite number; the ledger keeps them as int64.
 INT_FIELDS = ("rank", "step", "tokens", "samples", "consumed_samples", "batch_index", "skipped", "loss_missing")
 #: Float fields a caller can fill (sections and ``dur`` are floats by construction, ``inc`` is checked).
-_FLOAT_FIELDS = ("t", "loss", "grad_norm", "lr", "step_s")
+_FLOAT_FIELDS = ("t", "loss", "grad_norm", "lr", "step_s", "loss_scale")
 _INT_SET = frozenset(INT_FIELDS)
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1
 _FLOAT_MAX = sys.float_info.max

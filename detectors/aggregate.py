@@ -67,6 +67,8 @@ class StepAggregate:
         Per-rank seconds in communication sections (index = rank, as ``busy``; :data:`~trainhealth.defaults.
         COMM_SECTIONS`: a collective the job timed, each rank's including its wait for the slowest rank); empty when
         no rank timed one.
+    loss_scale : float | None
+        The lowest fp16 loss scale any rank reported after the step; None when none did.
     """
 
     step: int
@@ -90,6 +92,7 @@ class StepAggregate:
     loss_missing: bool = False
     pause: str | None = None
     comm: tuple[float | None, ...] = ()
+    loss_scale: float | None = None
 
     @property
     def dur(self) -> float | None:
@@ -274,7 +277,7 @@ class StepAggregator:
         # Columns of the ranks' values in rank order (see record_row); each field computed as the
         # comment beside it says, from the ranks' records r.
         (loss_c, gn_c, t_c, dur_c, tokens_c, samples_c, inc_c, lr_c, consumed_c, batch_c, skipped_c, step_s_c,
-         _rank_c, _step_c, missing_c, busy_c, data_c, comm_c, _src_c) = zip(*rs, strict=True)
+         _rank_c, _step_c, missing_c, scale_c, busy_c, data_c, comm_c, _src_c) = zip(*rs, strict=True)
         losses = [x for x in loss_c if x is not None]  # r.loss
         norms = [x for x in gn_c if x is not None]  # r.grad_norm
         try:
@@ -312,6 +315,7 @@ class StepAggregator:
             tokens=sum(tokens) if tokens else None, samples=sum(samples) if samples else None,
             n_ranks=len(rs), busy=tuple(busy), data_s=max((0.0, *data_c)), bad_ranks=bad,
             comm=_by_rank(order, comm_c, width) if any(comm_c) else (),
+            loss_scale=min([x for x in scale_c if x is not None], default=None),
             consumed_samples=max([x for x in consumed_c if x is not None], default=None),
             batch_index=max([x for x in batch_c if x is not None], default=None),
             skipped=any(skipped_c),

@@ -167,7 +167,8 @@ class SkippedStepsDetector(StepDetector):
                 self._reported = n + 1
                 self._open = replace(self._open, message=_message(first, agg.step, n + 1, not self._applied,
                                                                   done=False),
-                                     evidence={**self._open.evidence, "steps": n + 1, "last_step": agg.step})
+                                     evidence={**self._open.evidence, "steps": n + 1, "last_step": agg.step,
+                                               **_scale(agg)})
                 out.append(self._open)
             return out
         if self._streak is None:
@@ -183,9 +184,15 @@ class SkippedStepsDetector(StepDetector):
             self._open = Anomaly(kind=self.KIND, severity="warning", step=first, gen=agg.gen,
                                  message=_message(first, agg.step, n, not self._applied, done=False),
                                  evidence={"steps": n, "first_step": first, "last_step": agg.step,
-                                           "calibrating": not self._applied})
+                                           "calibrating": not self._applied, **_scale(agg)})
             out.append(self._open)
         return out
+
+
+def _scale(agg: StepAggregate) -> dict[str, float]:
+    """``{"loss_scale": …}``: the loss scale the ranks reported after the step, when they do (the scaler halves it
+    at each overflow: how far it fell shows how hard the gradients overflow)."""
+    return {} if agg.loss_scale is None else {"loss_scale": agg.loss_scale}
 
 
 def _message(first: int, last: int, n: int, calibrating: bool, done: bool) -> str:

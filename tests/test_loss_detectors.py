@@ -577,3 +577,36 @@ def test_no_plateau_when_the_learning_rate_decays_or_the_log_is_noisy_or_has_no_
 def test_doctests(module: str) -> None:
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_loss_scale_the_ranks_report_goes_into_the_skipped_steps_evidence(r, redis_url: str) -> None:
+    """A job reporting its fp16 loss scale (``log_step(loss_scale=)``, as the DeepSpeed watcher does): through a real
+    Redis and the service's decode, the aggregate keeps the lowest rank's, and a run of skipped steps says how far
+    the scaler went down."""
+    import json as _json
+
+    from trainhealth.collectors import Monitor
+    from trainhealth.detectors.pipeline import RunPipeline
+    from trainhealth.wire import decode_steps
+
+    mons = [Monitor("scale", redis_url=redis_url, rank=k, world_size=2, flush_interval=0.01) for k in (0, 1)]
+    scale = 65536.0
+    for s in range(1, 61):
+        skipped = 40 <= s < 48
+        if skipped:
+            scale /= 2
+        for m in mons:
+            m.log_step(s, loss=2.0, grad_norm=1.0, skipped=skipped, loss_scale=scale * (1 + m.rank), timestamp=1e9 + s)
+    for m in mons:
+        assert m.close()
+    pipe = RunPipeline(2)
+    found = []
+    for _, f in r.xrange("th:{scale}:steps"):
+        for rec in decode_steps(f):
+            out = pipe.feed_step(rec)
+            found += out.anomalies
+    recs = [x for _, f in r.xrange("th:{scale}:steps") for x in _json.loads(f[b"recs"])]
+    assert {x["loss_scale"] for x in recs if x["step"] == 47} == {256.0, 512.0}
+    [episode] = {a.id: a for a in found if a.kind == "skipped_steps"}.values()
+    # Its newest state (rewritten as the run doubles): 6 skipped steps to 45, the scale halved 6 times by then.
+    assert (episode.step, episode.evidence["last_step"], episode.evidence["loss_scale"]) == (40, 45, 1024.0)

@@ -65,7 +65,7 @@ def encode_value(v: Any) -> str | int | None:
 SECTION_PREFIX = "sec."
 GPU_PREFIX = "gpu."
 
-_STEP_FLOATS = ("t", "dur", "loss", "grad_norm", "lr", "step_s")
+_STEP_FLOATS = ("t", "dur", "loss", "grad_norm", "lr", "step_s", "loss_scale")
 _STEP_INTS = ("tokens", "samples", "consumed_samples", "batch_index", "skipped", "loss_missing")
 
 
@@ -117,6 +117,9 @@ class StepRecord:
     step_s : float | None
         Seconds per step as the job itself measured it, when trainhealth did not time the step
         (``log_step(step_s=...)``; a replayed log's time per iteration).
+    loss_scale : float | None
+        The fp16 loss scaler's scale after the step (DeepSpeed's, Megatron's, ``torch.amp.GradScaler.get_scale()``):
+        it halves at each overflow, so a falling scale tells why steps are skipped.
     """
 
     rank: int
@@ -136,6 +139,7 @@ class StepRecord:
     gpu: dict[str, float] = field(default_factory=dict)
     step_s: float | None = None
     loss_missing: int | None = None
+    loss_scale: float | None = None
 
     @property
     def busy_s(self) -> float | None:
@@ -305,7 +309,7 @@ def decode_steps(fields: Mapping[Any, Any]) -> list[StepRecord]:
 # -- the detector service's decode: aggregator rows -----------------------------------------------
 #: The fields of a step record in the order a row (see :func:`record_row`) holds them.
 ROW_FIELDS = ("loss", "grad_norm", "t", "dur", "tokens", "samples", "inc", "lr", "consumed_samples",
-              "batch_index", "skipped", "step_s", "rank", "step", "loss_missing")
+              "batch_index", "skipped", "step_s", "rank", "step", "loss_missing", "loss_scale")
 #: Indices of a row's columns that are not in :data:`ROW_FIELDS`: the busy seconds (the rank's own sections:
 #: ``busy_s`` without the communication sections), data-loading seconds, communication seconds (sections named in
 #: :data:`~trainhealth.defaults.COMM_SECTIONS`), and the record the row was made from (a :class:`StepRecord`, or the
@@ -330,9 +334,9 @@ def record_row(rec: StepRecord, data_sections: tuple[str, ...]) -> tuple:
     (:data:`~trainhealth.defaults.COMM_SECTIONS`, GPU time where timed with CUDA events) and ``rec`` itself.
 
     >>> record_row(StepRecord(rank=1, step=5, inc=0.0, t=9.0, loss=2.0, sections={"data": 0.5, "fwd": 1.0}),
-    ...            ("data",))[:2] + record_row(StepRecord(rank=1, step=5, inc=0.0, t=9.0), ())[12:18]
-    (2.0, None, 1, 5, None, None, 0, 0)
-    >>> record_row(StepRecord(rank=0, step=5, inc=0.0, t=9.0, sections={"fwd": 1.0, "allreduce": 0.25}), ())[15:18]
+    ...            ("data",))[:2] + record_row(StepRecord(rank=1, step=5, inc=0.0, t=9.0), ())[12:19]
+    (2.0, None, 1, 5, None, None, None, 0, 0)
+    >>> record_row(StepRecord(rank=0, step=5, inc=0.0, t=9.0, sections={"fwd": 1.0, "allreduce": 0.25}), ())[16:19]
     (1.0, 0, 0.25)
     """
     sec = rec.sections

@@ -15,7 +15,8 @@
 - ``log_step`` at the boundary: the loss (the mean of the micro-batches' losses given to ``engine.backward``, read
   as floats there: one device sync per micro-batch, as ``loss.item()`` in a loop), the global grad norm
   (``engine.get_global_grad_norm()``, when DeepSpeed computed one), the learning rate (``engine.get_lr()``), and
-  ``skipped=True`` when DeepSpeed's fp16 loss scaler skipped the step (``engine.skipped_steps`` grew);
+  ``skipped=True`` when DeepSpeed's fp16 loss scaler skipped the step (``engine.skipped_steps`` grew) and the
+  scaler's scale after it (``loss_scale``: it halves at each overflow);
 - each step's ``tokens`` on this rank when ``tokens_per_step`` says how many (DeepSpeed has no notion of tokens).
 
 Errors inside the wrappers are logged once and never reach training; the engine's own methods always run.
@@ -96,9 +97,23 @@ class _Watcher:
             loss = sum(self.losses) / len(self.losses) if self.losses else None
             self.losses = []
             self.monitor.log_step(step, loss=loss, grad_norm=None if gn is None else float(gn),
-                                  lr=float(lrs[0]) if lrs else None, tokens=self.tokens_per_step, skipped=skipped)
+                                  lr=float(lrs[0]) if lrs else None, tokens=self.tokens_per_step, skipped=skipped,
+                                  loss_scale=loss_scale(eng))
         except Exception:
             self._failed("step")
+
+
+def loss_scale(engine: Any) -> float | None:
+    """The fp16 loss scaler's current scale: ``cur_scale`` of DeepSpeed's FP16 optimizers, ``loss_scale`` of its
+    ZeRO optimizers; None without loss scaling (fp32, bf16)."""
+    opt = getattr(engine, "optimizer", None)
+    if not getattr(engine, "fp16_enabled", lambda: False)():
+        return None
+    for name in ("cur_scale", "loss_scale"):
+        v = getattr(opt, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
 
 
 def watch(engine: Any, monitor: Monitor, *, tokens_per_step: int | None = None) -> Any:
