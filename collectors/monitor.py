@@ -714,7 +714,8 @@ class Monitor:
         curves (``wandb.log``, a Lightning logger, TensorBoard): ``{prefix}goodput_pct`` (% of the wall time
         productive), ``{prefix}goodput_tokens_pct`` (% of the tokens kept, when counted), ``{prefix}throughput_tok_s``
         and ``{prefix}goodput_tok_s`` (tokens/s), ``{prefix}badput_s/<cause>`` (seconds, each cause that cost time)
-        and ``{prefix}badput_usd`` (when priced).
+        and ``{prefix}badput_usd`` (when priced), ``{prefix}incidents_active`` and ``{prefix}incidents_critical``
+        (counts; :meth:`incidents` gives their titles).
 
         No I/O here: the sender thread reads ``th:{run}:ledger:latest`` with each heartbeat once this was called,
         so the first call returns ``{}`` and later ones the snapshot of at most one heartbeat ago (also ``{}``
@@ -737,12 +738,25 @@ class Monitor:
             seconds = snap.get("seconds")
             if isinstance(seconds, dict):
                 for cause, v in seconds.items():
-                    if cause != "productive" and isinstance(v, (int, float)) and v > 0:
+                    if cause not in ("productive", "unobserved") and isinstance(v, (int, float)) and v > 0:
                         out[f"{prefix}badput_s/{cause}"] = float(v)
+            incidents = getattr(self._sender, "incidents", [])
+            out[prefix + "incidents_active"] = float(len(incidents))
+            out[prefix + "incidents_critical"] = float(sum(d.get("severity") == "critical" for d in incidents))
             return out
         except Exception:  # never into the training loop
             self._internal_error()
             return {}
+
+    def incidents(self) -> list[dict[str, Any]]:
+        """The run's active incidents as the detector service last wrote them (``th:{run}:incidents``: ``title``,
+        ``severity``, ``onset_step``, ``ranks``, ``hosts``, ``badput_s``…), critical first; read with the goodput
+        (:meth:`goodput_metrics` must have been called once). Never raises."""
+        try:
+            self._sender.want_ledger = True
+            return list(getattr(self._sender, "incidents", []))
+        except Exception:
+            return []
 
     @property
     def connected(self) -> bool:

@@ -236,6 +236,8 @@ class Sender(threading.Thread):
         #: :attr:`ledger` (the decoded ``th:{run}:ledger:latest``; None until the service wrote one).
         self.want_ledger = False
         self.ledger: dict[str, Any] | None = None
+        #: The run's active incidents (decoded ``th:{run}:incidents`` values), critical first, read with the ledger.
+        self.incidents: list[dict[str, Any]] = []
         #: CPU seconds this thread has used, and those it had used once first connected (start-up).
         self.cpu_s = 0.0
         self.cpu_startup_s: float | None = None
@@ -381,12 +383,26 @@ class Sender(threading.Thread):
             self._moving -= n
 
     def _read_ledger(self, client: redis.Redis) -> None:
-        """The run's latest ledger snapshot into :attr:`ledger` (one GET per heartbeat, only once asked for)."""
+        """The run's latest ledger snapshot into :attr:`ledger` and its active incidents into :attr:`incidents` (a
+        GET and an HGETALL of the run's slot per heartbeat, only once asked for)."""
         try:
-            raw = client.get(self._keys.ledger_latest)
+            pipe = client.pipeline(transaction=False)
+            pipe.get(self._keys.ledger_latest)
+            pipe.hgetall(self._keys.incidents)
+            raw, incs = pipe.execute()
             snap = json.loads(raw) if raw else None
             self.ledger = snap if isinstance(snap, dict) else None
-        except (redis.RedisError, ValueError):
+            active = []
+            for v in (incs or {}).values():
+                try:
+                    d = json.loads(v)
+                except ValueError:
+                    continue
+                if isinstance(d, dict) and d.get("status") == "active":
+                    active.append(d)
+            self.incidents = sorted(active, key=lambda d: (str(d.get("severity")) != "critical",
+                                                           d.get("onset_step") or 0))
+        except (redis.RedisError, ValueError, TypeError):
             pass  # the next heartbeat tries again; a connection error shows on the next batch
 
     def _on_error(self, exc: BaseException) -> None:

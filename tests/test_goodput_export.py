@@ -22,7 +22,24 @@ SNAPSHOT = {"t": 1_796_000_000.0, "wall_s": 3600.0, "goodput_pct": 71.5, "throug
 EXPECTED = {"trainhealth/goodput_pct": 71.5, "trainhealth/throughput_tok_s": 41_600.0,
             "trainhealth/goodput_tok_s": 29_744.0, "trainhealth/badput_usd": 12.5,
             "trainhealth/goodput_tokens_pct": 90.0, "trainhealth/badput_s/straggler_wait": 720.0,
-            "trainhealth/badput_s/checkpoint_save": 306.0}
+            "trainhealth/badput_s/checkpoint_save": 306.0, "trainhealth/incidents_active": 2.0,
+            "trainhealth/incidents_critical": 1.0}
+# Incidents as the service writes th:{run}:incidents (the fields read here): two active, one resolved.
+INCIDENTS = {
+    "inc:straggler:13:200:0": {"id": "inc:straggler:13:200:0", "title": "Rank 13 (node-b) is a straggler, costing "
+                               "throughput", "severity": "warning", "status": "active", "onset_step": 200},
+    "inc:hang:*:900:0": {"id": "inc:hang:*:900:0", "title": "Job hung at step 900, waiting on rank 1 (node-a)",
+                         "severity": "critical", "status": "active", "onset_step": 900},
+    "inc:loss_spike:*:400:0": {"id": "inc:loss_spike:*:400:0", "title": "Loss spike at step 400",
+                               "severity": "warning", "status": "resolved", "onset_step": 400},
+}
+TITLES = ["CRITICAL: Job hung at step 900, waiting on rank 1 (node-a)",
+          "WARNING: Rank 13 (node-b) is a straggler, costing throughput"]
+
+
+def seed(r: redis.Redis, run: str) -> None:
+    r.set(f"th:{{{run}}}:ledger:latest", json.dumps(SNAPSHOT))
+    r.hset(f"th:{{{run}}}:incidents", mapping={k: json.dumps(v) for k, v in INCIDENTS.items()})
 
 
 def test_goodput_metrics_follow_the_services_snapshot(r: redis.Redis, redis_url: str) -> None:
@@ -31,11 +48,12 @@ def test_goodput_metrics_follow_the_services_snapshot(r: redis.Redis, redis_url:
         assert mon.goodput_metrics() == {}  # asks the sender to read it from now on; no I/O here
         time.sleep(0.5)
         assert mon.goodput_metrics() == {}  # the service has written nothing yet
-        r.set("th:{gp-metrics}:ledger:latest", json.dumps(SNAPSHOT))
+        seed(r, "gp-metrics")
         deadline = time.monotonic() + 10
-        while not mon.goodput_metrics() and time.monotonic() < deadline:
+        while not mon.goodput_metrics().get("trainhealth/goodput_pct") and time.monotonic() < deadline:
             time.sleep(0.05)
         assert mon.goodput_metrics() == EXPECTED
+        assert [d["id"] for d in mon.incidents()] == ["inc:hang:*:900:0", "inc:straggler:13:200:0"]
         assert mon.goodput_metrics(prefix="th.")["th.goodput_pct"] == 71.5
     finally:
         mon.close()
@@ -48,7 +66,7 @@ def test_lightning_logs_the_goodput_to_its_loggers(r: redis.Redis, redis_url: st
 
     from trainhealth.collectors.integrations.lightning import TrainHealthCallback
 
-    r.set("th:{pl-goodput}:ledger:latest", json.dumps(SNAPSHOT))
+    seed(r, "pl-goodput")
 
     class Net(pl.LightningModule):
         def __init__(self) -> None:
@@ -98,7 +116,7 @@ def test_hf_trainer_puts_the_goodput_into_the_jobs_wandb_run(r: redis.Redis, red
     trainer.callback_handler.callbacks.sort(key=lambda c: not isinstance(c, WandbCallback))  # reporters first
     cb.monitor_kwargs["heartbeat_interval"] = 0.1
     run_id = "hf-tiny-gpt2"  # run_name "hf tiny/gpt2" made a run id
-    r.set(f"th:{{{run_id}}}:ledger:latest", json.dumps(SNAPSHOT))
+    seed(r, run_id)
     try:
         trainer.train()
         summary = dict(wandb.run.summary)
@@ -106,4 +124,5 @@ def test_hf_trainer_puts_the_goodput_into_the_jobs_wandb_run(r: redis.Redis, red
         if wandb.run is not None:
             wandb.finish()
     assert {k: summary[k] for k in EXPECTED} == EXPECTED
+    assert list(summary["trainhealth/incidents"]) == TITLES
     assert os.path.isdir(tmp_path / "wandb")

@@ -75,7 +75,8 @@ class TrainHealthCallback(TrainerCallback):
     log_goodput : bool
         On the main process, with each logged step, log the run's goodput as the detector service last booked it
         (:meth:`trainhealth.Monitor.goodput_metrics`) into the job's W&B run when there is one (``report_to``
-        ``wandb``): ``trainhealth/goodput_pct``, tokens/s, ``trainhealth/badput_s/<cause>`` beside the loss.
+        ``wandb``): ``trainhealth/goodput_pct``, tokens/s, ``trainhealth/badput_s/<cause>``, the incident counts beside
+        the loss, and the active incidents in words in the run's summary (``trainhealth/incidents``).
     **monitor_kwargs
         Passed to :class:`trainhealth.Monitor` (``redis_url``, ``gpu_hour_usd``, ``host``...);
         ``rank``/``world_size`` default to ``args.process_index``/``args.world_size``.
@@ -198,6 +199,10 @@ class TrainHealthCallback(TrainerCallback):
         metrics = self.monitor.goodput_metrics()
         if metrics:
             wandb.run.log(metrics, commit=False)
+            # The active incidents in words, in the run's summary (its overview page), replaced as they change.
+            wandb.run.summary["trainhealth/incidents"] = [
+                f"{str(d.get('severity', '?')).upper()}: {d.get('title', d.get('id', '?'))}"
+                for d in self.monitor.incidents()]
 
     # -- evaluation and checkpoints ------------------------------------------------------------------
     @guarded
