@@ -24,6 +24,12 @@ class StepDetector:
         """Feed one complete step; return the anomaly states that changed (opened, grew, resolved)."""
         raise NotImplementedError
 
+    def unsaid(self) -> list[Anomaly]:
+        """States of open anomalies that changed since they were last returned: a detector that says a growing
+        condition again only as it doubles (a NaN run, a frozen loss) gives its latest state here, at the end of a
+        replayed file or of the run (default: none)."""
+        return []
+
     def finish(self, step: int) -> list[Anomaly]:
         """Every rank ended at ``step``: the anomalies this ends (default: none, e.g. loss findings describe the
         model and stay)."""

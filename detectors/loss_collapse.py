@@ -92,6 +92,7 @@ class LossCollapseDetector(StepDetector):
         self._seen = 0  # logged points with a finite loss so far (for history_points)
         self._run: dict | None = None  # the current run of equal values
         self._open: Anomaly | None = None
+        self._said = 0  # points of the open collapse when its state was last returned
         self._prev_step: int | None = None
 
     def _rate(self) -> float:
@@ -153,11 +154,22 @@ class LossCollapseDetector(StepDetector):
             ev = _evidence(run, p, chance)
             self._open = Anomaly(kind=self.KIND, severity="critical", step=run["first"], gen=run["gen"],
                                  evidence=ev, message=_message(run, ev) + _advice(run))
+            self._said = n
             return [*out, self._open]
         p = self._open.evidence["repeat_rate"]  # the rate the decision used (the history is not updated)
         ev = _evidence(run, p, p ** (n - 1))
         self._open = replace(self._open, evidence=ev, message=_message(run, ev) + _advice(run))
-        return [*out, self._open]  # grown by one point (as nan_inf grows with each non-finite step)
+        if n >= 2 * self._said:  # said again as it doubles, not at every point (the end says the rest)
+            self._said = n
+            return [*out, self._open]
+        return out
+
+    def unsaid(self) -> list[Anomaly]:
+        """The open collapse as it stands, when it grew since it was last returned (it stays open)."""
+        if self._open is not None and self._open.evidence["points"] != self._said:
+            self._said = self._open.evidence["points"]
+            return [self._open]
+        return []
 
 
 def _evidence(run: dict, p: float, chance: float) -> dict:

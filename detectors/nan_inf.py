@@ -69,7 +69,8 @@ class NanInfDetector(StepDetector):
     warning 40 1 grad_norm
     warning 40 2 grad_norm
     critical 40 3 grad_norm_persistent
-    critical 40 4 grad_norm_persistent
+    >>> [(a.severity, a.evidence["steps"]) for a in det.unsaid()]  # grown since; said again at 6, or at the end
+    [('critical', 4)]
 
     References
     ----------
@@ -94,6 +95,14 @@ class NanInfDetector(StepDetector):
         self._losses: set[float] = set()  # the finite losses of the points of the current run
         self._loss_points = 0  # points of the current run with a finite loss
         self._missing = 0
+        self._said = 0  # steps of the open anomaly when its state was last returned
+
+    def unsaid(self) -> list[Anomaly]:
+        """The open anomaly as it stands, when it grew since it was last returned (it stays open)."""
+        if self._open is not None and self._open.evidence["steps"] != self._said:
+            self._said = self._open.evidence["steps"]
+            return [self._open]
+        return []
 
     def update(self, agg: StepAggregate) -> list[Anomaly]:
         """Feed one step; return the anomaly states that changed (opened, grown, escalated or resolved)."""
@@ -116,6 +125,7 @@ class NanInfDetector(StepDetector):
                 return []
             self._open = None
             done = Anomaly(**{**_fields(cur), "status": RESOLVED, "end_step": self._last_bad_step})
+            self._said = 0
             return [done]
         self._last_bad_step = agg.step
         if cur is None:
@@ -160,13 +170,20 @@ class NanInfDetector(StepDetector):
             msg = (f"grad norm is {gn} at step {agg.step}{since}; an fp16 overflow skips the step, many in a row "
                    f"are not normal")
         ranks = tuple(sorted(set(agg.bad_ranks) | (set(cur.ranks) if cur else set())))
-        self._open = Anomaly(
+        new = Anomaly(
             kind=self.KIND, severity="critical" if critical else "warning", step=onset, message=msg, ranks=ranks,
             gen=agg.gen, scope="*",
             evidence={"loss": _num(loss), "grad_norm": _num(gn), "steps": n, "loss_missing": self._missing,
                       "reason": reason, "history_points": history},
         )
-        return [self._open]
+        self._open = new
+        # Said when it opens, escalates, changes reason or ranks, and as it doubles: a NaN run of 10,000 steps is 14
+        # updates, not 10,000 (the resolved state carries the whole count).
+        if (cur is None or new.severity != cur.severity or reason != cur.evidence["reason"] or ranks != cur.ranks
+                or n >= 2 * self._said):
+            self._said = n
+            return [new]
+        return []
 
 
 def _num(x: float | None) -> float | str | None:

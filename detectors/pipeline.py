@@ -389,7 +389,7 @@ class RunPipeline:
         # Conditions of a live job (slowness) cannot be observed once every rank has ended or the job crashed: left
         # active they would keep firing for a job that is gone. Loss findings (divergence, NaN) stay: they describe
         # the model.
-        out = Output()
+        out = self._unsaid()
         for det in self.step_detectors:
             try:
                 found = det.finish(self.current_step)
@@ -455,8 +455,24 @@ class RunPipeline:
         return self._with_incidents(self._steps(self.aggregator.flush_stale(now)))
 
     def flush(self) -> Output:
-        """Close every pending step (end of a replayed file)."""
-        return self._with_incidents(self._steps(self.aggregator.flush()))
+        """Close every pending step (end of a replayed file), and say what grew since it was last said."""
+        out = self._steps(self.aggregator.flush())
+        out.extend(self._unsaid())
+        return self._with_incidents(out)
+
+    def _unsaid(self) -> Output:
+        out = Output()
+        for det in self.step_detectors:
+            try:
+                found = det.unsaid()
+            except Exception:
+                self._failed(det, self.current_step)
+                continue
+            for a in found:
+                for b in self._incident(self._with_hosts(a)):
+                    self.anomalies[b.id] = b
+                    out.anomalies.append(b)
+        return out
 
     def check_heartbeats(self, now: float, heartbeats: Mapping[int, Mapping[str, Any]]) -> Output:
         """Hang, dead-rank and job-state checks at unix time ``now``; ranks that ended cleanly are left out.
