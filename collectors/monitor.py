@@ -953,11 +953,14 @@ def _install_sigterm_word() -> None:
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
+    # The handler runs between two bytecodes of the main thread, which may be inside the sender's flush() holding
+    # an Event's lock (a SIGTERM during close() or the exit's flush): nothing here may take a lock without a timeout
+    # — wait_sent() takes none — or the process would wait on itself for ever instead of dying.
     for mon in list(_LIVE):  # a forked child's monitors are off: it just dies of the signal
         try:
             mon._last_word(reason="signal", signal="SIGTERM")
             if not mon._off:
-                mon.flush(_SIGTERM_FLUSH_S)
+                mon._sender.wait_sent(_SIGTERM_FLUSH_S)
         except Exception:
             pass
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

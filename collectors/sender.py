@@ -294,6 +294,17 @@ class Sender(threading.Thread):
             self._idle.wait(min(left, 0.05))
         return True
 
+    def wait_sent(self, timeout: float) -> bool:
+        """:meth:`flush` for a signal handler: waits up to ``timeout`` seconds for everything queued to be sent
+        without taking any lock (no Event is set or waited on), so a handler that interrupted :meth:`flush` inside
+        an Event's lock cannot deadlock on it; the thread sends within its ``flush_interval`` on its own."""
+        deadline = time.monotonic() + timeout
+        while self._buffer or self._inflight or self._moving or (self._spill is not None and len(self._spill)):
+            if time.monotonic() >= deadline or not self.is_alive():
+                return False
+            time.sleep(0.01)
+        return True
+
     @property
     def pending(self) -> int:
         """Records not delivered yet: the buffer, the batch in flight and the spill (a batch in flight

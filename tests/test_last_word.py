@@ -177,6 +177,30 @@ def test_sigterm_leaves_a_last_word_and_still_kills(r: redis.Redis, redis_url: s
     assert (ev.rank, ev.step, ev.extra) == (1, 3, {"reason": "signal", "signal": "SIGTERM", "phase": "train"})
 
 
+def test_sigterm_inside_the_flushs_lock_still_kills(r: redis.Redis, redis_url: str) -> None:
+    # The launcher's SIGTERM can land while the main thread is inside the sender's flush() (close(), the exit's
+    # flush), holding an Event's lock: the handler must not take that lock again (it would wait on itself for
+    # ever, and the launcher's SIGKILL would follow 30 s later with no last word). Forced here at that exact point.
+    out = run_script(redis_url, """\
+        import signal, threading
+        for s in range(4, 20000):
+            mon.log_step(s, loss=1.0)
+        orig = threading.Condition.notify
+        fired = []
+        def notify(self, n=1):
+            if not fired and threading.current_thread() is threading.main_thread() and self is mon._sender._wake._cond:
+                fired.append(1)
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, with the Event's lock held
+            return orig(self, n)
+        threading.Condition.notify = notify
+        mon.flush(5.0)
+        print("not reached")
+        """)
+    assert out.returncode == -signal.SIGTERM and "not reached" not in out.stdout, out.stderr[-2000:]
+    [ev] = rank_exits(r)
+    assert (ev.rank, ev.extra["reason"], ev.extra["signal"]) == (1, "signal", "SIGTERM")
+
+
 def test_a_jobs_own_sigterm_handler_is_kept(r: redis.Redis, redis_url: str) -> None:
     script = ("import os, signal, sys\n"
               "signal.signal(signal.SIGTERM, lambda *a: (print('own handler'), sys.exit(0)))\n"
