@@ -69,6 +69,7 @@ from trainhealth.alerts.secrets import Secret
 from trainhealth.alerts.sinks import SINK_TYPES, Sink
 from trainhealth.alerts.sinks.alertmanager import ALERT_LABELS, LABEL_NAME
 from trainhealth.alerts.sinks.pagerduty import DEFAULT_URL as PAGERDUTY_URL
+from trainhealth.config import redact_url
 from trainhealth.exceptions import ConfigError
 from trainhealth.matchers import LABELS, Matcher, MatcherError
 from trainhealth.text import parse_duration
@@ -512,7 +513,9 @@ def _secret(ctx: _Ctx, t: RawSink | RawDeadman, key: str, name: str, *, plain_ok
     else:
         secret = _secrets.from_file(value, where, ctx.base)
     if name == "url" and not _url_ok(secret.reveal()):
-        shown = f" = {_show(value)}" if k == name else f" (from {secret.source}; value not shown)"
+        # A URL written in the file: shown with its credentials hidden, whatever its scheme (a mistyped one may
+        # still carry a password or a token).
+        shown = f" = {_show(redact_url(value))}" if k == name else f" (from {secret.source}; value not shown)"
         raise ConfigError(f"{ctx.path}: {key}.{k}{shown}: not an http:// or https:// URL")
     return secret
 

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainhealth", description="Live training-health monitor: goodput, "
                                 "loss spikes, stragglers, hangs, restarts.")
     p.add_argument("--version", action="version", version=f"trainhealth {__version__}")
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), help="logging level (default INFO)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="text (default), or json: one JSON object per line (timestamp, level, logger, message, "
                         "exc_info) for a log shipper (Loki, Elasticsearch, Cloud Logging)")
@@ -124,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(_missing_extra(args.command, _EXTRA_OF[top], top), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C where a command has nothing of its own to clean up (analyze, doctor, a start-up): one line, no
+        # traceback, the shell's status for SIGINT.
+        print(f"trainhealth {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # `trainhealth advise --json | head`: the reader left; end quietly, as Unix tools do
         # (https://docs.python.org/3/library/signal.html#note-on-sigpipe).

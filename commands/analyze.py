@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from trainhealth.commands._shared import command, log_options, parse_map
+from trainhealth.exceptions import ConfigError
 
 
 def register(sub: Any) -> None:
@@ -53,7 +54,11 @@ def run(args: argparse.Namespace) -> int:
         from trainhealth.commands.analyze_report import format_file
         from trainhealth.commands.analyze_tensorboard import write
 
-        for f in write(reports, args.tensorboard, format_file):
+        try:
+            files = write(reports, args.tensorboard, format_file)
+        except OSError as exc:  # as --json-file and --html say a path they cannot write
+            raise ConfigError(f"--tensorboard {args.tensorboard}: cannot write: {exc.strerror or exc}") from None
+        for f in files:
             print(f"TensorBoard: {f}", file=sys.stderr)
     if args.json:
         sys.stdout.write(to_json(reports))

@@ -65,3 +65,35 @@ def test_bash_completion_names_every_command_and_parses(tmp_path: Path) -> None:
     for name in ("demo", "serve", "dashboard", "replay", "follow", "analyze", "doctor", "advise", "alerts",
                  "completion", "--log-format", "--from-start"):
         assert name in out.stdout, name
+
+
+def test_bad_input_is_one_line_naming_it_and_no_secret(tmp_path: Path, real_logs: Path) -> None:
+    cases = [
+        # redis-py would raise for these options only at the first command, inside a collector's thread
+        (["doctor", "--redis-url", "redis://ops:s3cret-pw@127.0.0.1:1/0?socket_timeout=abc"],
+         "trainhealth: error: redis_url='redis://ops:***@127.0.0.1:1/0?socket_timeout=abc' is not a Redis URL: "
+         "option: Invalid value for 'socket_timeout' in connection URL."),
+        (["doctor", "--redis-url", "redis://127.0.0.1:1/0?ssl_cert_reqs=none"],
+         "is not a Redis URL: option: AbstractConnection.__init__() got an unexpected keyword argument "
+         "'ssl_cert_reqs'"),
+        # a password pasted where the URL goes is not echoed whole; a host:port is
+        (["doctor", "--redis-url", "s3cret-pw"], "redis_url='s3c'… (9 characters) is not a Redis URL"),
+        (["doctor", "--redis-url", "localhost:6379"], "redis_url='localhost:6379' is not a Redis URL"),
+        (["--log-level", "bogus", "doctor"], "argument --log-level: invalid choice: 'BOGUS'"),
+        (["analyze", "--tensorboard", str(tmp_path / "afile"), str(real_logs / "mmengine_text_loss_nan.log")],
+         f"trainhealth: error: --tensorboard {tmp_path / 'afile'}: cannot write: Not a directory"),
+    ]
+    (tmp_path / "afile").write_text("")
+    for args, words in cases:
+        out = cli(*args)
+        assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr and "s3cret-pw" not in out.stdout + out.stderr
+
+
+def test_an_alert_sink_url_of_another_scheme_is_shown_without_its_password(tmp_path: Path) -> None:
+    config = tmp_path / "alerts.toml"
+    config.write_text('[route]\nreceivers = ["s"]\n[sinks.s]\ntype = "webhook"\n'
+                      'url = "ftp://user:hunter2SECRET@example.com/x"\n')
+    out = cli("alerts", "--config", str(config), "--check")
+    assert out.returncode == 2 and "hunter2SECRET" not in out.stdout + out.stderr
+    assert 'sinks.s.url = "ftp://user:***@example.com/x": not an http:// or https:// URL' in out.stderr

@@ -126,7 +126,12 @@ def parse_redis_url(url: Any, field: str = "redis_url") -> RedisTarget:
 username=None)
     """
     if not isinstance(url, str) or not url.lower().startswith(_SCHEMES):
-        raise ConfigError(f"{field}={redact_url(url)!r} is not a Redis URL: {_EXPECTED}")
+        # Without a scheme, a host[:port] is shown (the usual slip: localhost:6379); anything else may be a password
+        # pasted in the wrong place: not echoed whole.
+        host_like = isinstance(url, str) and _HOST_LIKE.match(url) is not None
+        shown = (repr(redact_url(url)) if not isinstance(url, str) or "://" in url or host_like
+                 else f"{url[:3]!r}… ({len(url)} characters)" if len(url) > 3 else repr(url))
+        raise ConfigError(f"{field}={shown} is not a Redis URL: {_EXPECTED}")
 
     def bad(why: str) -> ConfigError:
         return ConfigError(f"{field}={redact_url(url)!r} is not a Redis URL: {why}")
@@ -137,6 +142,7 @@ username=None)
             urlsplit(url).port  # noqa: B018 - parsing it raises for a port that is no number or out of range
         except ValueError as exc:
             raise bad(str(exc)) from None
+        _check_options(url, bad)
         return RedisTarget("server")
     kind = "sentinel" if scheme + "://" in SENTINEL_SCHEMES else "cluster"
     rest = url[len(scheme) + 3:]
@@ -195,6 +201,23 @@ def _options(query: str, bad: Any) -> dict[str, Any]:
             except (TypeError, ValueError):
                 raise bad(f"option {name}={value!r} is not valid") from None
     return out
+
+
+#: A host name or address with a port (and maybe a database): ``localhost:6379``, ``10.0.0.5:6380/2``.
+_HOST_LIKE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}(/\d+)?$")
+
+
+def _check_options(url: str, bad: Any) -> None:
+    """The URL's query options as redis-py reads them (``?socket_timeout=3``), checked now: redis-py would raise
+    for a bad value or an option its connection does not take only on the first command — inside a collector's
+    sender thread, every retry, with every record lost. No connection is opened."""
+    import redis
+
+    try:
+        pool = redis.ConnectionPool.from_url(url)
+        pool.make_connection()
+    except (ValueError, TypeError) as exc:
+        raise bad(f"option: {redact_url(str(exc))}") from None
 
 
 def validate_url(url: str, field: str = "redis_url") -> str:
