@@ -175,6 +175,8 @@ def run_job(cfg: DemoConfig, url: str, workdir: Path, max_restarts: int = 3,
         except BaseException:
             for p in procs:
                 p.terminate()
+            for p in procs:
+                p.join(5)  # gone before the caller marks the run: a rank's heartbeat must not write it running again
             raise
         codes = [p.exitcode for p in procs]
         if all(c == 0 for c in codes):
@@ -299,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
     env = child_env(url)
     children: dict[str, subprocess.Popen] = {}
     receiver = None
+    job_running = False
     # Explicitly for SIGINT too: Python leaves it ignored when started with it ignored (nohup, some launchers).
     interrupt_on_signals()
 
@@ -326,7 +329,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"Demo job: run {run_id!r}, {cfg.ranks} ranks, {cfg.steps} steps; {_faults(cfg)}. "
               "Ctrl-C stops everything.", flush=True)
         connect(url).hset(run_keys(run_id).meta, "source", "demo")
+        job_running = True
         restarts = run_job(cfg, url, config.home_dir() / "demo", watch=watch)
+        job_running = False
         up = "Detectors" if args.no_dashboard else "Dashboard and detectors"
         print(f"Demo job finished ({restarts} restart{'s' if restarts != 1 else ''}). {up} stay up; Ctrl-C to "
               "stop.", flush=True)
@@ -335,6 +340,12 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("\nStopping…", flush=True)
+        if job_running:
+            # Stopped by its user, not crashed: as a replay stopped by Ctrl-C, the run is marked so (the service
+            # stops its clock and checks no hang or crash for it; a later service shows it as it was).
+            with contextlib.suppress(Exception):
+                connect(url).hset(run_keys(run_id).meta, mapping={"status": "interrupted",
+                                                                  "ended_at": repr(time.time())})
         return 0
     except RuntimeError as exc:
         print(f"trainhealth demo: {exc}", file=sys.stderr, flush=True)

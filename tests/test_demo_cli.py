@@ -186,3 +186,31 @@ def test_demo_receiver_prints_each_alerts_own_state() -> None:
     assert lines == ["ALERT [FIRING] warning straggler · run r: straggler",
                      "ALERT [EVENT] warning restart · run r: restart",
                      "ALERT [RESOLVED] warning loss_spike · run r: loss_spike"]
+
+
+def test_ctrl_c_in_the_middle_of_the_job_stops_it_and_marks_the_run_interrupted(r: redis.Redis, redis_url: str,
+                                                                                  tmp_path: Path) -> None:
+    # As in a terminal: SIGINT to the whole process group (the demo, its services and its ranks), mid-job. Every
+    # process ends within the bound (a rank's collector once hung on its own lock here), and the run is left
+    # 'interrupted', not 'running' for a later service to call crashed.
+    env = {**os.environ, "TRAINHEALTH_HOME": str(tmp_path / "home"), "TRAINHEALTH_REDIS_URL": redis_url}
+    proc = subprocess.Popen([sys.executable, "-m", "trainhealth", "demo", "--steps", "3000", "--ranks", "4",
+                             "--no-dashboard", "--run", "cli-stop"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not r.hexists("th:{cli-stop}:hb", "3"):
+            time.sleep(0.2)
+        time.sleep(3.0)  # steps under way
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, rest[-3000:]
+    assert "Stopping…" in rest and "Traceback" not in rest
+    assert r.hget("th:{cli-stop}:meta", "status") == b"interrupted"
+    deadline = time.monotonic() + 10  # multiprocessing's resource tracker ends once the demo has
+    while subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout == b""  # nothing left
