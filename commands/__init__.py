@@ -79,7 +79,7 @@ def _installed(module: str) -> bool:
 
 def _missing_extra(command: str, extra: str, module: str) -> str:
     return (f"trainhealth {command}: needs the '{extra}' extra (the module {module!r} is not installed): "
-            f"pip install 'trainhealth[{extra}]'")
+            f"pip install '.[{extra}]' in the trainhealth repository (or '<its path>[{extra}]')")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ def test_server_commands_name_the_extra(args: list[str]) -> None:
     out = base(*args)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == (f"trainhealth {args[0]}: needs the 'server' extra (the module 'numpy' is not installed): "
-                          "pip install 'trainhealth[server]'\n")
+                          "pip install '.[server]' in the trainhealth repository (or '<its path>[server]')\n")
 
 
 def test_light_commands_run(redis_url: str) -> None:
