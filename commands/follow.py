@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 
+from trainhealth.collectors.environment import settings_from
 from trainhealth.collectors.importers import FORMATS, detect, read_items
 from trainhealth.collectors.importers.runs import log_stem
 from trainhealth.collectors.importers.tail import Follow, check_followable, following, line_start, wait_for
@@ -208,7 +209,7 @@ def register(sub: Any) -> None:
                                         + ", ".join(FOLLOWED) + " (the last five re-read whole when they change)."))
     f.add_argument("path", metavar="PATH", help="the log file (it may not exist yet)")
     f.add_argument("--format", choices=list(FOLLOWED), help="the log's format (default: detected from its "
-                   "name and content; needed when the file does not exist yet)")
+                   "name and content; a file not written yet is waited for)")
     f.add_argument("--map", action="append", metavar="FIELD=COLUMN",
                    help="map one of our fields (step, loss, grad_norm, lr, tokens, step_seconds, ...) to a field "
                         "of a JSON-lines log; repeatable")
@@ -218,7 +219,8 @@ def register(sub: Any) -> None:
                         "written from now on; `trainhealth replay` places a finished log on its own timeline)")
     f.add_argument("--poll", type=float, default=0.5, metavar="SECONDS",
                    help="seconds between looks at a quiet file (default 0.5)")
-    f.add_argument("--gpu-hour-usd", type=float, help="price of one GPU-hour, for the cost figures")
+    f.add_argument("--gpu-hour-usd", type=float,
+                   help="price of one GPU-hour, for the cost figures (default $TRAINHEALTH_GPU_HOUR_USD)")
     f.set_defaults(func=run, extra=None)
 
 
@@ -233,10 +235,18 @@ def run(args: argparse.Namespace) -> int:
     if not 0.01 <= args.poll <= 60:
         raise ConfigError(f"--poll={args.poll!r} must be between 0.01 and 60 seconds")
     fmt = args.format
+    interrupt_on_signals()
+    # A file not written yet when the follow starts: everything it will hold is new (read from its start).
+    fresh = not path.exists() or (path.is_file() and path.stat().st_size == 0)
+    if fmt is None and fresh:
+        # Started before the job writes its log (the usual order): its format is known from its first lines.
+        print(f"waiting for {path} to be written, to detect its format (--format skips this)", flush=True)
+        try:
+            wait_for(path, lambda: False, args.poll)
+        except KeyboardInterrupt:
+            return 130
+        time.sleep(min(2.0, 10 * args.poll))  # a few lines, not a first half-line
     if fmt is None:
-        if not path.exists() or path.stat().st_size == 0:
-            raise ConfigError(f"{path}: does not exist or is empty, so its format cannot be detected: pass --format "
-                              f"({', '.join(FOLLOWED)})")
         fmt = detect(path)
     if fmt not in FOLLOWED:
         raise ConfigError(f"{path}: a {FORMATS[fmt][2]} ({fmt}) cannot be followed: it is written once, complete "
@@ -250,17 +260,21 @@ def run(args: argparse.Namespace) -> int:
     mapping = parse_map(args.map)
     url, _ = resolve(args)
     client: redis.Redis = connect(url)
-    mon = Monitor(run_id, client=client, rank=0, world_size=1, gpu_hour_usd=args.gpu_hour_usd)
+    price = args.gpu_hour_usd if args.gpu_hour_usd is not None else settings_from(os.environ).get("gpu_hour_usd")
+    try:
+        mon = Monitor(run_id, client=client, rank=0, world_size=1, gpu_hour_usd=price)
+    except ConfigError as exc:
+        raise ConfigError(f"--gpu-hour-usd / TRAINHEALTH_GPU_HOUR_USD: {exc}") from None
     client.hset(mon.keys.meta, mapping={"source": f"follow:{path.name}"})
     stopping = False
 
     def stop() -> bool:
         return stopping
 
-    follower = Follower(path, fmt, mon, mapping=mapping, from_start=args.from_start, poll_s=args.poll, stop=stop)
-    print(f"following {path} ({fmt}) as run {run_id!r}" + ("" if args.from_start else " from its end")
-          + "; Ctrl-C stops", flush=True)
-    interrupt_on_signals()
+    follower = Follower(path, fmt, mon, mapping=mapping, from_start=args.from_start or fresh, poll_s=args.poll,
+                        stop=stop)
+    where = " from its start" if args.from_start else " (new: all of it)" if fresh else " from its end"
+    print(f"following {path} ({fmt}) as run {run_id!r}{where}; Ctrl-C stops", flush=True)
     status = "stopped"
     try:
         follower.run()

@@ -169,7 +169,7 @@ def test_follow_command_sends_each_step_live_and_marks_the_run_stopped(r: redis.
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
-    assert out.startswith(f"Redis: {redis_url}\nfollowing {path} (megatron) as run 'fol-104b' from its end")
+    assert out.startswith(f"Redis: {redis_url}\nfollowing {path} (megatron) as run 'fol-104b' (new: all of it)")
     assert err.strip().endswith(f"{len(expected)} steps and 0 events of {path} sent as run 'fol-104b'; run marked "
                                 "'stopped'")
     meta = {k.decode(): v.decode() for k, v in r.hgetall("th:{fol-104b}:meta").items()}
@@ -211,7 +211,6 @@ def test_follow_refuses_what_it_cannot_follow(redis_url: str, real_logs: Path, t
             "trace, a benchmark's output); use `trainhealth replay`.",
         str(real_logs / "kineto_trace_rank0_ws128.json.gz"):
             "is gzip-compressed; a gzip stream cannot be followed while it is written",
-        str(tmp_path / "missing.log"): "does not exist or is empty, so its format cannot be detected: pass --format",
     }
     for path, words in cases.items():
         proc = start_follow(redis_url, path)
@@ -395,3 +394,20 @@ def test_a_tensorboard_run_directory_is_followed_as_it_grows(r: redis.Redis, rea
         mon.close("stopped")
         shutil.rmtree(run_dir)
     assert steps(r, "fol-tb") == want and len(want) > 100
+
+
+def test_follow_started_before_the_log_exists_waits_and_detects_it(r: redis.Redis, redis_url: str, real_logs: Path,
+                                                                  tmp_path: Path, wait_for) -> None:
+    path = tmp_path / "later.log"
+    proc = start_follow(redis_url, str(path), "--run", "fol-later")
+    try:
+        time.sleep(1.0)
+        assert proc.poll() is None  # waiting, not refusing
+        path.write_bytes((real_logs / MEGATRON).read_bytes())
+        want = [p.step for p in read(path)]
+        got = wait_for(lambda: (s := steps(r, "fol-later")) and len(s) == len(want) and s, 30, "every step")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    assert got == want  # the file's lines were written after the follow started: all of them are new
+    assert f"waiting for {path} to be written" in out and "following" in out and "(megatron)" in out
