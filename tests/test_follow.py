@@ -408,6 +408,6 @@ def test_follow_started_before_the_log_exists_waits_and_detects_it(r: redis.Redi
         got = wait_for(lambda: (s := steps(r, "fol-later")) and len(s) == len(want) and s, 30, "every step")
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=20)
+        out, _ = proc.communicate(timeout=20)
     assert got == want  # the file's lines were written after the follow started: all of them are new
     assert f"waiting for {path} to be written" in out and "following" in out and "(megatron)" in out
