@@ -142,7 +142,13 @@ def init(run: str | None = None, *, env: Mapping[str, str] | None = None, **kwar
             if env.get(defaults.REDIS_URL_ENV) and "client" not in kwargs:
                 args["redis_url"] = env[defaults.REDIS_URL_ENV]
         args.update(kwargs)
-        _current = Monitor(run, enabled=mode == "online", **args)
+        try:
+            _current = Monitor(run, enabled=mode == "online", **args)
+        except ConfigError as exc:
+            # A value the environment gave: name its variable, not only the Monitor argument it became.
+            var = next((v for v, (arg, _) in ENV_SETTINGS.items()
+                        if arg not in kwargs and env.get(v) and str(exc).startswith(f"{arg}=")), None)
+            raise ConfigError(f"environment {var}={env[var]!r}: {exc}" if var else str(exc)) from None
         if mode != "online":
             log.info("trainhealth: %s=%s: the collector of run %s sends nothing", defaults.MODE_ENV, mode, run)
         return _current

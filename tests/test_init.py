@@ -103,7 +103,10 @@ def test_disabled_mode_checks_settings_then_does_nothing(tmp_path: Path) -> None
      "environment TRAINHEALTH_GPU_HOUR_USD='2,5' is not a number (gpu_hour_usd)"),
     ({"TRAINHEALTH_RUN_ID": "a", "TRAINHEALTH_BUFFER_RECORDS": "1e5"},
      "environment TRAINHEALTH_BUFFER_RECORDS='1e5' is not an integer (buffer_records)"),
-    ({"TRAINHEALTH_RUN_ID": "a", "TRAINHEALTH_GPU_HOUR_USD": "-1"}, "gpu_hour_usd=-1.0 must be a number >= 0"),
+    ({"TRAINHEALTH_RUN_ID": "a", "TRAINHEALTH_GPU_HOUR_USD": "-1"},
+     "environment TRAINHEALTH_GPU_HOUR_USD='-1': gpu_hour_usd=-1.0 must be a number >= 0"),
+    ({"TRAINHEALTH_RUN_ID": "a", "TRAINHEALTH_HEARTBEAT_INTERVAL": "0"},
+     "environment TRAINHEALTH_HEARTBEAT_INTERVAL='0': heartbeat_interval=0.0 must be a finite number of seconds > 0"),
 ])
 def test_bad_environment_is_named(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
