@@ -36,6 +36,7 @@ from trainhealth.detectors.loss_spike import LossSpikeDetector
 from trainhealth.detectors.memory_growth import MemoryGrowthDetector
 from trainhealth.detectors.memory_pressure import MemoryHistory, MemoryVerdict
 from trainhealth.detectors.nan_inf import NanInfDetector
+from trainhealth.detectors.network import NetworkDetector
 from trainhealth.detectors.plateau import PlateauDetector
 from trainhealth.detectors.rank_outlier import RankOutlierDetector
 from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
@@ -154,6 +155,9 @@ class RunPipeline:
         self.straggler = StragglerDetector(exclude=self.slow_node.covered_ranks)
         self.rank_outlier = RankOutlierDetector(
             exclude=lambda: self.slow_node.covered_ranks() | self.straggler.open_ranks)
+        # A node whose ranks spend more of the step in their collective than the other nodes' (straggler wait left
+        # out: a slow rank is the straggler's, a rise on every node the throughput detector's).
+        self.network = NetworkDetector(self.hosts)
         self.throughput = ThroughputDropDetector()
         self.dead_rank = DeadRankDetector(self.hang.checkpoint_s, self.hang.heartbeat_interval,
                                           self.hang.missed_intervals)
@@ -170,7 +174,7 @@ class RunPipeline:
         self.step_detectors: list[StepDetector] = [
             NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(), DivergenceDetector(),
             GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), PlateauDetector(),
-            self.slow_node, self.straggler, self.rank_outlier, RestartStormDetector(), self.throughput,
+            self.slow_node, self.straggler, self.rank_outlier, self.network, RestartStormDetector(), self.throughput,
             SlowStepDetector(), self.collective_timeout]  # a step completed after a collective timeout ends it
         self.ended_ranks: set[int] = set()
         self.run = run

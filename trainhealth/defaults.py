@@ -379,6 +379,17 @@ SLOW_STEP_MAX_RUN_STEPS = THROUGHPUT_MIN_STEPS - 1
 SLOW_NODE_FRACTION = 0.5
 SLOW_NODE_MIN_RANKS = 2
 SLOW_NODE_MIN_WINDOWS = 2
+#: Network on one node (detectors/network.py): per window of STRAGGLER_WINDOW_STEPS steps, a rank's communication
+#: share (seconds in its collective beyond the wait for the slowest rank, over the step's time) is high when it is
+#: NETWORK_RATIO x the other nodes' median share or more (1 / STRAGGLER_THRESHOLD: the straggler's relative score of
+#: 0.8 read on the collective instead of the sections) and NETWORK_MIN_EXCESS of the step above it (the throughput
+#: detector's 3 % floor, THROUGHPUT_MIN_REL_CHANGE: less cannot be told from a data centre's weather). A node is
+#: flagged when more than SLOW_NODE_FRACTION of its ranks (at least SLOW_NODE_MIN_RANKS) are high, for
+#: NETWORK_MIN_WINDOWS windows in a row (the slow node's persistence); a warning from THROUGHPUT_WARNING_LOSS of the
+#: job's time lost, else info.
+NETWORK_RATIO = 1.0 / STRAGGLER_THRESHOLD
+NETWORK_MIN_EXCESS = THROUGHPUT_MIN_REL_CHANGE
+NETWORK_MIN_WINDOWS = SLOW_NODE_MIN_WINDOWS
 #: Rank outlier (Isolation Forest, Liu, Ting & Zhou 2008, scikit-learn ``IsolationForest``) over
 #: per-rank window features. Needs this many ranks (a median/MAD and a forest over fewer are noise).
 RANK_OUTLIER_WINDOW_STEPS = 20
