@@ -46,7 +46,7 @@ from typing import Any, TypedDict
 
 from trainhealth.anomaly import SEVERITIES, Anomaly, Kind, Severity, Status
 from trainhealth.recommendations import Recommendation
-from trainhealth.text import fmt_int, fmt_pct, fmt_ranks
+from trainhealth.text import fmt_bytes, fmt_int, fmt_pct, fmt_ranks
 
 #: Kinds that describe the model's training signal: anomalies of these kinds whose onsets are close are one
 #: incident (rule 1).
@@ -75,7 +75,7 @@ LABELS = {"loss_spike": "Loss spike", "grad_norm_spike": "Grad-norm spike", "div
           "slow_node": "Slow node", "rank_outlier": "Rank outlier", "hang": "Hang", "dead_rank": "Dead rank",
           "throughput_drop": "Throughput drop", "slow_step": "Slow step", "restart": "Restart",
           "restart_storm": "Restart storm", "data_loss": "Data loss",
-          "network_slow": "Network"}
+          "network_slow": "Network", "memory_imbalance": "Memory imbalance"}
 #: The kind a loss incident became, after "that became".
 _BECAME = {"grad_norm_spike": "a grad-norm spike", "skipped_steps": "skipped steps", "loss_spike": "a loss spike",
            "grad_norm_explosion": "a grad-norm explosion", "divergence": "a divergence",
@@ -497,6 +497,11 @@ def title(root: Anomaly, members: list[Anomaly], latest: Anomaly) -> str:
         return f"Step {step} was slow" if end == root.step else f"Steps {step}-{fmt_int(end)} were slow"
     if root.kind == "plateau":
         return f"Loss plateau from step {step}"
+    if root.kind == "memory_imbalance":
+        ev = root.evidence
+        peak, mid = _num(ev.get("peak")), _num(ev.get("median_peak"))
+        if peak is not None and mid is not None:
+            return f"{_ranks(root)} peaks at {fmt_bytes(peak)} of memory, the other ranks at {fmt_bytes(mid)}"
     if root.kind == "data_loss":
         return f"History before step {step} lost from Redis"
     return f"{LABELS.get(root.kind, root.kind)} at step {step}"

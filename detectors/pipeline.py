@@ -34,6 +34,7 @@ from trainhealth.detectors.ledger import GoodputLedger
 from trainhealth.detectors.loss_collapse import LossCollapseDetector
 from trainhealth.detectors.loss_spike import LossSpikeDetector
 from trainhealth.detectors.memory_growth import MemoryGrowthDetector
+from trainhealth.detectors.memory_imbalance import MemoryImbalanceDetector
 from trainhealth.detectors.memory_pressure import MemoryHistory, MemoryVerdict
 from trainhealth.detectors.nan_inf import NanInfDetector
 from trainhealth.detectors.network import NetworkDetector
@@ -167,6 +168,9 @@ class RunPipeline:
         self.gpu: dict[int, dict] = {}
         self.memory = MemoryHistory()
         self.memory_growth = MemoryGrowthDetector()
+        # One rank's peak far above the others' (rank -> (sample time, peak allocated bytes, device bytes)).
+        self.memory_imbalance = MemoryImbalanceDetector()
+        self._peaks: dict[int, tuple[float, float, float]] = {}
         self._death_memory: dict[int, MemoryVerdict] = {}
         # What the job's own logs report (events): a collective timeout is a hang, a launcher restart a restart.
         self.collective_timeout = CollectiveTimeoutDetector()
@@ -404,9 +408,10 @@ class RunPipeline:
                 for b in self._incident(self._with_hosts(a)):
                     self.anomalies[b.id] = b
                     out.anomalies.append(b)
-        for a in self.memory_growth.finish(self.current_step):
+        for a in [*self.memory_growth.finish(self.current_step), *self.memory_imbalance.finish(self.current_step)]:
             self.anomalies[a.id] = a
             out.anomalies.append(a)
+        self._peaks.clear()
         return out
 
     def _incident(self, a: Anomaly) -> list[Anomaly]:
@@ -695,7 +700,8 @@ class RunPipeline:
             return None
 
     def _memory_samples(self, beats: Mapping[int, Mapping[str, Any]]) -> list[Anomaly]:
-        """Keep each rank's new memory sample (a heartbeat's ``mem``) and feed the growth detector with it."""
+        """Keep each rank's new memory sample (a heartbeat's ``mem``), feed the growth detector with it and judge the
+        ranks' peaks side by side (the imbalance detector)."""
         out: list[Anomaly] = []
         for r, hb in beats.items():
             gpu = hb.get("gpu")
@@ -711,6 +717,9 @@ class RunPipeline:
             try:
                 self.memory.add(r, float(t), mem, inc)
                 cuda = mem.get("cuda")
+                if isinstance(cuda, dict) and isinstance(cuda.get("alloc_peak"), (int, float)) and isinstance(
+                        cuda.get("total"), (int, float)):
+                    self._peaks[r] = (float(t), float(cuda["alloc_peak"]), float(cuda["total"]))
                 if isinstance(cuda, dict) and isinstance(cuda.get("alloc"), (int, float)):
                     out += self.memory_growth.update(r, host, float(t), step=step, inc=inc or 0.0, metric="cuda",
                                                      value=float(cuda["alloc"]), capacity=cuda.get("total"), gen=gen)
@@ -720,6 +729,12 @@ class RunPipeline:
                                                      gen=gen)
             except Exception:  # see detector_errors
                 self._failed(self.memory_growth, self.current_step)
+        if beats and self._peaks:
+            try:
+                out += self.memory_imbalance.update(self._peaks, step=self.current_step,
+                                                    gen=self.aggregator.generation, hosts=self.hosts)
+            except Exception:  # see detector_errors
+                self._failed(self.memory_imbalance, self.current_step)
         return out
 
     def _with_gpu(self, a: Anomaly) -> Anomaly:
