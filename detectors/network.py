@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Mapping
 from dataclasses import replace
@@ -201,11 +202,13 @@ class NetworkDetector(StepDetector):
         if not self._busy:
             self._window_start = agg.step
         self._busy.append(agg.busy)
-        self._comm.append(agg.comm or (None,) * len(agg.busy))
+        self._comm.append(agg.comm)  # () when no rank timed a collective: NaN at the window
         self._step_s.append(dur if dur is not None and dur > 0 else np.nan)
         if len(self._busy) < self.window:
             return []
-        b, c = busy_matrix(self._busy), busy_matrix(self._comm)
+        b = busy_matrix(self._busy)
+        c = busy_matrix([row or (None,) * b.shape[1] for row in self._comm]) if any(self._comm) else \
+            np.full(b.shape, np.nan)
         width = max(b.shape[1], c.shape[1])
         b, c = _widen(b, width), _widen(c, width)
         d = np.array(self._step_s, dtype=float)
@@ -231,15 +234,17 @@ class NetworkDetector(StepDetector):
         nodes = {h: idx for h, idx in nodes.items() if len(idx) >= self.min_ranks}
         if len(nodes) < 2:
             return self._resolve_all(nodes)
-        node_share = {h: float(np.median(shares[idx])) for h, idx in nodes.items()}
-        node_secs = {h: float(np.median(secs[idx])) for h, idx in nodes.items()}
+        # Plain floats and one sort: a 1,024-rank job has 128 nodes to compare each with the 127 others.
+        sh, se = shares.tolist(), secs.tolist()
+        node_share = {h: statistics.median([sh[i] for i in idx]) for h, idx in nodes.items()}
+        node_secs = {h: statistics.median([se[i] for i in idx]) for h, idx in nodes.items()}
+        shares_sorted, secs_sorted = sorted(node_share.values()), sorted(node_secs.values())
         step_s = float(np.nanmedian(d))
         out: list[Anomaly] = []
         for host in sorted(nodes):
             idx = nodes[host]
-            others = statistics.median(v for h, v in node_share.items() if h != host)
-            high = [float(shares[i]) >= self.ratio * others and float(shares[i]) - others >= self.min_excess
-                    for i in idx]
+            others = _median_without(shares_sorted, node_share[host])
+            high = [sh[i] >= self.ratio * others and sh[i] - others >= self.min_excess for i in idx]
             flagged = sum(high) > self.fraction * len(idx)
             if not (flagged or self._persist.counting(host)):
                 continue
@@ -247,9 +252,9 @@ class NetworkDetector(StepDetector):
                 "node_share": round(node_share[host], 4), "others_share": round(others, 4),
                 "excess_share": round(node_share[host] - others, 4),
                 "node_comm_s": round(node_secs[host], 6),
-                "others_comm_s": round(statistics.median(v for h, v in node_secs.items() if h != host), 6),
+                "others_comm_s": round(_median_without(secs_sorted, node_secs[host]), 6),
                 "step_s": round(step_s, 6), "high_ranks": sum(high), "n_ranks": len(idx),
-                "ranks": [int(ranks[i]) for i in idx], "rank_shares": [round(float(shares[i]), 4) for i in idx],
+                "ranks": [int(ranks[i]) for i in idx], "rank_shares": [round(sh[i], 4) for i in idx],
                 "timed_ranks": int(sum(bool(timed[i]) for i in idx)),
             }
             out += self._judge(host, flagged, ev, agg)
@@ -312,3 +317,19 @@ def _widen(m: np.ndarray, width: int) -> np.ndarray:
     if m.shape[1] >= width:
         return m
     return np.hstack([m, np.full((m.shape[0], width - m.shape[1]), np.nan)])
+
+
+def _median_without(values: list[float], v: float) -> float:
+    """The median of sorted ``values`` with one occurrence of ``v`` (one of them) left out: the other nodes' median.
+
+    >>> _median_without([1.0, 2.0, 3.0, 10.0], 10.0), _median_without([1.0, 2.0, 3.0, 10.0], 2.0)
+    (2.0, 3.0)
+    """
+    k = bisect.bisect_left(values, v)
+    n = len(values) - 1
+
+    def at(i: int) -> float:
+        return values[i] if i < k else values[i + 1]
+
+    m = n // 2
+    return at(m) if n % 2 else (at(m - 1) + at(m)) / 2
