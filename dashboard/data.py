@@ -2479,6 +2479,8 @@ def memory_rates(client: redis.Redis, run: str, ranks: Iterable[int], span_s: fl
         return {}
     ms = _entry_id(_s(newest[0][0]))[0]
     oldest = client.xrange(key, f"{max(0, ms - int(span_s * 1000))}", "+", count=1)
+    if not oldest:  # trimmed between the two reads
+        return {}
     (_, new), (_, old) = newest[0], oldest[0]
     new, old = _decode_map(new), _decode_map(old)
     t_new, t_old = _opt_num(new.get("t")), _opt_num(old.get("t"))

@@ -738,12 +738,14 @@ class RunPipeline:
         return out
 
     def _with_gpu(self, a: Anomaly) -> Anomaly:
-        """A straggler, slow node or rank outlier with what its GPUs show beside the others' (``evidence["gpu"]``,
-        :func:`~trainhealth.detectors.gpu_health.explain`), and the finding in its message when they show one."""
-        if a.kind not in ("straggler", "slow_node", "rank_outlier") or not a.active or not self.gpu or not a.ranks:
+        """A straggler, slow node, rank outlier or node with a slow network with what its GPUs show beside the
+        others' (``evidence["gpu"]``, :func:`~trainhealth.detectors.gpu_health.explain`), and the finding in its
+        message when they show one."""
+        if a.kind not in ("straggler", "slow_node", "rank_outlier", "network_slow") or not a.active or not self.gpu \
+                or not a.ranks:
             return a
         who = (f"rank {a.ranks[0]}" if len(a.ranks) == 1 else f"ranks {fmt_ranks(a.ranks)}")
-        if a.kind == "slow_node" and a.hosts:
+        if a.kind in ("slow_node", "network_slow") and a.hosts:
             who = f"{a.hosts[0]}'s {who}"
         found = explain_gpu(a.ranks, self.gpu, who)
         if found is None:
