@@ -34,8 +34,10 @@ from trainhealth.detectors.ledger import GoodputLedger
 from trainhealth.detectors.loss_collapse import LossCollapseDetector
 from trainhealth.detectors.loss_spike import LossSpikeDetector
 from trainhealth.detectors.memory_growth import MemoryGrowthDetector
+from trainhealth.detectors.memory_imbalance import MemoryImbalanceDetector
 from trainhealth.detectors.memory_pressure import MemoryHistory, MemoryVerdict
 from trainhealth.detectors.nan_inf import NanInfDetector
+from trainhealth.detectors.network import NetworkDetector
 from trainhealth.detectors.plateau import PlateauDetector
 from trainhealth.detectors.rank_outlier import RankOutlierDetector
 from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
@@ -154,6 +156,9 @@ class RunPipeline:
         self.straggler = StragglerDetector(exclude=self.slow_node.covered_ranks)
         self.rank_outlier = RankOutlierDetector(
             exclude=lambda: self.slow_node.covered_ranks() | self.straggler.open_ranks)
+        # A node whose ranks spend more of the step in their collective than the other nodes' (straggler wait left
+        # out: a slow rank is the straggler's, a rise on every node the throughput detector's).
+        self.network = NetworkDetector(self.hosts)
         self.throughput = ThroughputDropDetector()
         self.dead_rank = DeadRankDetector(self.hang.checkpoint_s, self.hang.heartbeat_interval,
                                           self.hang.missed_intervals)
@@ -163,6 +168,9 @@ class RunPipeline:
         self.gpu: dict[int, dict] = {}
         self.memory = MemoryHistory()
         self.memory_growth = MemoryGrowthDetector()
+        # One rank's peak far above the others' (rank -> (sample time, peak allocated bytes, device bytes)).
+        self.memory_imbalance = MemoryImbalanceDetector()
+        self._peaks: dict[int, tuple[float, float, float]] = {}
         self._death_memory: dict[int, MemoryVerdict] = {}
         # What the job's own logs report (events): a collective timeout is a hang, a launcher restart a restart.
         self.collective_timeout = CollectiveTimeoutDetector()
@@ -170,7 +178,7 @@ class RunPipeline:
         self.step_detectors: list[StepDetector] = [
             NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(), DivergenceDetector(),
             GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), PlateauDetector(),
-            self.slow_node, self.straggler, self.rank_outlier, RestartStormDetector(), self.throughput,
+            self.slow_node, self.straggler, self.rank_outlier, self.network, RestartStormDetector(), self.throughput,
             SlowStepDetector(), self.collective_timeout]  # a step completed after a collective timeout ends it
         self.ended_ranks: set[int] = set()
         self.run = run
@@ -400,9 +408,10 @@ class RunPipeline:
                 for b in self._incident(self._with_hosts(a)):
                     self.anomalies[b.id] = b
                     out.anomalies.append(b)
-        for a in self.memory_growth.finish(self.current_step):
+        for a in [*self.memory_growth.finish(self.current_step), *self.memory_imbalance.finish(self.current_step)]:
             self.anomalies[a.id] = a
             out.anomalies.append(a)
+        self._peaks.clear()
         return out
 
     def _incident(self, a: Anomaly) -> list[Anomaly]:
@@ -691,7 +700,8 @@ class RunPipeline:
             return None
 
     def _memory_samples(self, beats: Mapping[int, Mapping[str, Any]]) -> list[Anomaly]:
-        """Keep each rank's new memory sample (a heartbeat's ``mem``) and feed the growth detector with it."""
+        """Keep each rank's new memory sample (a heartbeat's ``mem``), feed the growth detector with it and judge the
+        ranks' peaks side by side (the imbalance detector)."""
         out: list[Anomaly] = []
         for r, hb in beats.items():
             gpu = hb.get("gpu")
@@ -707,6 +717,9 @@ class RunPipeline:
             try:
                 self.memory.add(r, float(t), mem, inc)
                 cuda = mem.get("cuda")
+                if isinstance(cuda, dict) and isinstance(cuda.get("alloc_peak"), (int, float)) and isinstance(
+                        cuda.get("total"), (int, float)):
+                    self._peaks[r] = (float(t), float(cuda["alloc_peak"]), float(cuda["total"]))
                 if isinstance(cuda, dict) and isinstance(cuda.get("alloc"), (int, float)):
                     out += self.memory_growth.update(r, host, float(t), step=step, inc=inc or 0.0, metric="cuda",
                                                      value=float(cuda["alloc"]), capacity=cuda.get("total"), gen=gen)
@@ -716,15 +729,23 @@ class RunPipeline:
                                                      gen=gen)
             except Exception:  # see detector_errors
                 self._failed(self.memory_growth, self.current_step)
+        if beats and self._peaks:
+            try:
+                out += self.memory_imbalance.update(self._peaks, step=self.current_step,
+                                                    gen=self.aggregator.generation, hosts=self.hosts)
+            except Exception:  # see detector_errors
+                self._failed(self.memory_imbalance, self.current_step)
         return out
 
     def _with_gpu(self, a: Anomaly) -> Anomaly:
-        """A straggler, slow node or rank outlier with what its GPUs show beside the others' (``evidence["gpu"]``,
-        :func:`~trainhealth.detectors.gpu_health.explain`), and the finding in its message when they show one."""
-        if a.kind not in ("straggler", "slow_node", "rank_outlier") or not a.active or not self.gpu or not a.ranks:
+        """A straggler, slow node, rank outlier or node with a slow network with what its GPUs show beside the
+        others' (``evidence["gpu"]``, :func:`~trainhealth.detectors.gpu_health.explain`), and the finding in its
+        message when they show one."""
+        if a.kind not in ("straggler", "slow_node", "rank_outlier", "network_slow") or not a.active or not self.gpu \
+                or not a.ranks:
             return a
         who = (f"rank {a.ranks[0]}" if len(a.ranks) == 1 else f"ranks {fmt_ranks(a.ranks)}")
-        if a.kind == "slow_node" and a.hosts:
+        if a.kind in ("slow_node", "network_slow") and a.hosts:
             who = f"{a.hosts[0]}'s {who}"
         found = explain_gpu(a.ranks, self.gpu, who)
         if found is None:

@@ -43,7 +43,7 @@ from trainhealth.keys import RUNS, SERVICES, RunKeys, run_keys, run_of, service_
 from trainhealth.loop import LEASE_LUA, MEMBERS_LUA, RELEASE_LUA, RENEW_LUA, Backoff, stop_on_signals
 from trainhealth.recommendations import OPEN_STATUSES, Recommendation
 from trainhealth.warn_once import WarnOnce
-from trainhealth.wire import MAX_RANKS, ROW_FIELDS, Event, decode_event, decode_step_rows
+from trainhealth.wire import MAX_RANKS, ROW_FIELDS, Event, decode_event, decode_step_rows, memory_entry
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ class _Run:
     rollup: StepRollup = field(default_factory=StepRollup)
     last_rollup: tuple[int, int] = (0, 0)
     last_snapshot: float = 0.0
+    last_memory: float = 0.0  # unix s of the newest th:{run}:mem entry written
     status: str = "running"
     meta_checked: float = 0.0
     dirty: bool = True
@@ -895,6 +896,7 @@ class DetectorService:
             if hbs and now - newest < RUN_INACTIVE_S:
                 out = run.pipeline.check_heartbeats(now, hbs)
                 self._write(run, out, pipe)
+                self._write_memory(run, now, hbs, pipe)
                 if out.job is not None:
                     run.last_snapshot = 0.0  # the ledger follows the job's state now (a crash stops it)
         if run.status not in LIVE_STATUSES:
@@ -902,6 +904,16 @@ class DetectorService:
         if (run.dirty or run.status == "running") and now - run.last_snapshot >= self.snapshot_interval:
             self._snapshot(run, now, pipe)
         pipe.execute()
+
+    def _write_memory(self, run: _Run, now: float, hbs: dict[int, dict[str, Any]], pipe: Any) -> None:
+        """Every ``defaults.MEMORY_HISTORY_S`` seconds, the ranks' newest memory samples as one ``th:{run}:mem``
+        entry (the heartbeats hash keeps only the newest: the Ranks page draws memory over time from these)."""
+        if now - run.last_memory < defaults.MEMORY_HISTORY_S:
+            return
+        fields = memory_entry({r: hb for r, hb in hbs.items() if r not in run.pipeline.ended_ranks}, now)
+        if fields is not None:
+            pipe.xadd(run.keys.memory, fields, maxlen=defaults.MEMORY_HISTORY_ENTRIES, approximate=True)
+            run.last_memory = now
 
     def _write_job(self, run: _Run, job: JobState, pipe: Any) -> None:
         """Store the job's new state (``th:{run}:state``); a crash also shows in the run's ``status``, which

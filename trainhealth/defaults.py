@@ -379,6 +379,17 @@ SLOW_STEP_MAX_RUN_STEPS = THROUGHPUT_MIN_STEPS - 1
 SLOW_NODE_FRACTION = 0.5
 SLOW_NODE_MIN_RANKS = 2
 SLOW_NODE_MIN_WINDOWS = 2
+#: Network on one node (detectors/network.py): per window of STRAGGLER_WINDOW_STEPS steps, a rank's communication
+#: share (seconds in its collective beyond the wait for the slowest rank, over the step's time) is high when it is
+#: NETWORK_RATIO x the other nodes' median share or more (1 / STRAGGLER_THRESHOLD: the straggler's relative score of
+#: 0.8 read on the collective instead of the sections) and NETWORK_MIN_EXCESS of the step above it (the throughput
+#: detector's 3 % floor, THROUGHPUT_MIN_REL_CHANGE: less cannot be told from a data centre's weather). A node is
+#: flagged when more than SLOW_NODE_FRACTION of its ranks (at least SLOW_NODE_MIN_RANKS) are high, for
+#: NETWORK_MIN_WINDOWS windows in a row (the slow node's persistence); a warning from THROUGHPUT_WARNING_LOSS of the
+#: job's time lost, else info.
+NETWORK_RATIO = 1.0 / STRAGGLER_THRESHOLD
+NETWORK_MIN_EXCESS = THROUGHPUT_MIN_REL_CHANGE
+NETWORK_MIN_WINDOWS = SLOW_NODE_MIN_WINDOWS
 #: Rank outlier (Isolation Forest, Liu, Ting & Zhou 2008, scikit-learn ``IsolationForest``) over
 #: per-rank window features. Needs this many ranks (a median/MAD and a forest over fewer are noise).
 RANK_OUTLIER_WINDOW_STEPS = 20
@@ -438,6 +449,22 @@ MEMORY_WARNING_WITHIN_S = 86400.0
 MEMORY_PRESSURE_FRAC = 0.9
 #: Seconds before the last sample in which new allocation retries or OOMs count as pressure at death.
 MEMORY_PRESSURE_RECENT_S = 60.0
+#: Memory imbalance (detectors/memory_imbalance.py): a rank's CUDA peak allocation is an outlier among the ranks'
+#: by the modified z-score (0.6745 x deviation / MAD, > 3.5: Iglewicz & Hoaglin 1993's cut-off for outliers) and at
+#: least MEMORY_IMBALANCE_FRAC of its device above the ranks' median: the headroom MEMORY_PRESSURE_FRAC leaves, so
+#: that rank runs out of memory while the others still have all of theirs. Judged with at least
+#: MEMORY_IMBALANCE_MIN_RANKS ranks reporting (a median and MAD of fewer say little), on MEMORY_IMBALANCE_MIN_SAMPLES
+#: heartbeats in a row (15 s: not one sample taken mid-allocation). A warning when the rank's peak is at least
+#: MEMORY_PRESSURE_FRAC of its device (it is near its limit), else info.
+MEMORY_IMBALANCE_Z = 3.5
+MEMORY_IMBALANCE_FRAC = 1.0 - MEMORY_PRESSURE_FRAC
+MEMORY_IMBALANCE_MIN_RANKS = 4
+MEMORY_IMBALANCE_MIN_SAMPLES = 3
+#: The per-rank memory history the service keeps for the dashboard (th:{run}:mem): one entry of every rank's newest
+#: heartbeat sample each MEMORY_HISTORY_S seconds, the newest MEMORY_HISTORY_ENTRIES kept (24 h). At 1,024 ranks an
+#: entry is ~20 kB (three lists of MiB): ~55 MB a run, a sixth of its steps stream (docs/architecture.md).
+MEMORY_HISTORY_S = 30.0
+MEMORY_HISTORY_ENTRIES = 2_880
 
 # --- Rollback advisor -------------------------------------------------------------------
 #: Restart from a checkpoint at least this many steps before the onset (PaLM: ~100 steps).

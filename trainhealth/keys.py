@@ -82,6 +82,13 @@ class RunKeys:
         return f"{self._p}:hb"
 
     @property
+    def memory(self) -> str:
+        """Stream: every rank's newest memory sample each ``defaults.MEMORY_HISTORY_S`` seconds (lists of MiB by
+        rank, :func:`trainhealth.wire.memory_entry`), the newest ``defaults.MEMORY_HISTORY_ENTRIES`` kept; written by
+        the service from the heartbeats (which keep only the newest), read by the dashboard's Ranks page."""
+        return f"{self._p}:mem"
+
+    @property
     def agg(self) -> str:
         """Stream: one entry per completed step across ranks, written by the service."""
         return f"{self._p}:agg"

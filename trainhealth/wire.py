@@ -733,3 +733,44 @@ class Heartbeat(TypedDict):
     inc: float
     mem: MemorySample | None
     gpu: GpuSample | None
+
+
+#: The per-rank lists of a ``th:{run}:mem`` entry (:func:`memory_entry`) and what each heartbeat value they hold.
+MEMORY_FIELDS = {"alloc": ("cuda", "alloc"), "reserved": ("cuda", "reserved"), "rss": (None, "rss")}
+
+
+def memory_entry(beats: Mapping[int, Mapping[str, Any]], t: float) -> dict[str, str] | None:
+    """The fields of one ``th:{run}:mem`` entry (docs/architecture.md): every rank's newest memory sample (the ``mem``
+    of its heartbeat, ``beats``: rank -> heartbeat) at unix time ``t``, None when no rank sent one.
+
+    ``t`` (unix s), ``step`` (the newest step a heartbeat names, or ``-1``), ``n`` (ranks with a sample) and, for each
+    of :data:`MEMORY_FIELDS`, a JSON list indexed by rank of MiB (integers: 1 MiB of 80 GiB is plenty to draw; a
+    third of the bytes' text), ``null`` where the rank sent none: ``alloc`` and ``reserved`` are the CUDA caching
+    allocator's, ``rss`` the host's resident set.
+
+    >>> GiB = 2**30
+    >>> beats = {0: {"step": 7, "mem": {"rss": 3 * GiB, "cuda": {"alloc": 71.2 * GiB, "reserved": 75 * GiB}}},
+    ...          2: {"step": 8, "mem": {"rss": 2 * GiB, "cuda_absent": "no CUDA device"}}}
+    >>> memory_entry(beats, 100.0)
+    {'t': '100.0', 'step': '8', 'n': '2', 'alloc': '[72909,null,null]', 'reserved': '[76800,null,null]', \
+'rss': '[3072,null,2048]'}
+    """
+    width = max(beats, default=-1) + 1
+    lists: dict[str, list[int | None]] = {name: [None] * width for name in MEMORY_FIELDS}
+    n, step = 0, -1
+    for r, hb in beats.items():
+        mem = hb.get("mem")
+        if not isinstance(mem, Mapping):
+            continue
+        n += 1
+        if isinstance(hb.get("step"), int):
+            step = max(step, hb["step"])
+        for name, (part, key) in MEMORY_FIELDS.items():
+            src = mem.get(part) if part else mem
+            v = src.get(key) if isinstance(src, Mapping) else None
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+                lists[name][r] = round(v / 2**20)
+    if not n:
+        return None
+    return {"t": repr(float(t)), "step": str(step), "n": str(n),
+            **{name: json.dumps(v, separators=(",", ":")) for name, v in lists.items()}}
