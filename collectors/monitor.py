@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -504,6 +505,7 @@ class Monitor:
         step_s: float | None = None,
         loss_missing: bool | None = None,
         loss_scale: float | None = None,
+        sample_indices: Sequence[int] | None = None,
         **unknown: Any,
     ) -> None:
         """Record a step's metrics: loss, global grad norm, learning rate, tokens and samples on this rank.
@@ -513,6 +515,14 @@ class Monitor:
         step, so a rollback recommendation can name the exact batches to skip. ``skipped=True``
         marks an optimizer step skipped by the loss scaler (fp16 overflow); ``loss_scale`` is the scaler's scale
         after the step (``GradScaler.get_scale()``, DeepSpeed's), which halves at each overflow.
+
+        ``sample_indices`` are the indices of the samples (documents, instances) **this rank** consumed in the step,
+        in order: what OLMo's data loader knows, or a sampler's indices for the step's batches (a ``range``, a list,
+        a numpy array; a tensor is read with ``tolist()``, so pass a CPU one). With them, an incident says which
+        samples its onset step trained on, and a rollback's export lists the exact samples to skip. At most
+        ``defaults.SAMPLE_INDICES_MAX`` (16,384) per rank per step: beyond it the step's indices are not recorded,
+        with one warning. The training thread only checks the length and copies them (a ``range`` is kept as it
+        is); the sender thread encodes them, each run of equally spaced indices as one range.
 
         ``timestamp`` (unix s) overrides when the step ended, for replaying logs; default now.
         ``step_s`` is the step's duration in seconds as the job itself measured it (a framework's
@@ -539,6 +549,10 @@ class Monitor:
                 metrics["loss_scale"] = loss_scale  # only mixed-precision jobs have one
             if loss_missing:
                 metrics["loss_missing"] = 1  # only replayed logs set it: live records keep their fields
+            if sample_indices is not None:
+                indices = self._indices(step, sample_indices)
+                if indices is not None:
+                    metrics["sample_indices"] = indices
             cur = self._cur
             if cur is not None and cur.step == step:
                 cur.metrics = metrics
@@ -559,6 +573,25 @@ class Monitor:
             self._progress(step, t)
         except Exception:
             self._internal_error()
+
+    def _indices(self, step: int, values: Any) -> Any:
+        """A snapshot of ``log_step``'s ``sample_indices`` for the sender to encode (it checks the values), or None
+        (with one warning) when there are too many or they are no sequence. O(1) for a ``range``, a C-speed copy
+        otherwise: a caller reusing its list must not change what was logged."""
+        try:
+            n = len(values)
+        except Exception:
+            self._warn_once("sample_indices", "log_step(sample_indices=%s): not a sequence of indices; not recorded",
+                            show(values))
+            return None
+        if n > defaults.SAMPLE_INDICES_MAX:
+            self._warn_once("sample_indices_max", "log_step(step=%s, sample_indices=...): %d indices, more than the "
+                            "%d a rank logs per step (defaults.SAMPLE_INDICES_MAX); not recorded for this step and "
+                            "further ones this large", show(step), n, defaults.SAMPLE_INDICES_MAX)
+            return None
+        if type(values) is range:
+            return values
+        return values.tolist() if hasattr(values, "tolist") else tuple(values)
 
     def _progress(self, step: int, t: float) -> None:
         last = self._last_step

@@ -7,6 +7,7 @@ is what lets the service rebuild its state by replaying the streams after a rest
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from array import array
@@ -17,6 +18,7 @@ from typing import Any
 
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.defaults import INCIDENT_SAMPLE_INDICES_BYTES
 from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
 from trainhealth.detectors.base import StepDetector
@@ -83,9 +85,13 @@ class Output:
     #: Incidents that changed, by id (:mod:`trainhealth.detectors.incidents`); None for one removed (a throughput
     #: drop that moved into the incident of the slow rank that caused it).
     incidents: dict[str, Incident | None] = field(default_factory=dict)
+    #: The completed steps whose ranks logged sample indices, as ``th:{run}:samples`` stores them: ``(gen, step,
+    #: ranks that reported the step, JSON of rank -> compact indices)``.
+    samples: list[tuple[int, int, int, str]] = field(default_factory=list)
 
     def extend(self, other: Output) -> None:
         self.aggs += other.aggs
+        self.samples += other.samples
         self.anomalies += other.anomalies
         self.recommendations.update(other.recommendations)
         self.incidents.update(other.incidents)
@@ -181,6 +187,9 @@ class RunPipeline:
         self.checkpoints: dict[int, Checkpoint] = {}
         # step -> (consumed_samples, batch_index) after it; the newest 100,000 steps.
         self.positions: OrderedDict[int, tuple[int | None, int | None]] = OrderedDict()
+        # step -> (generation, JSON of its ranks' sample indices, None when larger than an incident carries) for
+        # the newest STEP_TIMES steps that logged them: what an incident's onset step consumed.
+        self.sample_steps: OrderedDict[int, tuple[int, str | None]] = OrderedDict()
         self.current_step = 0
         #: The first step seen (None before any): a condition from there on had no healthy state before it.
         self.first_step: int | None = None
@@ -203,13 +212,20 @@ class RunPipeline:
         self.incidents = IncidentGrouper(self.step_times.get, self.position_before)
 
     def position_before(self, step: int) -> DataPosition | None:
-        """The data position when ``step`` began: the consumed samples and batch index after the last step before
-        it that logged one (``{"step", "consumed_samples", "batch_index"}``), None when none did."""
+        """The data position when ``step`` began — the consumed samples and batch index after the last step before
+        it that logged one — and the sample indices each rank consumed in ``step`` (inline when small, else the
+        ``th:{run}:samples`` entry holding them); None when neither was logged (:class:`DataPosition`)."""
+        where: tuple[int | None, int | None, int | None] = (None, None, None)
         for s in reversed(self.positions):
             if s < step:
-                cs, bi = self.positions[s]
-                return {"step": s, "consumed_samples": cs, "batch_index": bi}
-        return None
+                where = (s, *self.positions[s])
+                break
+        logged = self.sample_steps.get(step)
+        if where[0] is None and logged is None:
+            return None
+        return {"step": where[0], "consumed_samples": where[1], "batch_index": where[2],
+                "sample_indices": json.loads(logged[1]) if logged is not None and logged[1] is not None else None,
+                "samples_entry": f"{logged[0] + 1}-{step}" if logged is not None else None}
 
     @property
     def world_size(self) -> int:
@@ -645,6 +661,13 @@ class RunPipeline:
                 self.positions[agg.step] = (agg.consumed_samples, agg.batch_index)
                 if len(self.positions) > 100_000:
                     self.positions.popitem(last=False)
+            if agg.sample_indices:
+                body = json.dumps({str(r): v for r, v in sorted(agg.sample_indices.items())}, separators=(",", ":"))
+                out.samples.append((agg.gen, agg.step, agg.n_ranks, body))
+                self.sample_steps[agg.step] = (agg.gen, body if len(body) <= INCIDENT_SAMPLE_INDICES_BYTES else None)
+                self.sample_steps.move_to_end(agg.step)
+                if len(self.sample_steps) > STEP_TIMES:
+                    self.sample_steps.popitem(last=False)
             changed = []
             for det in self.step_detectors:
                 try:
@@ -765,8 +788,6 @@ def _loss_moved(a: Anomaly, moved: bool) -> Anomaly:
 
 def agg_fields(agg: StepAggregate) -> dict[str, Any]:
     """Stream fields of a ``th:{run}:agg`` entry (see docs/architecture.md)."""
-    import json
-
     d: dict[str, Any] = {
         "step": agg.step, "gen": agg.gen, "t_end": repr(agg.t_end), "n_ranks": agg.n_ranks,
         "data_s": repr(agg.data_s),
