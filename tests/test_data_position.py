@@ -15,7 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+import streamlit.testing.v1.app_test as app_test
 from jsonschema import Draft202012Validator
+from streamlit.runtime.media_file_manager import MediaFileManager
+from streamlit.testing.v1 import AppTest
 
 from trainhealth import Monitor, defaults
 from trainhealth.detectors import pipeline
@@ -27,6 +30,7 @@ from trainhealth.wire import count_indices, decode_step_rows, decode_steps, enco
 
 T0 = 1_800_000_000.0
 ROOT = Path(__file__).resolve().parent.parent
+APP = ROOT / "dashboard" / "app.py"
 DIV = "rec:divergence:*:400:0"
 
 
@@ -272,3 +276,45 @@ def test_indices_format_says_when_the_job_logged_none(r: redis.Redis, redis_url:
     doc = json.loads(advise(redis_url, "noidx", "--id", DIV, "--format", "skip-json").stdout)
     assert (doc["sample_indices"], doc["skip_samples"], doc["steps_without_indices"]) == (None, None, [[300, 550]])
     mon._sender.stop(1)
+
+
+def test_the_recommendation_card_downloads_the_exact_skip_and_the_skip_list(
+        r: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch, fresh_streamlit_caches: None) -> None:
+    mons = two_rank_run(r, "card-dp")
+    drain(service(r))
+    managers: list[MediaFileManager] = []
+
+    class Recording(MediaFileManager):  # AppTest's own, kept to read what a click would download
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            managers.append(self)
+
+    monkeypatch.setattr(app_test, "MediaFileManager", Recording)
+    monkeypatch.setenv("TRAINHEALTH_REDIS_URL", redis_url)
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.query_params["run"] = "card-dp"
+    at.run()
+    assert not at.exception, at.exception
+    buttons = {b.label: b.proto for b in at.get("download_button")}
+    assert sorted(buttons) == ["Download skip.json", "Download skip_batches.json", "Download skip_indices.txt"]
+    json_button, txt_button = buttons["Download skip.json"], buttons["Download skip_indices.txt"]
+    assert (json_button.id.endswith(f"rec-overview-skip-json-{DIV}"), txt_button.deferred_file_id != "") == (True, True)
+
+    def clicked(proto: Any) -> bytes:
+        """What the browser downloads on a click: the deferred body, generated then."""
+        url = managers[-1].execute_deferred(proto.deferred_file_id)
+        return managers[-1].read_file(url.rsplit("/", 1)[1].split(".")[0]).content
+
+    expected = expected_skip("card-dp")
+    body = clicked(json_button)
+    assert body == dumps(skip_document(json.loads(r.hget("th:{card-dp}:recommendations", DIV)),
+                                       {s: (2, {str(k): encode_indices(v) for k in range(2)
+                                                if (v := indices_of(s, k)) is not None})
+                                        for s in range(300, 560)})).encode()
+    assert json.loads(body) == expected
+    assert body.startswith(b'{\n  "version": 1,\n  "run": "card-dp",\n  "recommendation": "rec:divergence:*:400:0",\n')
+    assert clicked(txt_button) == "".join(f"{i}\n" for i in expected["sample_indices"]).encode()
+    captions = [c.value for c in at.caption]
+    assert "`skip_indices.txt`: those sample indices, one a line, for a data loader's skip list." in captions
+    for mon in mons:
+        mon.close()
