@@ -671,7 +671,7 @@ class Sender(threading.Thread):
                 continue
             if numeric and k == "sample_indices":
                 try:
-                    out[k] = encode_indices(v)
+                    out[k] = encode_indices(v, pause=self._pause)
                 except ValueError as exc:
                     self._warn_once(k, "log_step(sample_indices=...): %s; not recorded", exc)
                 continue

@@ -11,7 +11,7 @@ import json
 import logging
 import math
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -65,6 +65,10 @@ LOSS_MOVED_KINDS = frozenset({"loss_spike", "divergence", "loss_collapse"})
 #: Steps whose end time is kept (an incident's onset time, :class:`StepTimes`): an onset is found at most a few
 #: hundred steps back (a divergence's rise, a throughput drop's change point).
 STEP_TIMES = 4096
+#: Steps whose sample indices an incident can carry inline (at most ``defaults.INCIDENT_SAMPLE_INDICES_BYTES`` each):
+#: a loss incident's onset is found within a few hundred steps (a divergence's 100); older onsets name the
+#: ``th:{run}:samples`` entry instead.
+SAMPLE_BODIES_KEPT = 1024
 #: Events that declare a pause in training (a checkpoint save or load, an evaluation or other badput): the
 #: first step after the step they name is a pause step (:attr:`StepAggregate.pause`).
 PAUSE_EVENTS = ("checkpoint_save", "checkpoint_load", "badput")
@@ -187,9 +191,11 @@ class RunPipeline:
         self.checkpoints: dict[int, Checkpoint] = {}
         # step -> (consumed_samples, batch_index) after it; the newest 100,000 steps.
         self.positions: OrderedDict[int, tuple[int | None, int | None]] = OrderedDict()
-        # step -> (generation, JSON of its ranks' sample indices, None when larger than an incident carries) for
-        # the newest STEP_TIMES steps that logged them: what an incident's onset step consumed.
+        # step -> (generation, JSON of its ranks' sample indices) for the newest STEP_TIMES steps that logged them:
+        # what an incident's onset step consumed. The JSON only for the newest SAMPLE_BODIES_KEPT of them and when
+        # small enough for an incident to carry (else None: the incident names the th:{run}:samples entry).
         self.sample_steps: OrderedDict[int, tuple[int, str | None]] = OrderedDict()
+        self._sample_bodies: deque[int] = deque()
         self.current_step = 0
         #: The first step seen (None before any): a condition from there on had no healthy state before it.
         self.first_step: int | None = None
@@ -664,10 +670,18 @@ class RunPipeline:
             if agg.sample_indices:
                 body = json.dumps({str(r): v for r, v in sorted(agg.sample_indices.items())}, separators=(",", ":"))
                 out.samples.append((agg.gen, agg.step, agg.n_ranks, body))
-                self.sample_steps[agg.step] = (agg.gen, body if len(body) <= INCIDENT_SAMPLE_INDICES_BYTES else None)
+                small = len(body) <= INCIDENT_SAMPLE_INDICES_BYTES
+                self.sample_steps[agg.step] = (agg.gen, body if small else None)
                 self.sample_steps.move_to_end(agg.step)
                 if len(self.sample_steps) > STEP_TIMES:
                     self.sample_steps.popitem(last=False)
+                if small:
+                    self._sample_bodies.append(agg.step)
+                    if len(self._sample_bodies) > SAMPLE_BODIES_KEPT:  # at most ~4 MiB a run
+                        old = self._sample_bodies.popleft()
+                        kept = self.sample_steps.get(old)
+                        if kept is not None and kept[1] is not None and old not in self._sample_bodies:
+                            self.sample_steps[old] = (kept[0], None)
             changed = []
             for det in self.step_detectors:
                 try:

@@ -26,7 +26,7 @@ from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.service import DetectorService
 from trainhealth.keys import run_keys
 from trainhealth.samples import dumps, skip_document
-from trainhealth.wire import count_indices, decode_step_rows, decode_steps, encode_indices, expand_indices
+from trainhealth.wire import StepRecord, count_indices, decode_step_rows, decode_steps, encode_indices, expand_indices
 
 T0 = 1_800_000_000.0
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,6 +92,32 @@ def test_indices_are_encoded_as_ranges_where_equally_spaced_and_expand_back_exac
     for values in (shuffled, [0, 1, 2, 10, 13, 16, 19, 4], list(range(0, 10_000, 4)), [2**53 - 1, 0]):
         enc = encode_indices(values)
         assert expand_indices(enc) == values and count_indices(enc) == len(values)
+
+
+def test_the_encoding_finds_the_same_runs_as_a_plain_left_to_right_scan() -> None:
+    def scan(vals: list[int]) -> list:
+        out: list = []
+        i = 0
+        while i < len(vals):
+            if i + 2 < len(vals) and (d := vals[i + 1] - vals[i]) > 0 and vals[i + 2] - vals[i + 1] == d:
+                j = i + 2
+                while j + 1 < len(vals) and vals[j + 1] - vals[j] == d:
+                    j += 1
+                out.append([vals[i], vals[j] + d] if d == 1 else [vals[i], vals[j] + d, d])
+                i = j + 1
+            else:
+                out.append(vals[i])
+                i += 1
+        return out
+
+    rng = np.random.default_rng(7)
+    for _ in range(5000):  # runs up, down, flat and lone indices, mixed
+        vals: list[int] = []
+        while len(vals) < rng.integers(0, 30):
+            start, stride, length = int(rng.integers(0, 50)), int(rng.integers(-2, 4)), int(rng.integers(1, 7))
+            vals += [start + stride * k for k in range(length) if start + stride * k >= 0]
+        assert encode_indices(vals) == scan(vals)
+        assert expand_indices(encode_indices(vals)) == vals
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -177,6 +203,23 @@ def test_the_service_keeps_every_ranks_indices_per_step_and_the_incident_names_i
     for mon in mons:
         mon._sender.stop(1)
     assert valid_run(r, "dp")["incident"] == 1
+
+
+def test_an_onset_names_its_indices_inline_while_recent_and_small_else_their_entry() -> None:
+    p = pipeline.RunPipeline(world_size=2, run="mem")
+    for s in range(pipeline.SAMPLE_BODIES_KEPT + 10):
+        for k in range(2):
+            p.feed_step(StepRecord(rank=k, step=s, inc=T0, t=T0 + s, loss=3.0, sample_indices=[s * 2 + k]))
+    newest = pipeline.SAMPLE_BODIES_KEPT + 9
+    # No consumed samples or batch index logged: only what the onset step consumed.
+    assert p.position_before(newest) == {"step": None, "consumed_samples": None, "batch_index": None,
+                                         "sample_indices": {"0": [newest * 2], "1": [newest * 2 + 1]},
+                                         "samples_entry": f"1-{newest}"}
+    # The first 10 steps' indices are no longer held (the newest 1,024 are): the entry still says where they are.
+    assert p.position_before(9) == {"step": None, "consumed_samples": None, "batch_index": None,
+                                    "sample_indices": None, "samples_entry": "1-9"}
+    assert p.position_before(10)["sample_indices"] == {"0": [20], "1": [21]}
+    assert p.position_before(newest + 1) is None  # nothing logged at or before it: no data position
 
 
 def test_the_samples_stream_is_bounded_in_bytes_and_large_onsets_are_referenced(
