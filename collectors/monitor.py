@@ -264,6 +264,9 @@ class Monitor:
         Everything is delivered in order after reconnecting.
     spill_bytes : int
         Bound of the spill on disk (bytes); beyond it the oldest records are dropped and counted.
+    sample_indices_max : int
+        Most sample indices :meth:`log_step` records for one step (1 to ``defaults.SAMPLE_INDICES_MAX`` = 16,384,
+        what the detector service takes); a step's indices beyond it are not recorded, with one warning.
     enabled : bool
         False: the arguments are checked, then nothing starts, nothing is sent and every method returns at once
         (``TRAINHEALTH_MODE=disabled`` with :func:`trainhealth.init`).
@@ -297,6 +300,7 @@ class Monitor:
         started_at: float | None = None,
         spill_dir: str | os.PathLike[str] | bool | None = None,
         spill_bytes: int = defaults.COLLECTOR_SPILL_BYTES,
+        sample_indices_max: int = defaults.SAMPLE_INDICES_MAX,
         enabled: bool = True,
     ) -> None:
         self.keys = run_keys(run)
@@ -314,12 +318,17 @@ class Monitor:
             raise ConfigError(f"client={show(client)} is not a redis-py client")
         for name, value, low in (("buffer_records", buffer_records, 1), ("batch_records", batch_records, 1),
                                  ("spill_bytes", spill_bytes, 1), ("retention", retention, 1),
+                                 ("sample_indices_max", sample_indices_max, 1),
                                  ("retention_bytes", retention_bytes, 1)):
             if value is None and name in ("retention", "retention_bytes"):
                 continue
             if type(value) is not int or not low <= value <= sys.maxsize:  # not bool; within a C size
                 raise ConfigError(f"{name}={show(value)} must be an integer >= {low}"
                                   + (" (bytes)" if name.endswith("_bytes") else ""))
+        if sample_indices_max > defaults.SAMPLE_INDICES_MAX:
+            raise ConfigError(f"sample_indices_max={sample_indices_max} must be at most {defaults.SAMPLE_INDICES_MAX} "
+                              "(the detector service refuses a step record with more)")
+        self._indices_max = sample_indices_max
         for name, value in (("flush_interval", flush_interval), ("heartbeat_interval", heartbeat_interval),
                             ("close_timeout", close_timeout)):
             # Finite and within what threading's waits take: inf or 1e300 would kill the sender thread.
@@ -520,9 +529,9 @@ class Monitor:
         in order: what OLMo's data loader knows, or a sampler's indices for the step's batches (a ``range``, a list,
         a numpy array; a tensor is read with ``tolist()``, so pass a CPU one). With them, an incident says which
         samples its onset step trained on, and a rollback's export lists the exact samples to skip. At most
-        ``defaults.SAMPLE_INDICES_MAX`` (16,384) per rank per step: beyond it the step's indices are not recorded,
-        with one warning. The training thread only checks the length and copies them (a ``range`` is kept as it
-        is); the sender thread encodes them, each run of equally spaced indices as one range.
+        ``sample_indices_max`` (default and most 16,384) per rank per step: beyond it the step's indices are not
+        recorded, with one warning. The training thread only checks the length and copies them (a ``range`` is kept
+        as it is); the sender thread encodes them, each run of equally spaced indices as one range.
 
         ``timestamp`` (unix s) overrides when the step ended, for replaying logs; default now.
         ``step_s`` is the step's duration in seconds as the job itself measured it (a framework's
@@ -584,10 +593,10 @@ class Monitor:
             self._warn_once("sample_indices", "log_step(sample_indices=%s): not a sequence of indices; not recorded",
                             show(values))
             return None
-        if n > defaults.SAMPLE_INDICES_MAX:
+        if n > self._indices_max:
             self._warn_once("sample_indices_max", "log_step(step=%s, sample_indices=...): %d indices, more than the "
-                            "%d a rank logs per step (defaults.SAMPLE_INDICES_MAX); not recorded for this step and "
-                            "further ones this large", show(step), n, defaults.SAMPLE_INDICES_MAX)
+                            "%d a rank logs per step (sample_indices_max); not recorded for this step and further "
+                            "ones this large", show(step), n, self._indices_max)
             return None
         if type(values) is range:
             return values

@@ -24,6 +24,7 @@ from trainhealth import Monitor, defaults
 from trainhealth.detectors import pipeline
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.service import DetectorService
+from trainhealth.exceptions import ConfigError
 from trainhealth.keys import run_keys
 from trainhealth.samples import dumps, skip_document
 from trainhealth.wire import StepRecord, count_indices, decode_step_rows, decode_steps, encode_indices, expand_indices
@@ -174,8 +175,29 @@ def test_monitor_sends_each_steps_indices_compactly_and_refuses_too_many_with_on
     warnings = [m.getMessage() for m in caplog.records if "sample_indices" in m.getMessage()]
     assert warnings == [
         "trainhealth collector: log_step(step=3, sample_indices=...): 16385 indices, more than the 16384 a rank logs "
-        "per step (defaults.SAMPLE_INDICES_MAX); not recorded for this step and further ones this large",
+        "per step (sample_indices_max); not recorded for this step and further ones this large",
         "trainhealth collector: log_step(sample_indices=...): sample index 1 is 'x', not an integer; not recorded"]
+
+
+def test_the_cap_is_set_and_checked_when_the_monitor_is_made(r: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    for bad, why in ((0, "sample_indices_max=0 must be an integer >= 1"),
+                     (True, "sample_indices_max=True must be an integer >= 1"),
+                     (16_385, "sample_indices_max=16385 must be at most 16384 (the detector service refuses a step "
+                              "record with more)")):
+        with pytest.raises(ConfigError) as exc:
+            Monitor("cap", client=r, rank=0, world_size=1, sample_indices_max=bad)
+        assert str(exc.value) == why
+    caplog.set_level(logging.WARNING)
+    mon = Monitor("cap", client=r, rank=0, world_size=1, flush_interval=0.01, sample_indices_max=4)
+    mon.log_step(0, sample_indices=[1, 2, 3, 4])
+    mon.log_step(1, sample_indices=[1, 2, 3, 4, 5])
+    assert mon.flush(10)
+    mon.close()
+    assert [(x.step, x.sample_indices) for _, f in r.xrange("th:{cap}:steps") for x in decode_steps(f)] == [
+        (0, [[1, 5]]), (1, None)]
+    assert [m.getMessage() for m in caplog.records] == [
+        "trainhealth collector: log_step(step=1, sample_indices=...): 5 indices, more than the 4 a rank logs per step "
+        "(sample_indices_max); not recorded for this step and further ones this large"]
 
 
 # -- the service, the incident ---------------------------------------------------------------------------------
