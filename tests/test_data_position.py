@@ -301,7 +301,7 @@ def test_two_ranks_through_serve_to_the_exact_skip_for_megatron_and_a_loader(
         d = json.loads(raw) if raw else None
         return d if d is not None and d["current_step"] == 550 and r.xlen("th:{e2e-dp}:samples") == 560 else None
 
-    rec = wait_for(advised, 60, "the divergence's rollback at step 550")
+    rec = wait_for(advised, 120, "the divergence's rollback at step 550")
     assert (rec["action"], rec["checkpoint_step"], rec["skip_steps"]) == ("rollback", 299, [300, 600])
     megatron = advise(redis_url, "e2e-dp", "--id", DIV, "--format", "megatron")
     assert megatron.stdout == ("--ckpt-step 299 --train-range-to-skip 300 600 --iterations-to-skip "
