@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import redis
 
-from trainhealth import defaults, goodput
+from trainhealth import defaults, goodput, samples
 from trainhealth.anomaly import ALL_KINDS
 from trainhealth.exceptions import ConfigError
 from trainhealth.job import Culprit, JobState
@@ -1385,6 +1385,26 @@ def recommendations(client: redis.Redis, run: str, problems: list[str] | None = 
     if skipped:
         _report(problems, unreadable(key, "recommendation", "recommendations", skipped))
     return sorted(recs, key=lambda d: d.get("updated_at") or 0.0, reverse=True)
+
+
+def skip_export(client: redis.Redis, run: str, rec: Mapping[str, Any]) -> str | None:
+    """The text of recommendation ``rec``'s ``skip.json`` (:func:`trainhealth.samples.dumps` of its
+    :class:`~trainhealth.samples.SkipDocument`: one ``XRANGE`` of ``th:{run}:samples`` over the skipped steps), None
+    without a skip range."""
+    doc = samples.read_skip(client, run, rec)
+    return None if doc is None else samples.dumps(doc)
+
+
+def skip_indices_export(client: redis.Redis, run: str, rec: Mapping[str, Any]) -> str | None:
+    """The sample indices recommendation ``rec`` skips, one a line (:func:`trainhealth.samples.skip_list`), None when
+    none were logged."""
+    doc = samples.read_skip(client, run, rec)
+    return None if doc is None else samples.skip_list(doc)
+
+
+def skip_indices_logged(client: redis.Redis, run: str, rec: Mapping[str, Any]) -> bool:
+    """Whether any step recommendation ``rec`` skips has sample indices stored (one ``XRANGE … COUNT 1``)."""
+    return samples.any_logged(client, run, rec)
 
 
 def open_recommendations(recs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

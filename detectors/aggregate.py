@@ -9,7 +9,7 @@ aggregate from the first attempt, as the goodput ledger needs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from trainhealth import defaults
@@ -69,6 +69,9 @@ class StepAggregate:
         no rank timed one.
     loss_scale : float | None
         The lowest fp16 loss scale any rank reported after the step; None when none did.
+    sample_indices : dict[int, list] | None
+        Rank -> the sample indices it consumed in the step (``StepRecord.sample_indices``, a compact list), for the
+        ranks that logged them; None when none did.
     """
 
     step: int
@@ -93,6 +96,7 @@ class StepAggregate:
     pause: str | None = None
     comm: tuple[float | None, ...] = ()
     loss_scale: float | None = None
+    sample_indices: dict[int, list] | None = field(default=None, hash=False)
 
     @property
     def dur(self) -> float | None:
@@ -114,9 +118,21 @@ def _merge(a: StepRecord, b: StepRecord) -> StepRecord:
     # Same rank, same step, two records (timing, then metrics): keep what each has.
     kw = {f: getattr(b, f) if getattr(b, f) is not None else getattr(a, f)
           for f in ("dur", "loss", "grad_norm", "lr", "tokens", "samples", "consumed_samples", "batch_index",
-                    "skipped", "step_s", "loss_missing")}
+                    "skipped", "step_s", "loss_missing", "sample_indices")}
     return StepRecord(rank=a.rank, step=a.step, inc=a.inc, t=max(a.t, b.t),
                       sections={**a.sections, **b.sections}, gpu={**a.gpu, **b.gpu}, **kw)
+
+
+def _indices(order: list[int], sources: tuple) -> dict[int, list] | None:
+    """Rank -> ``sample_indices`` of the ranks whose record (a decoded dict or a StepRecord) has them, else None."""
+    out = None
+    for r, src in zip(order, sources, strict=True):
+        v = src.get("sample_indices") if type(src) is dict else src.sample_indices
+        if v is not None:
+            if out is None:
+                out = {}
+            out[r] = v
+    return out
 
 
 def _source(row: tuple) -> StepRecord:
@@ -321,4 +337,5 @@ class StepAggregator:
             skipped=any(skipped_c),
             step_s=max([x for x in step_s_c if x is not None], default=None),
             loss_missing=any(missing_c),
+            sample_indices=_indices(order, _src_c),
         )

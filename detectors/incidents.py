@@ -47,6 +47,7 @@ from typing import Any, TypedDict
 from trainhealth.anomaly import SEVERITIES, Anomaly, Kind, Severity, Status
 from trainhealth.recommendations import Recommendation
 from trainhealth.text import fmt_bytes, fmt_int, fmt_pct, fmt_ranks
+from trainhealth.wire import Indices
 
 #: Kinds that describe the model's training signal: anomalies of these kinds whose onsets are close are one
 #: incident (rule 1).
@@ -83,21 +84,31 @@ _BECAME = {"grad_norm_spike": "a grad-norm spike", "skipped_steps": "skipped ste
 
 
 class DataPosition(TypedDict):
-    """Where the data stream was when an incident's onset step began.
+    """Where the data stream was when an incident's onset step began, and what that step consumed.
 
     Attributes
     ----------
-    step : int
-        The last step before the onset whose data position the ranks logged.
+    step : int | None
+        The last step before the onset whose data position the ranks logged (null when none did).
     consumed_samples : int | None
         Global samples consumed after that step (``log_step(consumed_samples=)``).
     batch_index : int | None
         The data loader's batch index after that step (``log_step(batch_index=)``).
+    sample_indices : dict[str, list] | None
+        Rank -> the sample indices it consumed in the onset step (``log_step(sample_indices=)``), each a compact
+        list (an index, or ``[start, stop]`` / ``[start, stop, step]`` for a run of them); null when the onset step
+        logged none, or when they take more than ``defaults.INCIDENT_SAMPLE_INDICES_BYTES`` of JSON (then read the
+        entry ``samples_entry`` names).
+    samples_entry : str | None
+        The id of the ``th:{run}:samples`` entry holding every rank's indices of the onset step (``<gen + 1>-<step>``;
+        ``XRANGE th:{run}:samples ID ID``), null when the onset step logged none.
     """
 
-    step: int
+    step: int | None
     consumed_samples: int | None
     batch_index: int | None
+    sample_indices: dict[str, Indices] | None
+    samples_entry: str | None
 
 
 @dataclass(frozen=True)
@@ -137,8 +148,10 @@ class Incident:
     data_position : dict | None
         Where the data stream was when the onset step began: ``step`` (the last step before the onset whose
         position the ranks logged), ``consumed_samples`` and ``batch_index`` after it (``log_step``'s
-        ``consumed_samples``/``batch_index``); None when the job logs no data position. What a rollback's skip
-        range starts from, and what to look at in the data.
+        ``consumed_samples``/``batch_index``), and what the onset step consumed: each rank's ``sample_indices``
+        (``log_step(sample_indices=)``), or the ``samples_entry`` of ``th:{run}:samples`` holding them when large;
+        None when the job logs no data position and no sample indices. What a rollback's skip range starts from,
+        and what to look at in the data.
     """
 
     id: str

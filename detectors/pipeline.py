@@ -7,16 +7,18 @@ is what lets the service rebuild its state by replaying the streams after a rest
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.defaults import INCIDENT_SAMPLE_INDICES_BYTES
 from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
 from trainhealth.detectors.base import StepDetector
@@ -65,6 +67,10 @@ LOSS_MOVED_KINDS = frozenset({"loss_spike", "divergence", "loss_collapse"})
 #: Steps whose end time is kept (an incident's onset time, :class:`StepTimes`): an onset is found at most a few
 #: hundred steps back (a divergence's rise, a throughput drop's change point).
 STEP_TIMES = 4096
+#: Steps whose sample indices an incident can carry inline (at most ``defaults.INCIDENT_SAMPLE_INDICES_BYTES`` each):
+#: a loss incident's onset is found within a few hundred steps (a divergence's 100); older onsets name the
+#: ``th:{run}:samples`` entry instead.
+SAMPLE_BODIES_KEPT = 1024
 #: Events that declare a pause in training (a checkpoint save or load, an evaluation or other badput): the
 #: first step after the step they name is a pause step (:attr:`StepAggregate.pause`).
 PAUSE_EVENTS = ("checkpoint_save", "checkpoint_load", "badput")
@@ -85,9 +91,13 @@ class Output:
     #: Incidents that changed, by id (:mod:`trainhealth.detectors.incidents`); None for one removed (a throughput
     #: drop that moved into the incident of the slow rank that caused it).
     incidents: dict[str, Incident | None] = field(default_factory=dict)
+    #: The completed steps whose ranks logged sample indices, as ``th:{run}:samples`` stores them: ``(gen, step,
+    #: ranks that reported the step, JSON of rank -> compact indices)``.
+    samples: list[tuple[int, int, int, str]] = field(default_factory=list)
 
     def extend(self, other: Output) -> None:
         self.aggs += other.aggs
+        self.samples += other.samples
         self.anomalies += other.anomalies
         self.recommendations.update(other.recommendations)
         self.incidents.update(other.incidents)
@@ -189,6 +199,11 @@ class RunPipeline:
         self.checkpoints: dict[int, Checkpoint] = {}
         # step -> (consumed_samples, batch_index) after it; the newest 100,000 steps.
         self.positions: OrderedDict[int, tuple[int | None, int | None]] = OrderedDict()
+        # step -> (generation, JSON of its ranks' sample indices) for the newest STEP_TIMES steps that logged them:
+        # what an incident's onset step consumed. The JSON only for the newest SAMPLE_BODIES_KEPT of them and when
+        # small enough for an incident to carry (else None: the incident names the th:{run}:samples entry).
+        self.sample_steps: OrderedDict[int, tuple[int, str | None]] = OrderedDict()
+        self._sample_bodies: deque[int] = deque()
         self.current_step = 0
         #: The first step seen (None before any): a condition from there on had no healthy state before it.
         self.first_step: int | None = None
@@ -211,13 +226,20 @@ class RunPipeline:
         self.incidents = IncidentGrouper(self.step_times.get, self.position_before)
 
     def position_before(self, step: int) -> DataPosition | None:
-        """The data position when ``step`` began: the consumed samples and batch index after the last step before
-        it that logged one (``{"step", "consumed_samples", "batch_index"}``), None when none did."""
+        """The data position when ``step`` began — the consumed samples and batch index after the last step before
+        it that logged one — and the sample indices each rank consumed in ``step`` (inline when small, else the
+        ``th:{run}:samples`` entry holding them); None when neither was logged (:class:`DataPosition`)."""
+        where: tuple[int | None, int | None, int | None] = (None, None, None)
         for s in reversed(self.positions):
             if s < step:
-                cs, bi = self.positions[s]
-                return {"step": s, "consumed_samples": cs, "batch_index": bi}
-        return None
+                where = (s, *self.positions[s])
+                break
+        logged = self.sample_steps.get(step)
+        if where[0] is None and logged is None:
+            return None
+        return {"step": where[0], "consumed_samples": where[1], "batch_index": where[2],
+                "sample_indices": json.loads(logged[1]) if logged is not None and logged[1] is not None else None,
+                "samples_entry": f"{logged[0] + 1}-{step}" if logged is not None else None}
 
     @property
     def world_size(self) -> int:
@@ -654,6 +676,21 @@ class RunPipeline:
                 self.positions[agg.step] = (agg.consumed_samples, agg.batch_index)
                 if len(self.positions) > 100_000:
                     self.positions.popitem(last=False)
+            if agg.sample_indices:
+                body = json.dumps({str(r): v for r, v in sorted(agg.sample_indices.items())}, separators=(",", ":"))
+                out.samples.append((agg.gen, agg.step, agg.n_ranks, body))
+                small = len(body) <= INCIDENT_SAMPLE_INDICES_BYTES
+                self.sample_steps[agg.step] = (agg.gen, body if small else None)
+                self.sample_steps.move_to_end(agg.step)
+                if len(self.sample_steps) > STEP_TIMES:
+                    self.sample_steps.popitem(last=False)
+                if small:
+                    self._sample_bodies.append(agg.step)
+                    if len(self._sample_bodies) > SAMPLE_BODIES_KEPT:  # at most ~4 MiB a run
+                        old = self._sample_bodies.popleft()
+                        kept = self.sample_steps.get(old)
+                        if kept is not None and kept[1] is not None and old not in self._sample_bodies:
+                            self.sample_steps[old] = (kept[0], None)
             changed = []
             for det in self.step_detectors:
                 try:
@@ -786,8 +823,6 @@ def _loss_moved(a: Anomaly, moved: bool) -> Anomaly:
 
 def agg_fields(agg: StepAggregate) -> dict[str, Any]:
     """Stream fields of a ``th:{run}:agg`` entry (see docs/architecture.md)."""
-    import json
-
     d: dict[str, Any] = {
         "step": agg.step, "gen": agg.gen, "t_end": repr(agg.t_end), "n_ranks": agg.n_ranks,
         "data_s": repr(agg.data_s),

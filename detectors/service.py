@@ -137,6 +137,8 @@ class _Run:
     #: Folds the aggregates into ``agg:rollup`` buckets; the newest bucket stored (its entry id).
     rollup: StepRollup = field(default_factory=StepRollup)
     last_rollup: tuple[int, int] = (0, 0)
+    #: The newest ``th:{run}:samples`` entry stored (its id).
+    last_samples: tuple[int, int] = (0, 0)
     last_snapshot: float = 0.0
     last_memory: float = 0.0  # unix s of the newest th:{run}:mem entry written
     status: str = "running"
@@ -422,6 +424,9 @@ class DetectorService:
         last = self.client.xrevrange(keys.agg_rollup, count=1)
         if last:
             run.last_rollup = _sid(last[0][0])
+        last = self.client.xrevrange(keys.samples, count=1)
+        if last:
+            run.last_samples = _sid(last[0][0])
         delivered: dict[str, str] = {}
         for stream in keys.input_streams:
             try:
@@ -677,6 +682,16 @@ class DetectorService:
             pipe.xadd(keys.agg, agg_fields(agg), id=f"{aid[0]}-{aid[1]}",
                       maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)
             run.last_agg = aid
+        for gen, step, n_ranks, body in out.samples:
+            sid = (gen + 1, step)
+            if step < 0 or sid <= run.last_samples:  # a rebuild's replay: stored already
+                continue
+            # Bounded in bytes as the collectors bound the step stream: the entries like this one that fit.
+            maxlen = max(1, min(defaults.SAMPLE_INDICES_RETENTION_ENTRIES,
+                                defaults.SAMPLE_INDICES_RETENTION_BYTES // len(body)))
+            pipe.xadd(keys.samples, {"step": step, "gen": gen, "n_ranks": n_ranks, "ranks": body},
+                      id=f"{sid[0]}-{sid[1]}", maxlen=maxlen, approximate=maxlen > 1000)
+            run.last_samples = sid
         if out.job is not None:
             self._write_job(run, out.job, pipe)
         for rec in out.recommendations.values():

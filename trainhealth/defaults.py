@@ -45,6 +45,21 @@ ROLLUP_RETENTION_ENTRIES = 1_000_000
 #: Checkpoint saves and loads kept per run in ``th:{run}:checkpoints`` (detectors/checkpoints.py), the newest by
 #: step: the whole-run charts' markers. One every 1,000 steps of a 1,000,000-step run, ~100 B each.
 CHECKPOINTS_KEPT = 2_000
+#: Sample indices a rank may log for one step (``log_step(sample_indices=)``); beyond it that step's indices of that
+#: rank are not recorded (one warning). Covers a per-rank batch of 16,384 samples per optimizer step (OLMo 2's
+#: 1,024-instance global batch is 128 per rank on 8 GPUs); a random permutation's indices cost ~8 bytes each on the
+#: wire (128 KiB a record at the cap), a contiguous or strided block one ``[start, stop, step]`` range.
+SAMPLE_INDICES_MAX = 16_384
+#: Bytes of per-rank sample indices (their JSON text) kept per run in ``th:{run}:samples``, about: the service trims
+#: the stream to the entries like the one it adds that fit (as the collectors bound the step stream). 256 MiB holds
+#: ~6,000 steps of a 1,024-rank job logging 4 shuffled indices a rank (~43 KB a step), ~30,000 steps of 8 ranks logging
+#: 128 shuffled ones each.
+SAMPLE_INDICES_RETENTION_BYTES = 256 * 2**20
+#: And at most this many steps (entries), as the per-step aggregate stream.
+SAMPLE_INDICES_RETENTION_ENTRIES = 200_000
+#: An incident's data position carries the onset step's sample indices themselves up to this many bytes of JSON (a
+#: few ranks' batches); beyond it only the entry of ``th:{run}:samples`` that holds them.
+INCIDENT_SAMPLE_INDICES_BYTES = 4_096
 #: Environment variable overriding ``STEPS_RETENTION_RECORDS``.
 RETENTION_ENV = "TRAINHEALTH_RETENTION"
 #: Environment variable overriding ``STEPS_RETENTION_BYTES``.

@@ -106,6 +106,13 @@ class RunKeys:
         return f"{self._p}:checkpoints"
 
     @property
+    def samples(self) -> str:
+        """Stream: one entry per step whose ranks logged sample indices (``log_step(sample_indices=)``), each rank's
+        as a compact list, written by the service and bounded in bytes (``defaults.SAMPLE_INDICES_RETENTION_BYTES``).
+        """
+        return f"{self._p}:samples"
+
+    @property
     def anomalies(self) -> str:
         """Hash: anomaly id -> JSON of the anomaly's current state."""
         return f"{self._p}:anomalies"
