@@ -51,6 +51,7 @@ from trainhealth.wire import decode_step_rows
 _dumps = json.JSONEncoder(separators=(",", ":")).encode  # the sender's encoder (collectors/sender.py)
 _mp_encode = msgspec.msgpack.Encoder().encode
 _mp_decode = msgspec.msgpack.Decoder().decode
+DATA = ("data",)  # the data-loading sections, as the service's aggregator names them
 
 
 def monitor_records(url: str, n: int) -> list[dict[str, Any]]:
@@ -168,7 +169,7 @@ def main() -> int:
                     t_dec = timed(lambda dec=dec, bodies=bodies: [dec(x) for x in bodies]) / n * 1e6
                     rows = ""
                     if name == "json":
-                        t_rows = timed(lambda bodies=bodies: [decode_step_rows({b"recs": x}, ("d",)) for x in bodies])
+                        t_rows = timed(lambda bodies=bodies: [decode_step_rows({b"recs": x}, DATA) for x in bodies])
                         rows = f"{t_rows / n * 1e6:.2f}"
                     key = f"th:{{mem-{name}-{batch}}}:steps"
                     pipe = r.pipeline(transaction=False)
