@@ -198,7 +198,7 @@ class StepRollup:
         if dur is not None and math.isfinite(dur) and dur >= 0:
             cur["dur_s"] += dur
             cur["timed"] += 1
-        if agg.busy:
+        if len(agg.busy):  # a tuple, or already an array (Rollups)
             b = _busy_array(agg.busy) if busy is None else busy
             total, n = cur["busy_sum"], cur["busy_n"]
             if total is None:
@@ -269,7 +269,7 @@ class Rollups:
 
     def update(self, agg: Any) -> list[Bucket]:
         """The buckets of every level that ``agg`` completes (finest level first)."""
-        busy = _busy_array(agg.busy) if agg.busy else None
+        busy = _busy_array(agg.busy) if len(agg.busy) else None
         out: list[Bucket] = []
         for rollup in self.levels.values():
             out += rollup.update(agg, busy)

@@ -57,7 +57,7 @@ ROLLUP_STEPS = 100
 #: (``RunKeys.rollup(every)``; the 100-step level is ``th:{run}:agg:rollup``). Measured (BENCHMARKS.md, "Retention"):
 #: a 30-day run at one step per 2 s is 1,296,000 steps; its whole-run chart read 12,960 per-100 buckets (9.2 MB,
 #: 0.5-1.2 s) but 1,296 per-1,000 ones (0.9 MB, 0.11 s); the per-10 level gives a zoom into steps the per-step stream
-#: no longer holds ten times the resolution (2,000 steps: 200 buckets, not 20) for ~35 MB a 30-day run. The dashboard
+#: no longer holds ten times the resolution (2,000 steps: 200 buckets, not 20) for ~40 MB a 30-day run. The dashboard
 #: reads the finest level with at most ``ROLLUP_MAX_BUCKETS`` buckets in the range it draws.
 ROLLUP_LEVELS = (10, 100, 1_000)
 #: Rollup entries kept per run, about: 100,000,000 steps at ROLLUP_STEPS.
