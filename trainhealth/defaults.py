@@ -39,7 +39,7 @@ LEDGER_RETENTION_ENTRIES = 20_000
 #: per-step aggregate stream ``th:{run}:agg``, about: the service trims it at each XADD to the entries of the newest
 #: one's size that fit (detectors/retention.py). An entry carries every rank's busy seconds, ~10 B a rank, so the
 #: 200,000 entries above would be ~8 GB at 4,096 ranks. 256 MiB keeps ~6,500 steps at 4,096 ranks (3.6 h at 2 s a
-#: step), ~26,000 at 1,024, all 200,000 below ~120 ranks: more than the dashboard's per-step pages read
+#: step), ~26,000 at 1,024, all 200,000 below ~130 ranks: more than the dashboard's per-step pages read
 #: (DASHBOARD_STEPS) and its zoom at full resolution for hours back; the whole run is drawn from the rollups.
 AGG_RETENTION_BYTES = 256 * 2**20
 #: Bytes of ledger snapshots kept in ``th:{run}:ledger``, about: a snapshot is 1-3 kB (more with many badput causes),
