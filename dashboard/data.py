@@ -1866,31 +1866,11 @@ class StepSeries:
         return entries
 
     def _rollup_levels(self, client: redis.Redis) -> dict[int, tuple[int, int, int]]:
-        """Per rollup level that covers the run from its first bucket of the per-100-step level on: ``(gen, first
-        step, buckets)`` of its first bucket (a level the service began writing later in the run, as an upgrade
-        does, is left out: it lacks the run's start)."""
-        keys = run_keys(self.run)
-        pipe = client.pipeline(transaction=False)
-        for every in defaults.ROLLUP_LEVELS:
-            pipe.xlen(keys.rollup(every))
-            pipe.xrange(keys.rollup(every), "-", "+", count=1)
-        reply = pipe.execute()
-        out: dict[int, tuple[int, int, int]] = {}
-        for every, n, head in zip(defaults.ROLLUP_LEVELS, reply[::2], reply[1::2], strict=True):
-            d = _decode_map(head[0][1]) if head else {}
-            try:
-                out[every] = (int(d.get("gen", "0")), int(d["first"]), int(n))
-            except (KeyError, ValueError):
-                continue  # empty, or its first bucket unreadable: not used
-        base = out.get(defaults.ROLLUP_STEPS)
-        return {e: v for e, v in out.items() if base is None or v[:2] <= base[:2]}
+        return rollup_levels(client, self.run)
 
     @staticmethod
     def _level(levels: dict[int, tuple[int, int, int]], buckets: Callable[[int], int]) -> int:
-        """The finest of ``levels`` whose ``buckets(every)`` is at most :data:`ROLLUP_MAX_BUCKETS`, else the
-        coarsest."""
-        fitting = [e for e in sorted(levels) if buckets(e) <= ROLLUP_MAX_BUCKETS]
-        return fitting[0] if fitting else max(levels)
+        return rollup_level(levels, buckets)
 
     def _read_rollup(self, client: redis.Redis, every: int, spans: list[tuple[str, str]]) -> str | None:
         """The buckets of rollup level ``every`` in the id ranges ``spans`` as :attr:`frame` (see
@@ -1943,6 +1923,78 @@ class StepSeries:
         partly = self._partly + [b for b in self._tail_bad if b not in self._partly]
         if partly:
             _report(problems, unreadable(self.key, "entry", "entries", partly, partly=True))
+
+
+def rollup_levels(client: redis.Redis, run: str) -> dict[int, tuple[int, int, int]]:
+    """Per rollup level (steps a bucket) that covers the run from the first bucket of the per-100-step level on:
+    ``(gen, first step, buckets)`` of its first bucket (a level the service began writing later in the run, as an
+    upgrade does, is left out: it lacks the run's start). One pipeline of an ``XLEN`` and an ``XRANGE … COUNT 1`` a
+    level."""
+    keys = run_keys(run)
+    pipe = client.pipeline(transaction=False)
+    for every in defaults.ROLLUP_LEVELS:
+        pipe.xlen(keys.rollup(every))
+        pipe.xrange(keys.rollup(every), "-", "+", count=1)
+    reply = pipe.execute()
+    out: dict[int, tuple[int, int, int]] = {}
+    for every, n, head in zip(defaults.ROLLUP_LEVELS, reply[::2], reply[1::2], strict=True):
+        d = _decode_map(head[0][1]) if head else {}
+        try:
+            out[every] = (int(d.get("gen", "0")), int(d["first"]), int(n))
+        except (KeyError, ValueError):
+            continue  # empty, or its first bucket unreadable: not used
+    base = out.get(defaults.ROLLUP_STEPS)
+    return {e: v for e, v in out.items() if base is None or v[:2] <= base[:2]}
+
+
+def rollup_level(levels: dict[int, tuple[int, int, int]], buckets: Callable[[int], int]) -> int:
+    """The finest of ``levels`` (non-empty) whose ``buckets(every)`` is at most :data:`ROLLUP_MAX_BUCKETS`, else the
+    coarsest."""
+    fitting = [e for e in sorted(levels) if buckets(e) <= ROLLUP_MAX_BUCKETS]
+    return fitting[0] if fitting else max(levels)
+
+
+#: Columns of :func:`busy_history`.
+BUSY_HISTORY_COLUMNS = ["gen", "first", "last", "busy_p50", "busy_p99", "busy_max", "busy_max_rank"]
+
+
+def busy_history(client: redis.Redis, run: str, problems: list[str] | None = None) -> tuple[pd.DataFrame, int | None]:
+    """The ranks' busy-time distribution over the whole run, from the finest rollup level with at most
+    :data:`ROLLUP_MAX_BUCKETS` buckets: per bucket its ``gen``, ``first``/``last`` step, and over the ranks the
+    median, 99th percentile and largest of each rank's mean busy seconds a step (``busy_p50``, ``busy_p99``,
+    ``busy_max``, s) with the rank at the largest (``busy_max_rank``). Returns the frame (:data:`BUSY_HISTORY_COLUMNS`,
+    stream order; buckets without the fields left out: no section timed, or written before the service kept them)
+    and the level's steps a bucket (None when the run has no rollup). Unreadable entries are reported in
+    ``problems``."""
+    levels = rollup_levels(client, run)
+    if not levels:
+        return pd.DataFrame(columns=BUSY_HISTORY_COLUMNS), None
+    every = rollup_level(levels, lambda e: levels[e][2])
+    key = run_keys(run).rollup(every)
+    rows, bad, start = [], [], "-"
+    while True:
+        got = client.xrange(key, start, "+", count=ROLLUP_CHUNK)
+        for entry_id, fields in got:
+            d = {"gen": "0", **_decode_map(fields)}
+            if "busy_p50" not in d:
+                continue
+            msgs: list[str] = []
+            row = {c: _get_num(d, c, msgs, bound=MAX_INT, integral=c in ("gen", "first", "last", "busy_max_rank"))
+                   for c in BUSY_HISTORY_COLUMNS}
+            msgs += [f"no {c}" for c, v in row.items() if c not in d]
+            if msgs:
+                bad.append(f"entry {_s(entry_id)}: {'; '.join(msgs)}")
+                continue
+            rows.append(row)
+        if len(got) < ROLLUP_CHUNK:
+            break
+        start = "(" + _s(got[-1][0])
+    if bad:
+        _report(problems, unreadable(key, "entry", "entries", bad))
+    frame = pd.DataFrame(rows, columns=BUSY_HISTORY_COLUMNS)
+    for c in ("gen", "first", "last", "busy_max_rank"):
+        frame[c] = frame[c].astype("int64")
+    return frame, every
 
 
 def rollup_rows(entries: Iterable[tuple[Any, Any]], partly: list[str] | None = None) -> pd.DataFrame:

@@ -639,3 +639,33 @@ def test_a_run_whose_first_steps_were_trimmed_is_drawn_from_the_finest_fitting_r
     # Entirely within the per-step stream: step by step, no rollup read.
     zoom = data.StepSeries("trim", 5_100, 5_200).refresh(env)
     assert zoom.reads == [("1-5100", "1-5200", 101)] and zoom.rollup_every is None
+
+
+def test_the_ranks_busy_time_over_the_whole_run_is_read_from_the_rollup(env: redis.Redis) -> None:
+    from trainhealth.detectors.aggregate import StepAggregate
+    from trainhealth.detectors.rollup import Rollups
+
+    # 3,000 steps of 4 ranks; rank 2 is 50 % slower in steps 1,000-1,999 only; per-step entries only from 2,900 on.
+    register(env, "busy")
+    rollups, pipe = Rollups(), env.pipeline(transaction=False)
+    for s in range(3_000):
+        busy = (0.8, 0.8, 1.2 if 1_000 <= s < 2_000 else 0.8, 0.8)
+        agg = StepAggregate(step=s, gen=0, inc=0.0, t_start=T0 + s, t_end=T0 + s + 0.9, loss=2.0, grad_norm=1.0,
+                            lr=3e-4, tokens=TOKENS, samples=8, n_ranks=4, busy=busy, data_s=0.01)
+        for bucket in rollups.update(agg):
+            pipe.xadd(run_keys("busy").rollup(bucket.every), bucket.fields(), id=bucket.entry_id)
+        if s >= 2_900:
+            pipe.xadd(run_keys("busy").agg, agg_entry(s), id=f"1-{s}")
+    pipe.execute()
+    frame, every = data.busy_history(env, "busy")
+    assert every == 10 and len(frame) == 300  # the finest level with at most 2,000 buckets
+    slow = frame[(frame["first"] >= 1_000) & (frame["last"] < 2_000)]
+    assert len(slow) == 100 and set(slow["busy_max_rank"]) == {2} and set(slow["busy_max"]) == {1.2}
+    assert set(slow["busy_p50"]) == {0.8} and set(frame.drop(slow.index)["busy_max"]) == {0.8}
+    # The Ranks page draws it below the recent steps' heatmap.
+    at = app(run="busy")
+    at.switch_page("pages/ranks.py").run()
+    assert not at.exception
+    fig = next(f for f in figures(at) if f["layout"]["title"]["text"].startswith("Whole run"))
+    slowest = trace(fig, "slowest rank")
+    assert max(arr(slowest["y"])) == 1.2 and len(arr(slowest["x"])) == 300
