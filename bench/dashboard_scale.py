@@ -29,9 +29,11 @@ its own, ``bench/service_throughput.py``; the collectors need as much again). So
 - **The older steps** are written directly in the service's own format: each ``th:{run}:agg`` entry is
   :func:`trainhealth.detectors.pipeline.agg_fields` of a
   :class:`~trainhealth.detectors.aggregate.StepAggregate` at the entry id the service gives it (``1-<step>``),
-  with a ``busy`` list of every rank. To keep encoding 400 M floats out of the load, the ``busy`` JSON is
-  ``agg_fields``' own text of one of 64 per-rank vectors, cycled (the Ranks page reads only the real window's).
-  The ledger and the per-100-step rollup (``th:{run}:agg:rollup``, which the Overview draws a long run from) are
+  with a ``busy`` list of every rank, trimmed as the service trims the stream (its entry and byte bounds,
+  ``detectors/retention.py``: at 4,096 ranks the newest ~6,500 steps). To keep encoding 400 M floats out of the
+  load, the ``busy`` JSON is ``agg_fields``' own text of one of 64 per-rank vectors, cycled (the Ranks page reads
+  only the real window's). The ledger and the rollups (``th:{run}:agg:rollup*``, which the Overview draws a long
+  run from) are
   the service's own: after the service attached the run (and read these entries' newest id, as it does after a
   restart) each older step goes through the service's ``_write`` (which skips the stored ``agg`` entry and writes
   the rollup buckets the step completes) and its pipeline's :class:`~trainhealth.detectors.ledger.GoodputLedger`
@@ -113,12 +115,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other benchmarks
 import redis
 import service_throughput
 
-from trainhealth import defaults
+from trainhealth import config, defaults
 from trainhealth.collectors.sender import Sender
 from trainhealth.commands._shared import DASHBOARD_OPTIONS
 from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.pipeline import Output, agg_fields
+from trainhealth.detectors.retention import StreamBound
 from trainhealth.detectors.service import _LAZY_IMPORTS, DetectorService
 from trainhealth.embedded_redis import find_redis_server, free_port
 from trainhealth.keys import RUNS, run_keys
@@ -358,11 +361,14 @@ def write_history(client: redis.Redis, plan: Plan, variants: list[tuple[float, .
     pipe = client.pipeline(transaction=False)
     chunk = max(10, 4_000_000 // (10 * plan.world))  # ~4 MB per round trip
     bytes_busy = 0
+    # Trimmed as the service trims it: its entry and byte bounds (detectors/retention.py).
+    bound = StreamBound(defaults.AGG_RETENTION_ENTRIES, config.service_retention_bytes()["agg"])
     for s in range(plan.first_real):
         fields = agg_fields(history_aggregate(plan, s, ()))
         fields["busy"] = texts[s % BUSY_VARIANTS]
         bytes_busy += len(fields["busy"])
-        pipe.xadd(keys.agg, fields, id=f"1-{s}", maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)
+        maxlen, approximate = bound.maxlen(fields)
+        pipe.xadd(keys.agg, fields, id=f"1-{s}", maxlen=maxlen, approximate=approximate)
         if len(pipe) >= chunk:
             pipe.execute()
     pipe.execute()

@@ -647,3 +647,25 @@ def rank_memory_figure(matrix: pd.DataFrame, rank: int, label: str, tz: str) -> 
                       xaxis_title=f"time ({tz})", yaxis_title="GiB", yaxis_rangemode="tozero",
                       legend={"orientation": "h", "y": 1.14, "x": 1, "xanchor": "right"})
     return fig
+
+
+def busy_history(frame: pd.DataFrame, every: int) -> go.Figure:
+    """The ranks' busy time over the whole run (:func:`trainhealth.dashboard.data.busy_history`): per rollup bucket
+    of ``every`` steps, at its last step, the median, 99th percentile and largest of the ranks' mean busy seconds a
+    step, the largest naming its rank. A straggler shows as the largest (and, for a group, the 99th percentile)
+    leaving the median."""
+    fig = go.Figure()
+    x = frame["last"]
+    for col, name, color, dash in (("busy_p50", "median rank", "#1f77b4", "solid"),
+                                   ("busy_p99", "99th percentile", "#ff7f0e", "dot"),
+                                   ("busy_max", "slowest rank", "#d62728", "solid")):
+        extra = {}
+        if col == "busy_max":
+            extra = {"customdata": frame[["busy_max_rank", "first"]].to_numpy(),
+                     "hovertemplate": "steps %{customdata[1]}–%{x}: rank %{customdata[0]}, %{y:.3f} s<extra></extra>"}
+        fig.add_trace(go.Scatter(x=x, y=frame[col], mode="lines", name=name, line={"color": color, "dash": dash},
+                                 **extra))
+    fig.update_layout(title=f"Whole run: ranks' busy seconds a step, per {every:,}-step bucket",
+                      xaxis_title="step", yaxis_title="s a step (in sections)", height=300,
+                      margin={"l": 10, "r": 10, "t": 40, "b": 10}, legend={"orientation": "h"})
+    return fig

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -1624,9 +1624,13 @@ TAIL_FIELDS = ("step", "gen", "t_end", "n_ranks")
 #: Entries per script call: bounds what one call holds in Redis (1,000 entries of a 1,024-rank run are ~9 MB
 #: inside the script, a few ms) and in one reply.
 SERIES_CHUNK = 1_000
-#: The whole-run charts read the rollup (``agg:rollup``, per-100-step buckets) once it covers this many steps: ten
-#: times the points a curve is drawn with, so below it every step is read and drawn as such.
+#: The whole-run charts read a rollup level (``agg:rollup``, per 10, 100 or 1,000 steps) once the per-100-step one
+#: covers this many steps (ten times the points a curve is drawn with, so below it every step is read and drawn as
+#: such), or sooner when the per-step stream no longer holds the run's first steps (its byte bound trimmed them).
 ROLLUP_FROM_STEPS = 20_000
+#: A chart reads the finest rollup level with at most this many buckets in its range (two rows each: a curve's
+#: 2,000 points, ``charts.MAX_POINTS``, keep every bucket's extremes); the coarsest when none has so few.
+ROLLUP_MAX_BUCKETS = 2_000
 #: Rollup entries per ``XRANGE``.
 ROLLUP_CHUNK = 5_000
 #: A step range is read with one ``XRANGE`` per restart generation (entry ids are ``<gen + 1>-<step>``); a
@@ -1786,8 +1790,10 @@ class StepSeries:
 
     def _reset(self) -> None:
         self.frame = _empty_series()
-        #: The newest step drawn from the rollup (``agg:rollup``) rather than step by step; None when none is.
+        #: The newest step drawn from a rollup level rather than step by step; None when none is.
         self.rolled_steps: int | None = None
+        #: Steps a bucket of the rollup level drawn (10, 100 or 1,000); None when none is.
+        self.rollup_every: int | None = None
         self._rollup_bad: list[str] = []  # the rollup's unreadable entries, reported with the rest
         self.tail: dict[str, Any] | None = None
         self.last_id: str | None = None
@@ -1844,42 +1850,67 @@ class StepSeries:
             start = "(" + got[0][-1]
 
     def _read_range(self, client: redis.Redis, tail_id: str) -> Entries:
+        oldest_ids, _ = project(client, self.run, ("step",), count=1)
+        oldest = _entry_id(oldest_ids[0]) if oldest_ids else (0, 0)
+        levels = self._rollup_levels(client)
         if self.whole_run:
-            # A long run: its rollup up to its newest bucket, the per-step entries after it.
-            rolled = self._read_rollup(client)
+            # A long run (or one whose first steps were trimmed): a rollup level up to its newest bucket, the per-step
+            # entries after it.
+            first = min(((g, f) for g, f, _ in levels.values()), default=None)
+            rolled = None
+            if first is not None and (levels.get(defaults.ROLLUP_STEPS, (0, 0, 0))[2] * defaults.ROLLUP_STEPS
+                                      >= ROLLUP_FROM_STEPS or oldest > (first[0] + 1, first[1])):
+                every = self._level(levels, lambda e: levels[e][2])
+                rolled = self._read_rollup(client, every, [("-", "+")])
             return self._read(client, "-" if rolled is None else "(" + rolled, tail_id)
         newest_gen, newest_step = _entry_id(tail_id)
         if newest_gen > MAX_RANGE_GENERATIONS:
             return self._in_range(self._read(client, "-", tail_id))
         lo = max(self.step_from or 0, 0)
         hi = _MAX_SEQ if self.step_to is None else self.step_to
+        gens = range(1, newest_gen + 1) if lo <= hi else range(0)
+        # Steps of the range the per-step stream no longer holds (its bound trimmed them): from a rollup level.
+        spans = [(f"{g}-{lo}", f"{g}-{hi}" if (g, hi) < oldest else "(" + oldest_ids[0]) for g in gens
+                 if (g, lo) < oldest]
+        if spans and levels:
+            span = min(hi, newest_step) - lo + 1
+            every = self._level(levels, lambda e: span // e)
+            self._read_rollup(client, every, spans)
+            self.frame = self.frame[(self.frame["step"] >= lo) & (self.frame["step"] <= hi)].reset_index(drop=True)
         entries: Entries = ([], [[] for _ in SERIES_FIELDS])
-        for g in range(1, newest_gen + 1) if lo <= hi else ():
+        for g in gens:
+            if (g, hi) < oldest:
+                continue  # none of its steps in the range is held step by step
             end = tail_id if g == newest_gen and newest_step < hi else f"{g}-{hi}"
             _extend(entries, self._in_range(self._read(client, f"{g}-{lo}", end)))
         return entries
 
-    def _read_rollup(self, client: redis.Redis) -> str | None:
-        """With a rollup of :data:`ROLLUP_FROM_STEPS` steps' worth of buckets: its buckets as :attr:`frame` (see
-        :func:`rollup_rows`), and the newest bucket's entry id; else None (the run is read step by step)."""
-        key = run_keys(self.run).agg_rollup
-        # Its buckets hold up to ROLLUP_STEPS steps each, over every generation: one XLEN says whether it is worth it.
-        if client.xlen(key) * defaults.ROLLUP_STEPS < ROLLUP_FROM_STEPS:
-            return None
+    def _rollup_levels(self, client: redis.Redis) -> dict[int, tuple[int, int, int]]:
+        return rollup_levels(client, self.run)
+
+    @staticmethod
+    def _level(levels: dict[int, tuple[int, int, int]], buckets: Callable[[int], int]) -> int:
+        return rollup_level(levels, buckets)
+
+    def _read_rollup(self, client: redis.Redis, every: int, spans: list[tuple[str, str]]) -> str | None:
+        """The buckets of rollup level ``every`` in the id ranges ``spans`` as :attr:`frame` (see
+        :func:`rollup_rows`); returns the newest bucket's entry id, None when there was none."""
+        key = run_keys(self.run).rollup(every)
         entries: list[tuple[Any, Any]] = []
-        start = "-"
-        while True:
-            got = client.xrange(key, start, "+", count=ROLLUP_CHUNK)
-            self.reads.append((f"rollup {start}", "+", len(got)))
-            entries += got
-            if len(got) < ROLLUP_CHUNK:
-                break
-            start = "(" + _s(got[-1][0])
+        for start, end in spans:
+            while True:
+                got = client.xrange(key, start, end, count=ROLLUP_CHUNK)
+                self.reads.append((f"rollup:{every} {start}", end, len(got)))
+                entries += got
+                if len(got) < ROLLUP_CHUNK:
+                    break
+                start = "(" + _s(got[-1][0])
         bad: list[str] = []
         self.frame = rollup_rows(entries, bad)
         if bad:
             self._rollup_bad = [unreadable(key, "entry", "entries", bad)]
         self.rolled_steps = int(self.frame["step"].max()) if not self.frame.empty else None
+        self.rollup_every = every if entries else None
         return _s(entries[-1][0]) if entries else None
 
     def _in_range(self, entries: Entries) -> Entries:
@@ -1912,6 +1943,78 @@ class StepSeries:
         partly = self._partly + [b for b in self._tail_bad if b not in self._partly]
         if partly:
             _report(problems, unreadable(self.key, "entry", "entries", partly, partly=True))
+
+
+def rollup_levels(client: redis.Redis, run: str) -> dict[int, tuple[int, int, int]]:
+    """Per rollup level (steps a bucket) that covers the run from the first bucket of the per-100-step level on:
+    ``(gen, first step, buckets)`` of its first bucket (a level the service began writing later in the run, as an
+    upgrade does, is left out: it lacks the run's start). One pipeline of an ``XLEN`` and an ``XRANGE … COUNT 1`` a
+    level."""
+    keys = run_keys(run)
+    pipe = client.pipeline(transaction=False)
+    for every in defaults.ROLLUP_LEVELS:
+        pipe.xlen(keys.rollup(every))
+        pipe.xrange(keys.rollup(every), "-", "+", count=1)
+    reply = pipe.execute()
+    out: dict[int, tuple[int, int, int]] = {}
+    for every, n, head in zip(defaults.ROLLUP_LEVELS, reply[::2], reply[1::2], strict=True):
+        d = _decode_map(head[0][1]) if head else {}
+        try:
+            out[every] = (int(d.get("gen", "0")), int(d["first"]), int(n))
+        except (KeyError, ValueError):
+            continue  # empty, or its first bucket unreadable: not used
+    base = out.get(defaults.ROLLUP_STEPS)
+    return {e: v for e, v in out.items() if base is None or v[:2] <= base[:2]}
+
+
+def rollup_level(levels: dict[int, tuple[int, int, int]], buckets: Callable[[int], int]) -> int:
+    """The finest of ``levels`` (non-empty) whose ``buckets(every)`` is at most :data:`ROLLUP_MAX_BUCKETS`, else the
+    coarsest."""
+    fitting = [e for e in sorted(levels) if buckets(e) <= ROLLUP_MAX_BUCKETS]
+    return fitting[0] if fitting else max(levels)
+
+
+#: Columns of :func:`busy_history`.
+BUSY_HISTORY_COLUMNS = ["gen", "first", "last", "busy_p50", "busy_p99", "busy_max", "busy_max_rank"]
+
+
+def busy_history(client: redis.Redis, run: str, problems: list[str] | None = None) -> tuple[pd.DataFrame, int | None]:
+    """The ranks' busy-time distribution over the whole run, from the finest rollup level with at most
+    :data:`ROLLUP_MAX_BUCKETS` buckets: per bucket its ``gen``, ``first``/``last`` step, and over the ranks the
+    median, 99th percentile and largest of each rank's mean busy seconds a step (``busy_p50``, ``busy_p99``,
+    ``busy_max``, s) with the rank at the largest (``busy_max_rank``). Returns the frame (:data:`BUSY_HISTORY_COLUMNS`,
+    stream order; buckets without the fields left out: no section timed, or written before the service kept them)
+    and the level's steps a bucket (None when the run has no rollup). Unreadable entries are reported in
+    ``problems``."""
+    levels = rollup_levels(client, run)
+    if not levels:
+        return pd.DataFrame(columns=BUSY_HISTORY_COLUMNS), None
+    every = rollup_level(levels, lambda e: levels[e][2])
+    key = run_keys(run).rollup(every)
+    rows, bad, start = [], [], "-"
+    while True:
+        got = client.xrange(key, start, "+", count=ROLLUP_CHUNK)
+        for entry_id, fields in got:
+            d = {"gen": "0", **_decode_map(fields)}
+            if "busy_p50" not in d:
+                continue
+            msgs: list[str] = []
+            row = {c: _get_num(d, c, msgs, bound=MAX_INT, integral=c in ("gen", "first", "last", "busy_max_rank"))
+                   for c in BUSY_HISTORY_COLUMNS}
+            msgs += [f"no {c}" for c, v in row.items() if c not in d]
+            if msgs:
+                bad.append(f"entry {_s(entry_id)}: {'; '.join(msgs)}")
+                continue
+            rows.append(row)
+        if len(got) < ROLLUP_CHUNK:
+            break
+        start = "(" + _s(got[-1][0])
+    if bad:
+        _report(problems, unreadable(key, "entry", "entries", bad))
+    frame = pd.DataFrame(rows, columns=BUSY_HISTORY_COLUMNS)
+    for c in ("gen", "first", "last", "busy_max_rank"):
+        frame[c] = frame[c].astype("int64")
+    return frame, every
 
 
 def rollup_rows(entries: Iterable[tuple[Any, Any]], partly: list[str] | None = None) -> pd.DataFrame:

@@ -1,12 +1,15 @@
-"""Per-100-step rollups of the step aggregates: what the dashboard's whole-run charts read on a long run.
+"""Rollups of the step aggregates per 10, 100 and 1,000 steps: what the dashboard's whole-run charts read on a long run.
 
 A month-long run has millions of steps; the per-step stream ``th:{run}:agg`` carries every rank's busy seconds and is
 bounded (``defaults.AGG_RETENTION_ENTRIES``), so it neither fits a whole-run chart's read nor holds the run's start.
 The detector service folds each generation's steps into buckets of :data:`~trainhealth.defaults.ROLLUP_STEPS` steps
 and writes one ``th:{run}:agg:rollup`` entry per bucket (docs/architecture.md): the extremes and mean of the loss
 and grad norm with the steps they were at (so a min/max-preserving reducer keeps every spike, as on the raw
-steps), the tokens and the time the steps took, the last learning rate, and how many values were NaN/inf. Pure
-logic, no I/O: :class:`StepRollup` takes aggregates and returns the buckets they complete.
+steps), the tokens and the time the steps took, the last learning rate, how many values were NaN/inf, and the
+ranks' busy-time distribution (each rank's mean busy seconds a step over the bucket: median, 99th percentile, max and
+the rank at the max: a whole-run straggler view that the per-step stream, bounded, cannot give). Pure logic, no
+I/O: :class:`StepRollup` takes aggregates and returns the buckets they complete; :class:`Rollups` runs one per level
+(``defaults.ROLLUP_LEVELS``: 10, 100 and 1,000 steps; each its own stream, ``RunKeys.rollup(every)``).
 
 A bucket ends at its last step (``first // every * every + every - 1``) or when a step of another bucket or
 generation arrives (a restart ends the generation's last bucket, short); it is emitted once, complete as far as the
@@ -20,7 +23,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from trainhealth.defaults import ROLLUP_STEPS
+import numpy as np
+
+from trainhealth.defaults import ROLLUP_LEVELS, ROLLUP_STEPS
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,13 @@ class Bucket:
         Tokens of the steps (None when no step reported any).
     dur_s : float | None
         Seconds the steps took (their ``t_end - t_start``, or ``step_s``), over ``timed`` steps (None when none).
+    busy_p50, busy_p99, busy_max : float | None
+        Seconds: over the ranks, the median, 99th percentile (linear interpolation) and largest of each rank's mean
+        busy seconds a step in the bucket (the steps it reported; None when no rank timed a section).
+    busy_max_rank : int | None
+        The rank with ``busy_max`` (the lowest such rank).
+    every : int
+        Steps per bucket of the level it belongs to (not a field of the entry: its stream says it).
     """
 
     gen: int
@@ -71,6 +83,11 @@ class Bucket:
     tokens: int | None = None
     dur_s: float | None = None
     timed: int = 0
+    busy_p50: float | None = None
+    busy_p99: float | None = None
+    busy_max: float | None = None
+    busy_max_rank: int | None = None
+    every: int = ROLLUP_STEPS
 
     @property
     def entry_id(self) -> str:
@@ -81,7 +98,7 @@ class Bucket:
         """The stream entry's fields: numbers as their ``repr`` (floats) or ints; a None is left out."""
         out: dict[str, Any] = {}
         for name, value in self.__dict__.items():
-            if value is None:
+            if value is None or name == "every":
                 continue
             out[name] = repr(value) if isinstance(value, float) else value
         return out
@@ -153,9 +170,12 @@ class StepRollup:
         self.every = every
         self._open: dict[str, Any] | None = None
 
-    def update(self, agg: Any) -> list[Bucket]:
+    def update(self, agg: Any, busy: np.ndarray | None = None) -> list[Bucket]:
         """Add one :class:`~trainhealth.detectors.aggregate.StepAggregate`; returns the buckets it completes (the
-        open one when ``agg`` starts another bucket or generation, or when it is the bucket's last step)."""
+        open one when ``agg`` starts another bucket or generation, or when it is the bucket's last step).
+
+        ``busy`` is ``agg.busy`` as float64 with NaN for a missing rank, when the caller has it already
+        (:class:`Rollups` converts it once for every level)."""
         out: list[Bucket] = []
         cur = self._open
         if cur is not None and (agg.gen != cur["gen"] or agg.step <= cur["last"]
@@ -166,7 +186,7 @@ class StepRollup:
             cur = self._open = {"gen": agg.gen, "first": agg.step, "last": agg.step, "n": 0,
                                 "t_start": agg.t_start if agg.t_start is not None else agg.t_end,
                                 "t_end": agg.t_end, "loss": _Stat(), "grad_norm": _Stat(), "lr": None,
-                                "tokens": None, "dur_s": 0.0, "timed": 0}
+                                "tokens": None, "dur_s": 0.0, "timed": 0, "busy_sum": None, "busy_n": None}
         cur["last"], cur["t_end"], cur["n"] = agg.step, agg.t_end, cur["n"] + 1
         cur["loss"].add(agg.loss, agg.step)
         cur["grad_norm"].add(agg.grad_norm, agg.step)
@@ -178,6 +198,18 @@ class StepRollup:
         if dur is not None and math.isfinite(dur) and dur >= 0:
             cur["dur_s"] += dur
             cur["timed"] += 1
+        if len(agg.busy):  # a tuple, or already an array (Rollups)
+            b = _busy_array(agg.busy) if busy is None else busy
+            total, n = cur["busy_sum"], cur["busy_n"]
+            if total is None:
+                total, n = np.zeros(len(b)), np.zeros(len(b))
+            elif len(total) < len(b):  # the world grew
+                pad = np.zeros(len(b) - len(total))
+                total, n = np.concatenate([total, pad]), np.concatenate([n, pad])
+            seen = np.isfinite(b)
+            total[:len(b)] += np.where(seen, b, 0.0)
+            n[:len(b)] += seen
+            cur["busy_sum"], cur["busy_n"] = total, n
         if (agg.step + 1) % self.every == 0:
             out.append(self._close())
         return out
@@ -189,7 +221,60 @@ class StepRollup:
     def _close(self) -> Bucket:
         cur, self._open = self._open, None
         assert cur is not None
+        busy: dict[str, Any] = {}
+        if cur["busy_n"] is not None and cur["busy_n"].any():
+            seen = cur["busy_n"] > 0
+            ranks = np.flatnonzero(seen)
+            mean = cur["busy_sum"][seen] / cur["busy_n"][seen]
+            top = int(np.argmax(mean))
+            p50, p99 = np.percentile(mean, (50, 99))
+            busy = {"busy_p50": round(float(p50), 6), "busy_p99": round(float(p99), 6),
+                    "busy_max": round(float(mean[top]), 6), "busy_max_rank": int(ranks[top])}
         return Bucket(gen=cur["gen"], first=cur["first"], last=cur["last"], n=cur["n"], t_start=cur["t_start"],
                       t_end=cur["t_end"], **cur["loss"].out("loss"), **cur["grad_norm"].out("grad_norm"),
                       lr=cur["lr"], tokens=cur["tokens"], dur_s=cur["dur_s"] if cur["timed"] else None,
-                      timed=cur["timed"])
+                      timed=cur["timed"], every=self.every, **busy)
+
+
+def _busy_array(busy: Any) -> np.ndarray:
+    """A step's per-rank busy seconds (None for a missing rank) as float64, NaN where missing."""
+    return np.array(busy, dtype=np.float64)
+
+
+class Rollups:
+    """One :class:`StepRollup` per level (``every`` steps a bucket), fed the same aggregates.
+
+    Parameters
+    ----------
+    levels : tuple of int
+        Steps per bucket of each level (default :data:`~trainhealth.defaults.ROLLUP_LEVELS`: 10, 100, 1,000).
+
+    Examples
+    --------
+    >>> from trainhealth.detectors.aggregate import StepAggregate
+    >>> r = Rollups((10, 100))
+    >>> done = [b for s in range(100) for b in r.update(StepAggregate(
+    ...     step=s, gen=0, inc=0.0, t_start=float(s), t_end=s + 0.5, loss=2.0, grad_norm=1.0, lr=3e-4, tokens=8,
+    ...     samples=1, consumed_samples=None, batch_index=None, skipped=False, step_s=None, n_ranks=4,
+    ...     busy=(0.4, 0.4, None if s == 50 else 0.9, 0.4), data_s=0.0, bad_ranks=()))]
+    >>> [(b.every, b.first, b.last) for b in done][-3:]
+    [(10, 80, 89), (10, 90, 99), (100, 0, 99)]
+    >>> b = done[-1]
+    >>> (b.busy_p50, b.busy_max, b.busy_max_rank)
+    (0.4, 0.9, 2)
+    """
+
+    def __init__(self, levels: tuple[int, ...] = ROLLUP_LEVELS) -> None:
+        self.levels = {every: StepRollup(every) for every in levels}
+
+    def update(self, agg: Any) -> list[Bucket]:
+        """The buckets of every level that ``agg`` completes (finest level first)."""
+        busy = _busy_array(agg.busy) if len(agg.busy) else None
+        out: list[Bucket] = []
+        for rollup in self.levels.values():
+            out += rollup.update(agg, busy)
+        return out
+
+    def flush(self) -> list[Bucket]:
+        """The open bucket of every level, short (the run ended)."""
+        return [b for rollup in self.levels.values() for b in rollup.flush()]

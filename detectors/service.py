@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from trainhealth import defaults
+from trainhealth import config, defaults
 from trainhealth.anomaly import Anomaly
 from trainhealth.connection import REDIS_DOWN, read_groups
 from trainhealth.detectors.advisor import RollbackAdvisor
@@ -37,7 +37,8 @@ from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.incidents import LABELS, Incident
 from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
-from trainhealth.detectors.rollup import StepRollup
+from trainhealth.detectors.retention import StreamBound
+from trainhealth.detectors.rollup import Rollups
 from trainhealth.job import JobState
 from trainhealth.keys import RUNS, SERVICES, RunKeys, run_keys, run_of, service_heartbeat
 from trainhealth.loop import LEASE_LUA, MEMBERS_LUA, RELEASE_LUA, RENEW_LUA, Backoff, stop_on_signals
@@ -134,11 +135,14 @@ class _Run:
     stored_recs: dict[str, dict[str, Any]] = field(default_factory=dict)
     stored_incidents: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_agg: tuple[int, int] = (0, 0)
-    #: Folds the aggregates into ``agg:rollup`` buckets; the newest bucket stored (its entry id).
-    rollup: StepRollup = field(default_factory=StepRollup)
-    last_rollup: tuple[int, int] = (0, 0)
     #: The newest ``th:{run}:samples`` entry stored (its id).
     last_samples: tuple[int, int] = (0, 0)
+    #: Folds the aggregates into the buckets of each rollup level; per level (steps a bucket) the newest bucket
+    #: stored (its entry id).
+    rollup: Rollups = field(default_factory=Rollups)
+    last_rollup: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: The byte bounds of the streams the service writes (``agg``, ``ledger``, ``anomaly_log``; detectors/retention.py).
+    bounds: dict[str, StreamBound] = field(default_factory=dict)
     last_snapshot: float = 0.0
     last_memory: float = 0.0  # unix s of the newest th:{run}:mem entry written
     status: str = "running"
@@ -221,8 +225,12 @@ class DetectorService:
         hang_factory: Callable[[], HangDetector] | None = None,
         clock: Callable[[], float] = time.time,
         lease_s: int = defaults.RUN_LEASE_S,
+        retention_bytes: dict[str, int] | None = None,
     ) -> None:
         self.client = client
+        #: Bytes kept per run in the streams it writes (``agg``, ``ledger``, ``anomaly_log``); by default
+        #: :func:`trainhealth.config.service_retention_bytes` (the environment, else ``defaults``).
+        self.retention_bytes = {**config.service_retention_bytes(), **(retention_bytes or {})}
         # Unique per process: two services must never share a consumer (they would split a run's entries).
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.lease_s = lease_s
@@ -394,6 +402,9 @@ class DetectorService:
         pipeline = RunPipeline(world or 1, price, hang=self.hang_factory(), run=keys.run)
         run = _Run(keys, pipeline, status=meta.get("status", "running"),
                    replay=meta.get("source", "").startswith("replay:"))
+        run.bounds = {name: StreamBound(entries, self.retention_bytes[name]) for name, entries in (
+            ("agg", defaults.AGG_RETENTION_ENTRIES), ("ledger", defaults.LEDGER_RETENTION_ENTRIES),
+            ("anomaly_log", defaults.EVENTS_RETENTION_ENTRIES))}
         started = self._meta_num(keys.run, meta, "started_at", float, math.isfinite)
         if started is not None:
             pipeline.ledger.note_start(started)
@@ -421,12 +432,12 @@ class DetectorService:
         last = self.client.xrevrange(keys.agg, count=1)
         if last:
             run.last_agg = _sid(last[0][0])
-        last = self.client.xrevrange(keys.agg_rollup, count=1)
-        if last:
-            run.last_rollup = _sid(last[0][0])
         last = self.client.xrevrange(keys.samples, count=1)
         if last:
             run.last_samples = _sid(last[0][0])
+        for every in run.rollup.levels:
+            last = self.client.xrevrange(keys.rollup(every), count=1)
+            run.last_rollup[every] = _sid(last[0][0]) if last else (0, 0)
         delivered: dict[str, str] = {}
         for stream in keys.input_streams:
             try:
@@ -673,14 +684,15 @@ class DetectorService:
             # Every step feeds the rollup, those of a rebuild's replay too: its open bucket is filled again.
             for bucket in run.rollup.update(agg):
                 bid = (bucket.gen + 1, bucket.last)
-                if bid > run.last_rollup:
-                    pipe.xadd(keys.agg_rollup, bucket.fields(), id=bucket.entry_id,
+                if bid > run.last_rollup.get(bucket.every, (0, 0)):
+                    pipe.xadd(keys.rollup(bucket.every), bucket.fields(), id=bucket.entry_id,
                               maxlen=defaults.ROLLUP_RETENTION_ENTRIES, approximate=True)
-                    run.last_rollup = bid
+                    run.last_rollup[bucket.every] = bid
             if aid <= run.last_agg:
                 continue
-            pipe.xadd(keys.agg, agg_fields(agg), id=f"{aid[0]}-{aid[1]}",
-                      maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)
+            fields = agg_fields(agg)
+            maxlen, approx = run.bounds["agg"].maxlen(fields)
+            pipe.xadd(keys.agg, fields, id=f"{aid[0]}-{aid[1]}", maxlen=maxlen, approximate=approx)
             run.last_agg = aid
         for gen, step, n_ranks, body in out.samples:
             sid = (gen + 1, step)
@@ -818,9 +830,10 @@ class DetectorService:
         else:
             transitions = ["updated"]
         for transition in transitions:
-            pipe.xadd(run.keys.anomaly_log, {"id": a.id, "transition": transition, "kind": a.kind,
-                                             "severity": a.severity, "step": a.step, "json": body},
-                      maxlen=defaults.EVENTS_RETENTION_ENTRIES, approximate=True)
+            fields = {"id": a.id, "transition": transition, "kind": a.kind, "severity": a.severity, "step": a.step,
+                      "json": body}
+            maxlen, approx = run.bounds["anomaly_log"].maxlen(fields)
+            pipe.xadd(run.keys.anomaly_log, fields, maxlen=maxlen, approximate=approx)
         log.info("run %s: %s %s %s", run.keys.run, transitions[-1], a.severity, a.message)
 
     # -- timed work ---------------------------------------------------------------------------------
@@ -958,7 +971,8 @@ class DetectorService:
         snap = ledger.snapshot(at)
         body = json.dumps(snap)
         pipe.set(run.keys.ledger_latest, body)
-        pipe.xadd(run.keys.ledger, {"t": repr(snap["t"]), "json": body},
-                  maxlen=defaults.LEDGER_RETENTION_ENTRIES, approximate=True)
+        fields = {"t": repr(snap["t"]), "json": body}
+        maxlen, approx = run.bounds["ledger"].maxlen(fields)
+        pipe.xadd(run.keys.ledger, fields, maxlen=maxlen, approximate=approx)
         run.last_snapshot = now
         run.dirty = False

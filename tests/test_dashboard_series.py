@@ -538,7 +538,7 @@ def test_a_long_runs_whole_run_is_read_from_the_rollup_and_keeps_the_spike_and_t
     assert seed_rollup(long_run) == 1_000  # steps 1-99, 100-199, …, 99,900-99,999; step 100,000 opens the next
     series, cold = measured(long_run, lambda: data.StepSeries(RUN).refresh(long_run))
     # The rollup in one read, then the steps after its newest bucket.
-    assert series.reads == [("rollup -", "+", 1_000), ("(1-99999", "1-100000", 1)]
+    assert series.reads == [("rollup:100 -", "+", 1_000), ("(1-99999", "1-100000", 1)]
     assert series.rolled_steps == 99_999
     frame = series.frame
     # Two rows a bucket (its extremes, in the order they happened), a third at a NaN step; the raw step after.
@@ -589,3 +589,83 @@ def test_the_overview_draws_a_long_run_from_its_rollup_and_zooms_into_the_steps(
     loss = trace(figures(at)[0], "loss")
     assert arr(loss["x"]) == list(range(19_990, 20_011)) and arr(loss["y"]) == [loss_at(s) for s in range(19_990,
                                                                                                           20_011)]
+
+
+def seed_trimmed(r: redis.Redis, run: str, steps: int, kept_from: int) -> None:
+    """``steps`` steps (0 to steps - 1) whose rollups of every level the service's own :class:`Rollups` wrote, and
+    whose per-step entries are only those from ``kept_from`` on (the rest trimmed by the stream's byte bound)."""
+    from trainhealth.detectors.aggregate import StepAggregate
+    from trainhealth.detectors.rollup import Rollups
+
+    register(r, run)
+    rollups, pipe = Rollups(), r.pipeline(transaction=False)
+    for s in range(steps):
+        agg = StepAggregate(step=s, gen=0, inc=0.0, t_start=T0 + s, t_end=T0 + s + 0.9, loss=loss_at(s),
+                            grad_norm=1.0 + s % 5 / 10, lr=3e-4, tokens=TOKENS, samples=8, consumed_samples=None,
+                            batch_index=None, skipped=False, step_s=None, n_ranks=4, busy=(0.8,) * 4, data_s=0.01,
+                            bad_ranks=())
+        for bucket in rollups.update(agg):
+            pipe.xadd(run_keys(run).rollup(bucket.every), bucket.fields(), id=bucket.entry_id)
+        if s >= kept_from:
+            pipe.xadd(run_keys(run).agg, agg_entry(s), id=f"1-{s}")
+    pipe.execute()
+
+
+def test_a_run_whose_first_steps_were_trimmed_is_drawn_from_the_finest_fitting_rollup_level(
+        env: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 6,050 steps, the per-step stream holding 5,000-6,049: too few steps for the rollup by length (20,000), but the
+    # run's start is only in the rollups. Levels: 605 buckets of 10 steps, 60 of 100, 6 of 1,000.
+    seed_trimmed(env, "trim", 6_050, 5_000)
+    monkeypatch.setattr(data, "ROLLUP_MAX_BUCKETS", 100)
+    series = data.StepSeries("trim").refresh(env)
+    assert series.reads == [("rollup:100 -", "+", 60), ("(1-5999", "1-6049", 50)]
+    assert (series.rollup_every, series.rolled_steps) == (100, 5_999)
+    steps = series.frame["step"].tolist()
+    assert steps[:4] == [0, 99, 100, 199] and steps[-51:] == list(range(5_999, 6_050))
+    assert data.progress(series.frame)["tokens_seen"].iloc[-1] == 6_050 * TOKENS
+    monkeypatch.setattr(data, "ROLLUP_MAX_BUCKETS", 5)
+    assert data.StepSeries("trim").refresh(env).rollup_every == 1_000  # none has 5 or fewer: the coarsest
+
+    # A range reaching back before the per-step stream's oldest entry: that part from the finest level with at most
+    # ROLLUP_MAX_BUCKETS buckets over the range (1,501 steps: 150 of 10, 15 of 100), the rest step by step.
+    for max_buckets, every, rows in ((2_000, 10, 200), (100, 100, 20)):
+        monkeypatch.setattr(data, "ROLLUP_MAX_BUCKETS", max_buckets)
+        zoom = data.StepSeries("trim", 4_000, 5_500).refresh(env)
+        assert zoom.reads == [(f"rollup:{every} 1-4000", "(1-5000", rows // 2), ("1-4000", "1-5500", 501)]
+        steps = zoom.frame["step"].tolist()
+        assert steps[:2] == [4_000, 4_000 + every - 1] and steps[rows - 1] == 4_999
+        assert steps[rows:] == list(range(5_000, 5_501)) and zoom.rollup_every == every
+        assert data.progress(zoom.frame)["tokens_seen"].iloc[-1] == 1_501 * TOKENS
+    # Entirely within the per-step stream: step by step, no rollup read.
+    zoom = data.StepSeries("trim", 5_100, 5_200).refresh(env)
+    assert zoom.reads == [("1-5100", "1-5200", 101)] and zoom.rollup_every is None
+
+
+def test_the_ranks_busy_time_over_the_whole_run_is_read_from_the_rollup(env: redis.Redis) -> None:
+    from trainhealth.detectors.aggregate import StepAggregate
+    from trainhealth.detectors.rollup import Rollups
+
+    # 3,000 steps of 4 ranks; rank 2 is 50 % slower in steps 1,000-1,999 only; per-step entries only from 2,900 on.
+    register(env, "busy")
+    rollups, pipe = Rollups(), env.pipeline(transaction=False)
+    for s in range(3_000):
+        busy = (0.8, 0.8, 1.2 if 1_000 <= s < 2_000 else 0.8, 0.8)
+        agg = StepAggregate(step=s, gen=0, inc=0.0, t_start=T0 + s, t_end=T0 + s + 0.9, loss=2.0, grad_norm=1.0,
+                            lr=3e-4, tokens=TOKENS, samples=8, n_ranks=4, busy=busy, data_s=0.01)
+        for bucket in rollups.update(agg):
+            pipe.xadd(run_keys("busy").rollup(bucket.every), bucket.fields(), id=bucket.entry_id)
+        if s >= 2_900:
+            pipe.xadd(run_keys("busy").agg, agg_entry(s), id=f"1-{s}")
+    pipe.execute()
+    frame, every = data.busy_history(env, "busy")
+    assert every == 10 and len(frame) == 300  # the finest level with at most 2,000 buckets
+    slow = frame[(frame["first"] >= 1_000) & (frame["last"] < 2_000)]
+    assert len(slow) == 100 and set(slow["busy_max_rank"]) == {2} and set(slow["busy_max"]) == {1.2}
+    assert set(slow["busy_p50"]) == {0.8} and set(frame.drop(slow.index)["busy_max"]) == {0.8}
+    # The Ranks page draws it below the recent steps' heatmap.
+    at = app(run="busy")
+    at.switch_page("pages/ranks.py").run()
+    assert not at.exception
+    fig = next(f for f in figures(at) if f["layout"]["title"]["text"].startswith("Whole run"))
+    slowest = trace(fig, "slowest rank")
+    assert max(arr(slowest["y"])) == 1.2 and len(arr(slowest["x"])) == 300

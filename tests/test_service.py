@@ -546,7 +546,9 @@ def test_rollup_buckets_are_written_once_and_refilled_by_a_rebuild(r: redis.Redi
         "loss_max_step": "70", "loss_nonfinite": "0",
         "grad_norm_min": "1.0", "grad_norm_max": "1.0", "grad_norm_mean": "1.0", "grad_norm_min_step": "0",
         "grad_norm_max_step": "0", "grad_norm_nonfinite": "0",
-        "lr": "0.0001", "tokens": "200000", "timed": "0"}  # steps without a start or step_s: not timed
+        "lr": "0.0001", "tokens": "200000", "timed": "0",  # steps without a start or step_s: not timed
+        # each rank's busy seconds a step (data 0.01 + forward_backward 0.1): both alike, the lower rank named
+        "busy_p50": "0.11", "busy_p99": "0.11", "busy_max": "0.11", "busy_max_rank": "0"}
     # the mean of the 100 step losses (rank means), the spike included
     losses = [9.0 if s == 70 else 3.0 + 0.001 * (((s * 7) % 5) + ((s * 7 + 1) % 5)) / 2 for s in range(100)]
     assert float(first["loss_mean"]) == pytest.approx(sum(losses) / 100, abs=1e-12)
@@ -624,3 +626,61 @@ def test_checkpoints_are_merged_over_ranks_and_kept_through_a_rebuild(r: redis.R
     assert checkpoint_marks(r, "ck") == marks
     for mon in mons:
         mon._sender.stop(1)
+
+
+def test_agg_and_ledger_streams_are_bounded_in_bytes(r: redis.Redis) -> None:
+    from trainhealth.detectors.retention import entry_bytes
+
+    # 300 steps of 2 ranks: ~180-byte agg entries, 53 kB in all, against a bound of 20,000 bytes; the ledger's
+    # snapshots (~1.5 kB) against 6,000 bytes. Both bounds are under 1,000 entries: trimmed exactly, at each XADD,
+    # to the entries of the newest one's size (or the mean so far, when larger) that fit.
+    write_run(r, "bytes", range(0, 300))
+    svc = DetectorService(r, consumer="a", clock=lambda: T0 + 400, hang_factory=lambda: HangDetector(floor_s=1e9),
+                          retention_bytes={"agg": 20_000, "ledger": 6_000})
+    assert svc.retention_bytes == {"agg": 20_000, "ledger": 6_000, "anomaly_log": 64 * 2**20}
+    drain(svc)
+    for i in range(30):
+        svc._tick(T0 + 400 + 2 * i)
+    agg = r.xrange("th:{bytes}:agg")
+    sizes = [entry_bytes(f) for _, f in agg]
+    # The entries differ by a few bytes (the mean loss's digits): as many are kept as fit at a size between theirs.
+    assert (min(sizes), max(sizes)) == (101, 114) and sum(sizes) <= 20_000
+    assert 20_000 // 114 <= len(agg) <= 20_000 // 101 and agg[-1][0] == b"1-299" and len(agg) < 300
+    ledger = r.xrange("th:{bytes}:ledger")
+    sizes = [entry_bytes(f) for _, f in ledger]
+    assert min(sizes) > 1_000 and sum(sizes) <= 6_000 and 6_000 // max(sizes) <= len(ledger) <= 6_000 // min(sizes)
+
+
+def test_service_retention_bytes_env(monkeypatch) -> None:
+    from trainhealth import config
+    from trainhealth.exceptions import ConfigError
+
+    assert config.service_retention_bytes() == {"agg": 256 * 2**20, "ledger": 64 * 2**20, "anomaly_log": 64 * 2**20}
+    monkeypatch.setenv("TRAINHEALTH_AGG_RETENTION_BYTES", str(2**30))
+    monkeypatch.setenv("TRAINHEALTH_ANOMALY_LOG_RETENTION_BYTES", str(2**21))
+    assert config.service_retention_bytes() == {"agg": 2**30, "ledger": 64 * 2**20, "anomaly_log": 2**21}
+    monkeypatch.setenv("TRAINHEALTH_LEDGER_RETENTION_BYTES", "64MB")
+    with pytest.raises(ConfigError, match="TRAINHEALTH_LEDGER_RETENTION_BYTES='64MB' must be an integer >= 1048576"):
+        config.service_retention_bytes()
+
+
+def test_rollup_levels_of_10_100_and_1000_steps_through_the_service(r: redis.Redis) -> None:
+    # 1,050 steps of 2 ranks, rank 1 twice as busy in its forward/backward, a loss spike at step 470.
+    write_run(r, "lv", range(0, 1_050), spike_at=470, slow_rank=1)
+    svc = DetectorService(r, consumer="a", clock=lambda: T0 + 1_100, hang_factory=lambda: HangDetector(floor_s=1e9))
+    drain(svc)
+    levels = {every: [{k.decode(): v.decode() for k, v in f.items()} | {"id": i.decode()} for i, f in r.xrange(key)]
+              for every, key in ((10, "th:{lv}:agg:rollup:10"), (100, "th:{lv}:agg:rollup"),
+                                 (1000, "th:{lv}:agg:rollup:1000"))}
+    # Each level's buckets closed by their last step; 1,040-1,049 ends a 10-step bucket, not a 100- or 1,000-step one.
+    assert [(b["first"], b["last"]) for b in levels[10]] == [(str(s), str(s + 9)) for s in range(0, 1_050, 10)]
+    assert [b["id"] for b in levels[100]] == [f"1-{s + 99}" for s in range(0, 1_000, 100)]
+    assert [(b["id"], b["first"], b["last"], b["n"]) for b in levels[1000]] == [("1-999", "0", "999", "1000")]
+    (whole,) = levels[1000]
+    assert whole["tokens"] == str(1_000 * 2 * 1_000) == str(sum(int(b["tokens"]) for b in levels[100]))
+    assert (whole["loss_max"], whole["loss_max_step"]) == ("9.0", "470")
+    assert [(b["first"], b["loss_max"]) for b in levels[10] if b["loss_max"] == "9.0"] == [("470", "9.0")]
+    assert whole["loss_min"] == min((b["loss_min"] for b in levels[100]), key=float)
+    # The ranks' busy seconds a step: 0.11 and 0.21 (rank 1): median 0.16, 99th percentile 0.209, max rank 1's.
+    for b in (whole, levels[100][4], levels[10][0]):
+        assert (b["busy_p50"], b["busy_p99"], b["busy_max"], b["busy_max_rank"]) == ("0.16", "0.209", "0.21", "1")

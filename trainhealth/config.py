@@ -266,13 +266,27 @@ def retention_records() -> int:
 
 def retention_bytes() -> int:
     """Step-stream retention (bytes of records): ``$TRAINHEALTH_RETENTION_BYTES`` or the default."""
-    raw = os.environ.get(defaults.RETENTION_BYTES_ENV)
+    return _env_bytes(defaults.RETENTION_BYTES_ENV, defaults.STEPS_RETENTION_BYTES)
+
+
+def service_retention_bytes() -> dict[str, int]:
+    """Byte bounds of the streams the detector service writes, by stream (``agg``, ``ledger``, ``anomaly_log``):
+    ``$TRAINHEALTH_AGG_RETENTION_BYTES``, ``$TRAINHEALTH_LEDGER_RETENTION_BYTES``,
+    ``$TRAINHEALTH_ANOMALY_LOG_RETENTION_BYTES`` or the defaults. Raises :class:`ConfigError` naming the variable
+    and its value when one is not an integer of at least 1 MiB."""
+    return {"agg": _env_bytes(defaults.AGG_RETENTION_BYTES_ENV, defaults.AGG_RETENTION_BYTES),
+            "ledger": _env_bytes(defaults.LEDGER_RETENTION_BYTES_ENV, defaults.LEDGER_RETENTION_BYTES),
+            "anomaly_log": _env_bytes(defaults.ANOMALY_LOG_RETENTION_BYTES_ENV, defaults.ANOMALY_LOG_RETENTION_BYTES)}
+
+
+def _env_bytes(name: str, default: int) -> int:
+    raw = os.environ.get(name)
     if not raw:
-        return defaults.STEPS_RETENTION_BYTES
+        return default
     try:
         n = int(raw)
     except ValueError:
         n = 0
     if n < 2**20:
-        raise ConfigError(f"{defaults.RETENTION_BYTES_ENV}={raw!r} must be an integer >= 1048576 (bytes)")
+        raise ConfigError(f"{name}={raw!r} must be an integer >= 1048576 (bytes)")
     return n

@@ -31,15 +31,35 @@ STEPS_RETENTION_RECORDS = 1_000_000
 #: sections or metrics) cannot take the stream past it whatever their count. 512 MiB binds only above ~540 B a
 #: record; the measured timed record is 250-300 B of JSON.
 STEPS_RETENTION_BYTES = 512 * 2**20
-#: Approximate maximum entries kept in the events, per-step aggregate and ledger streams.
+#: Approximate maximum entries kept in the events (and anomaly_log), per-step aggregate and ledger streams.
 EVENTS_RETENTION_ENTRIES = 100_000
 AGG_RETENTION_ENTRIES = 200_000
 LEDGER_RETENTION_ENTRIES = 20_000
+#: And bytes of entries (field names and values: what Redis stores, plus ~1-5 % for entries this big) kept in the
+#: per-step aggregate stream ``th:{run}:agg``, about: the service trims it at each XADD to the entries of the newest
+#: one's size that fit (detectors/retention.py). An entry carries every rank's busy seconds, ~10 B a rank, so the
+#: 200,000 entries above would be ~8 GB at 4,096 ranks. 256 MiB keeps ~6,500 steps at 4,096 ranks (3.6 h at 2 s a
+#: step), ~26,000 at 1,024, all 200,000 below ~130 ranks: more than the dashboard's per-step pages read
+#: (DASHBOARD_STEPS) and its zoom at full resolution for hours back; the whole run is drawn from the rollups.
+AGG_RETENTION_BYTES = 256 * 2**20
+#: Bytes of ledger snapshots kept in ``th:{run}:ledger``, about: a snapshot is 1-3 kB (more with many badput causes),
+#: so 64 MiB binds only above ~3.3 kB a snapshot; the entry bound keeps ~11 h of 2-s snapshots.
+LEDGER_RETENTION_BYTES = 64 * 2**20
+#: Bytes of anomaly transitions kept in ``th:{run}:anomaly_log``, about: each entry carries its anomaly's JSON (~1 kB;
+#: tens of kB for a straggler of many ranks), so its 100,000-entry bound alone could reach gigabytes.
+ANOMALY_LOG_RETENTION_BYTES = 64 * 2**20
 #: Steps per entry of the per-step rollup ``th:{run}:agg:rollup`` (detectors/rollup.py), kept for the whole run: the
 #: whole-run charts of a run longer than the per-step stream holds read it. 100 steps a bucket: a 1,000,000-step run
 #: is 10,000 entries (~4 MB), which a chart reduces to its 2,000 points per curve (MinMaxLTTB on the buckets'
 #: extremes, so a one-step spike stays).
 ROLLUP_STEPS = 100
+#: Steps per bucket of each rollup level the service writes, each its own stream kept for the whole run
+#: (``RunKeys.rollup(every)``; the 100-step level is ``th:{run}:agg:rollup``). Measured (BENCHMARKS.md, "Retention"):
+#: a 30-day run at one step per 2 s is 1,296,000 steps; its whole-run chart read 12,960 per-100 buckets (9.2 MB,
+#: 0.5-1.2 s) but 1,296 per-1,000 ones (0.9 MB, 0.11 s); the per-10 level gives a zoom into steps the per-step stream
+#: no longer holds ten times the resolution (2,000 steps: 200 buckets, not 20) for ~40 MB a 30-day run. The dashboard
+#: reads the finest level with at most ``ROLLUP_MAX_BUCKETS`` buckets in the range it draws.
+ROLLUP_LEVELS = (10, 100, 1_000)
 #: Rollup entries kept per run, about: 100,000,000 steps at ROLLUP_STEPS.
 ROLLUP_RETENTION_ENTRIES = 1_000_000
 #: Checkpoint saves and loads kept per run in ``th:{run}:checkpoints`` (detectors/checkpoints.py), the newest by
@@ -64,6 +84,11 @@ INCIDENT_SAMPLE_INDICES_BYTES = 4_096
 RETENTION_ENV = "TRAINHEALTH_RETENTION"
 #: Environment variable overriding ``STEPS_RETENTION_BYTES``.
 RETENTION_BYTES_ENV = "TRAINHEALTH_RETENTION_BYTES"
+#: Environment variables overriding ``AGG_RETENTION_BYTES``, ``LEDGER_RETENTION_BYTES`` and
+#: ``ANOMALY_LOG_RETENTION_BYTES`` (read by ``trainhealth serve``, the detector service).
+AGG_RETENTION_BYTES_ENV = "TRAINHEALTH_AGG_RETENTION_BYTES"
+LEDGER_RETENTION_BYTES_ENV = "TRAINHEALTH_LEDGER_RETENTION_BYTES"
+ANOMALY_LOG_RETENTION_BYTES_ENV = "TRAINHEALTH_ANOMALY_LOG_RETENTION_BYTES"
 
 # --- Collectors -----------------------------------------------------------------
 #: Bounded in-memory buffer of records waiting to be sent (oldest dropped, counted, beyond it).

@@ -99,6 +99,15 @@ class RunKeys:
         written by the service and kept for the whole run (detectors/rollup.py)."""
         return f"{self._p}:agg:rollup"
 
+    def rollup(self, every: int) -> str:
+        """Stream: the rollup level of ``every`` steps a bucket (``defaults.ROLLUP_LEVELS``), kept for the whole run:
+        ``th:{run}:agg:rollup`` for 100 steps (:attr:`agg_rollup`), else ``th:{run}:agg:rollup:<every>``.
+
+        >>> run_keys("r").rollup(1000), run_keys("r").rollup(100)
+        ('th:{r}:agg:rollup:1000', 'th:{r}:agg:rollup')
+        """
+        return self.agg_rollup if every == 100 else f"{self.agg_rollup}:{int(every)}"
+
     @property
     def checkpoints(self) -> str:
         """Hash: ``<kind>:<step>`` -> JSON of one checkpoint save or load merged over the ranks that reported it

@@ -34,7 +34,7 @@ from trainhealth.dashboard.common import (
 )
 from trainhealth.dashboard.frame import page_run
 from trainhealth.dashboard.incidents import shown_status
-from trainhealth.defaults import DASHBOARD_REFRESH_S, ROLLUP_STEPS
+from trainhealth.defaults import DASHBOARD_REFRESH_S
 from trainhealth.job import JobState
 from trainhealth.text import fmt_duration, fmt_int, fmt_pct, fmt_rate, fmt_usd, plural
 
@@ -276,8 +276,8 @@ def curves_caption(series: data.StepSeries, reduced: bool) -> str | None:
     first, last = int(frame["step"].min()), int(frame["step"].max())
     text = f"Steps {fmt_int(first)}–{fmt_int(last)}: {plural(len(frame), 'entry', 'entries')}"
     if series.rolled_steps is not None:
-        text += (f" (up to step {fmt_int(series.rolled_steps)} the service's per-{ROLLUP_STEPS}-step rollup: each "
-                 "bucket's highest and lowest loss and grad norm and its mean tokens/s)")
+        text += (f" (up to step {fmt_int(series.rolled_steps)} the service's per-{fmt_int(series.rollup_every or 0)}"
+                 "-step rollup: each bucket's highest and lowest loss and grad norm and its mean tokens/s)")
     if reduced:
         return text + (f", each curve reduced to {charts.MAX_POINTS:,} points keeping its spikes and dips (MinMaxLTTB)."
                        " Drag across the chart or set a step range to read that range at full resolution.")

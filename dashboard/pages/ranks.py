@@ -276,6 +276,31 @@ def sampled_note(kept: data.RankWindow, n_ranks: int) -> str | None:
             f"{plural(n_ranks, 'rank')}, the window reads at most {WINDOW_VALUES:,} busy values).")
 
 
+@st.cache_data(ttl=60, show_spinner=False)
+def _busy_history(url: str, run: str) -> tuple[pd.DataFrame, int | None, list[str]]:
+    problems: list[str] = []
+    frame, every = data.busy_history(get_client(url), run, problems)
+    return frame, every, problems
+
+
+def whole_run(run: str) -> None:
+    """The ranks' busy time over the whole run, from the service's rollup (the heatmap holds only recent steps); shown
+    once the rollup holds two buckets with it."""
+    try:
+        frame, every, problems = _busy_history(st.session_state.get(URL_KEY, ""), run)
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+    show_problems(problems)
+    if every is None or len(frame) < 2:
+        return
+    st.markdown("##### Whole run")
+    st.caption("Each rank's mean busy seconds a step over each bucket of the service's rollup: the median rank, the "
+               "99th percentile and the slowest rank (hover: which). A straggler is the slowest line leaving the "
+               "median; the heatmap above shows only the newest steps. Refreshed every minute.")
+    st.plotly_chart(charts.busy_history(frame, every), config={"displaylogo": False}, key="busy_history")
+
+
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
 def live(run: str, window: int, relative: bool) -> None:
     """Heatmap, node and rank tables and the drill-down, re-run alone every ``DASHBOARD_REFRESH_S`` seconds."""
@@ -395,3 +420,4 @@ if run:
     mode = c2.segmented_control("Colour", MODES, default=MODES[0], key="ranks_mode") or MODES[0]
     live(run, int(window), mode == MODES[1])
     memory_section(run)
+    whole_run(run)
