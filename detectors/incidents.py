@@ -74,7 +74,7 @@ LABELS = {"loss_spike": "Loss spike", "grad_norm_spike": "Grad-norm spike", "div
           "loss_collapse": "Loss collapse", "plateau": "Loss plateau", "straggler": "Straggler",
           "slow_node": "Slow node", "rank_outlier": "Rank outlier", "hang": "Hang", "dead_rank": "Dead rank",
           "throughput_drop": "Throughput drop", "slow_step": "Slow step", "restart": "Restart",
-          "restart_storm": "Restart storm", "data_loss": "Data loss"}
+          "restart_storm": "Restart storm", "data_loss": "Data loss", "overfitting": "Over-fitting"}
 #: The kind a loss incident became, after "that became".
 _BECAME = {"grad_norm_spike": "a grad-norm spike", "skipped_steps": "skipped steps", "loss_spike": "a loss spike",
            "grad_norm_explosion": "a grad-norm explosion", "divergence": "a divergence",
@@ -485,6 +485,8 @@ def title(root: Anomaly, members: list[Anomaly], latest: Anomaly) -> str:
         return f"Loss plateau from step {step}"
     if root.kind == "data_loss":
         return f"History before step {step} lost from Redis"
+    if root.kind == "overfitting":
+        return f"Over-fitting from step {step}: the eval loss rises while the training loss falls"
     return f"{LABELS.get(root.kind, root.kind)} at step {step}"
 
 

@@ -59,8 +59,11 @@ def severities(path: Path) -> list[tuple[str, int, str]]:
                                   "llamafactory_luojiu7b_cpt.trainer_log.jsonl"])
 def test_healthy_real_logs_added_2026_12_01_flag_nothing(real_logs: Path, name: str) -> None:
     # BERT's first points 10.5182, 10.5175, ... are not one frozen value; the memorising run's two equal 4-decimal
-    # pairs are not a collapse; the 4-day CPT falls slowly while its LR decays
-    assert severities(real_logs / name) == []
+    # pairs are not a collapse; the 4-day CPT falls slowly while its LR decays. The memorising run's rising eval
+    # losses are over-fitting, its one finding (tests/test_overfitting.py): nothing on its training loss.
+    found = severities(real_logs / name)
+    expected = [("overfitting", 1203, "warning")] if name.startswith("hf_overfit") else []
+    assert found == expected
 
 
 def test_llmc_gpt2_grad_norm_blips_without_a_loss_reaction_are_info(real_logs: Path) -> None:
