@@ -170,11 +170,13 @@ class RunPipeline:
         self.worker_restart = WorkerRestartDetector()
         # Fed the training loss with every step and each evaluation's loss (``eval`` events).
         self.overfitting = OverfittingDetector()
+        # Prices what a plateau's stretch cost (the ledger's GPU-hour price).
+        self.plateau = PlateauDetector(gpu_hour_usd=gpu_hour_usd)
         #: ``eval`` events whose loss was not a number (left out).
         self.bad_evals = 0
         self.step_detectors: list[StepDetector] = [
             NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(), DivergenceDetector(),
-            GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), PlateauDetector(),
+            GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), self.plateau,
             self.overfitting,
             self.slow_node, self.straggler, self.rank_outlier, RestartStormDetector(), self.throughput,
             SlowStepDetector(), self.collective_timeout]  # a step completed after a collective timeout ends it
@@ -226,6 +228,11 @@ class RunPipeline:
         if n >= 1:
             self.aggregator.world_size = n
             self.ledger.world_size = n
+
+    def set_gpu_hour_usd(self, price: float | None) -> None:
+        """The price of one GPU-hour (USD, from the run's metadata) for the ledger's costs and a plateau's."""
+        self.ledger.gpu_hour_usd = price
+        self.plateau.gpu_hour_usd = price
 
     def feed_step(self, rec: StepRecord) -> Output:
         """Feed one rank's step record."""
