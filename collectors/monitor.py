@@ -705,6 +705,42 @@ class Monitor:
             fields["rank"] = rank
         self._event(kind, step=step, seconds=seconds, **fields)
 
+    def log_eval(self, step: int, loss: float, name: str = "eval", timestamp: float | None = None) -> None:
+        """Record an evaluation's loss on a held-out set after ``step`` (an ``eval`` event).
+
+        ``name`` names the eval set, as the job's logger does: ``eval`` (HF Trainer's ``eval_loss``, W&B's
+        ``eval/loss``), ``eval_<set>`` for each of several sets (HF's ``eval_<set>_loss``), ``val``. Call it from one
+        rank (the loss is the job's, as rank 0 logs it). The detector service compares each set's eval losses with
+        the training loss: an eval loss rising while the training loss falls is over-fitting (docs/anomalies.md).
+        The time the evaluation took is :meth:`timed_badput` / :meth:`badput`'s, not this.
+
+        ``loss`` is sent as a float (a tensor or numpy scalar is converted; NaN/Inf as given). A ``loss`` that is not
+        a number, a ``name`` that is not a non-empty string of at most 64 characters, or a ``step`` that is not an
+        integer is not sent, with one warning each. Never raises.
+        """
+        if self._off:
+            return
+        try:
+            try:
+                value = float(loss)
+            except Exception:
+                self._warn_once("log_eval:loss", "log_eval(loss=%s): not a number; not sent", show(loss))
+                return
+            if not isinstance(name, str) or not 0 < len(name) <= 64:
+                self._warn_once("log_eval:name", "log_eval(name=%s): not a string of 1-64 characters; not sent",
+                                show(name))
+                return
+            if isinstance(step, bool) or not isinstance(step, int):
+                try:
+                    step = step.__index__()
+                except Exception:
+                    self._warn_once("log_eval:step", "log_eval(step=%s): not an integer; not sent", show(step))
+                    return
+            t = None if timestamp is None else self._timestamp(timestamp, "log_eval")
+            self._event("eval", step=step, name=name, loss=value, t=t)
+        except Exception:
+            self._internal_error()
+
     def checkpoint_loaded(self, step: int, seconds: float | None = None) -> None:
         """Record that training resumed from the checkpoint of ``step`` (restore took ``seconds``)."""
         self._event("checkpoint_load", step=step, seconds=seconds)

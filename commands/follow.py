@@ -71,9 +71,10 @@ class Follower:
     A step is stamped when its line is read (the record's ``t``) and carries the log's own time per step as
     ``step_s`` when the log gives one, so the timing detectors judge the job's clock, not the arrival of lines
     (a job writing to a file through a block buffer delivers them in bursts: run it with ``PYTHONUNBUFFERED=1``
-    or ``python -u``). Evaluations become ``badput("evaluation")``, checkpoint saves ``checkpoint_saved``, NCCL
-    watchdog timeouts and worker-group restarts their events. The Monitor's heartbeat says the follower is
-    alive and which step the log last reached, so a job whose log stops is a hang for the detector service.
+    or ``python -u``). Evaluations become ``badput("evaluation")`` and ``log_eval`` of their losses, checkpoint
+    saves ``checkpoint_saved``, NCCL watchdog timeouts and worker-group restarts their events. The Monitor's
+    heartbeat says the follower is alive and which step the log last reached, so a job whose log stops is a hang for
+    the detector service.
 
     Parameters
     ----------
@@ -180,6 +181,8 @@ class Follower:
             return
         if item.is_eval:
             mon.badput("evaluation", item.eval_seconds or 0.0, step=item.step)
+            for name, loss in item.eval_losses:  # each eval set's loss, for the over-fitting detector
+                mon.log_eval(item.step, loss, name=name)
             return
         mon.log_step(item.step, loss=item.loss, grad_norm=item.grad_norm, lr=item.lr, tokens=item.tokens,
                      consumed_samples=item.consumed_samples, skipped=bool(item.skipped) if item.skipped is not None

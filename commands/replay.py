@@ -262,6 +262,8 @@ def replay(
             ts = clock() if live else start + off
             if p.is_eval:
                 mon.badput("evaluation", p.eval_seconds or 0.0, step=p.step, timestamp=ts)
+                for name, loss in p.eval_losses:
+                    mon.log_eval(p.step, loss, name=name, timestamp=ts)
                 evals += 1
             else:
                 if p.sections:

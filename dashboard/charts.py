@@ -332,6 +332,14 @@ def _local_times(t: pd.Series, tz: str | None) -> pd.Series:
     return pd.to_datetime(t, unit="s", utc=True).dt.tz_convert(tz or "UTC").dt.tz_localize(None)
 
 
+#: The progress curve of the goodput chart: its colour, and its axis' unit.
+PROGRESS_COLOR = "#9467bd"
+PROGRESS_AXIS = "loss decrease / GPU-hour"
+#: The history column it draws (dashboard/data.py ``PROGRESS_COLUMN``; the same name, not imported: charts read
+#: frames, not Redis).
+PROGRESS_COLUMN = "progress.loss_drop_per_gpu_hour"
+
+
 def goodput_over_time(history: pd.DataFrame, tz: str | None = None, rate_window: str | None = None) -> go.Figure:
     """Throughput and goodput (tokens/s, cumulative since the run started) over wall-clock time.
 
@@ -346,6 +354,11 @@ def goodput_over_time(history: pd.DataFrame, tz: str | None = None, rate_window:
     With ``rate_window`` (``"60s"``, ``"600s"``, ``"3600s"``) the ledger's rolling rates over
     that window are drawn too, as thin dotted lines in the same colours (what the job does
     *now*; the since-start lines move slowly in a long run), and the names say which is which.
+
+    The third curve, on its own axis at the right, is **progress per GPU-hour** (the history's
+    ``progress.loss_drop_per_gpu_hour``): the loss decrease per GPU-hour over the kept steps since the run
+    started (docs/goodput.md) — what the compute buys, beside what it processes and keeps. Drawn when any snapshot
+    has it (a run with too few finite losses, or a log without losses, has none).
     """
     fig = go.Figure()
     rate_col = f"rate.{rate_window}." if rate_window else None
@@ -363,6 +376,14 @@ def goodput_over_time(history: pd.DataFrame, tz: str | None = None, rate_window:
         # often the largest, slows both curves and never shows in this gap.
         fig.add_trace(go.Scatter(x=[None], y=[None], name=GAP_LEGEND, mode="lines", fill="toself",
                                  fillcolor=BADPUT_FILL, line={"width": 0}, hoverinfo="skip"))
+        progress = history.get(PROGRESS_COLUMN)
+        if progress is not None and progress.notna().any():
+            name = "progress per GPU-hour" + since
+            fig.add_trace(go.Scatter(x=x, y=progress, name=name, mode=mode, yaxis="y2",
+                                     line={"color": PROGRESS_COLOR, "width": 2, "dash": "dash"},
+                                     hovertemplate="%{y:.4g} loss / GPU-hour<extra>" + name + "</extra>"))
+            fig.update_layout(yaxis2={"title": {"text": PROGRESS_AXIS}, "overlaying": "y", "side": "right",
+                                      "showgrid": False, "zeroline": True, "rangemode": "tozero"})
         if rate_col and f"{rate_col}throughput_tok_s" in history:
             span = WINDOW_NAMES.get(str(rate_window), str(rate_window))
             for what, color in (("throughput", "#1f77b4"), ("goodput", "#2ca02c")):
@@ -384,6 +405,8 @@ def goodput_over_time(history: pd.DataFrame, tz: str | None = None, rate_window:
                              "x": 0, "font": {"size": 14}},
                       legend=legend, xaxis_title=None if rate_col else f"time ({tz or 'UTC'})",
                       yaxis_title="tokens/s", yaxis_rangemode="tozero")
+    if "yaxis2" in fig.layout and fig.layout.yaxis2.overlaying == "y":
+        fig.update_layout(margin_r=70)  # room for the progress axis' numbers and title
     return fig
 
 

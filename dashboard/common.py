@@ -252,6 +252,7 @@ KIND_WORDS = {
     "slow_step": "Slow step", "restart": "Restart", "restart_storm": "Restart storm",
     "loss_collapse": "Loss collapse", "plateau": "Plateau", "memory_growth": "Memory growth",
     "network_slow": "Network (node)", "memory_imbalance": "Memory imbalance",
+    "overfitting": "Over-fitting",
 }
 
 

@@ -68,6 +68,9 @@ NOT_BADPUT = goodput.NOT_BADPUT
 #: ``rate.<window>.throughput_tok_s`` and ``rate.<window>.goodput_tok_s``.
 RATE_WINDOWS = ("60s", "600s", "3600s")
 RATE_COLUMNS = [f"rate.{w}.{v}" for w in RATE_WINDOWS for v in ("throughput_tok_s", "goodput_tok_s")]
+#: The history column of the whole run's learning progress: the snapshot's ``progress.loss_drop_per_gpu_hour``, the
+#: loss decrease per GPU-hour over the kept steps since the run started (docs/goodput.md; NaN while unknown).
+PROGRESS_COLUMN = "progress.loss_drop_per_gpu_hour"
 #: Columns of :func:`badput_by_cause`.
 CAUSE_COLUMNS = ["category", "ledger_category", "seconds", "gpu_hours", "cost_usd"]
 #: Recommendation statuses that still ask for a decision (shown as a card).
@@ -1030,6 +1033,9 @@ def history_row(snap: Mapping[str, Any]) -> dict[str, Any]:
         seconds = {}
     row.update({f"seconds.{c}": _num(seconds.get(c)) for c in LEDGER_CATEGORIES})
     row.update({f"seconds.{c}": _num(v) for c, v in seconds.items() if c not in LEDGER_CATEGORIES})
+    progress = snap.get("progress")
+    row[PROGRESS_COLUMN] = (_num(progress.get("loss_drop_per_gpu_hour")) if isinstance(progress, Mapping)
+                            else math.nan)
     rates = snap.get("rates") or {}
     for w in RATE_WINDOWS:
         rate = rates.get(w) if isinstance(rates, Mapping) else None
@@ -1040,7 +1046,7 @@ def history_row(snap: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _history_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    base = [*LEDGER_COLUMNS, *(f"seconds.{c}" for c in LEDGER_CATEGORIES), *RATE_COLUMNS]
+    base = [*LEDGER_COLUMNS, *(f"seconds.{c}" for c in LEDGER_CATEGORIES), *RATE_COLUMNS, PROGRESS_COLUMN]
     extra = sorted({k for row in rows for k in row if k not in base})
     frame = pd.DataFrame(rows, columns=[*base, *extra], dtype="float64")
     return frame.fillna({c: 0.0 for c in extra})  # an added category was 0 s before it existed
@@ -1057,7 +1063,7 @@ def _thin(n: int, max_points: int | None) -> list[int]:
 
 #: What a ledger snapshot's history row is made of (:func:`history_row`): every path of the snapshot a history
 #: frame has. A page that draws less passes its own paths (``("t", "throughput_tok_s", "goodput_tok_s")``).
-HISTORY_PATHS = (*LEDGER_COLUMNS, "seconds", "rates")
+HISTORY_PATHS = (*LEDGER_COLUMNS, "seconds", "rates", PROGRESS_COLUMN)
 
 #: Samples a ledger stream (KEYS[1]) in Redis and sends only the parts of each sampled snapshot the charts draw.
 #: ARGV: ``whole`` or ``newest``, the most points, the newest entries (``newest`` only), then the snapshot paths to

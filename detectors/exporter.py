@@ -435,6 +435,11 @@ def families(scrape: Scrape) -> list[Metric]:
                              "over the ledger's rolling window or the whole run (window=all).", "window"),
         "goodput_rate": g("goodput_tokens_per_second", "Goodput: tokens of kept steps per wall-clock second, over "
                           "the ledger's rolling window or the whole run (window=all).", "window"),
+        "progress_gpu": g("loss_drop_per_gpu_hour", "Learning progress: the loss decrease (loss units; negative: it "
+                          "rose) per GPU-hour over the kept steps, over the ledger's rolling window or the whole run "
+                          "(window=all); only where the window holds enough finite losses.", "window"),
+        "progress_tok": g("loss_drop_per_billion_tokens", "Learning progress: the loss decrease per billion kept "
+                          "tokens, over the ledger's rolling window or the whole run (window=all).", "window"),
         "tokens": c("tokens_processed", "Tokens processed by every step attempt (redone steps included)."),
         "tokens_kept": g("tokens_kept", "Tokens of the steps kept in the final lineage (falls when a rollback "
                          "discards steps)."),
@@ -528,6 +533,11 @@ def _add_ledger(fam: Mapping[str, Any], run: str, snap: Mapping[str, Any]) -> No
         if isinstance(rate, dict):
             put("throughput_rate", rate.get("throughput_tok_s"), window)
             put("goodput_rate", rate.get("goodput_tok_s"), window)
+            put("progress_gpu", rate.get("loss_drop_per_gpu_hour"), window)
+            put("progress_tok", rate.get("loss_drop_per_btok"), window)
+    progress = snap.get("progress") if isinstance(snap.get("progress"), dict) else {}
+    put("progress_gpu", progress.get("loss_drop_per_gpu_hour"), WHOLE_RUN)
+    put("progress_tok", progress.get("loss_drop_per_btok"), WHOLE_RUN)
     put("steps", snap.get("steps_done"))
     put("steps_kept", snap.get("steps_good"))
     put("restarts", snap.get("restarts"))

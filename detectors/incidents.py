@@ -76,7 +76,7 @@ LABELS = {"loss_spike": "Loss spike", "grad_norm_spike": "Grad-norm spike", "div
           "slow_node": "Slow node", "rank_outlier": "Rank outlier", "hang": "Hang", "dead_rank": "Dead rank",
           "throughput_drop": "Throughput drop", "slow_step": "Slow step", "restart": "Restart",
           "restart_storm": "Restart storm", "data_loss": "Data loss",
-          "network_slow": "Network", "memory_imbalance": "Memory imbalance"}
+          "network_slow": "Network", "memory_imbalance": "Memory imbalance", "overfitting": "Over-fitting"}
 #: The kind a loss incident became, after "that became".
 _BECAME = {"grad_norm_spike": "a grad-norm spike", "skipped_steps": "skipped steps", "loss_spike": "a loss spike",
            "grad_norm_explosion": "a grad-norm explosion", "divergence": "a divergence",
@@ -517,6 +517,8 @@ def title(root: Anomaly, members: list[Anomaly], latest: Anomaly) -> str:
             return f"{_ranks(root)} peaks at {fmt_bytes(peak)} of memory, the other ranks at {fmt_bytes(mid)}"
     if root.kind == "data_loss":
         return f"History before step {step} lost from Redis"
+    if root.kind == "overfitting":
+        return f"Over-fitting from step {step}: the eval loss rises while the training loss falls"
     return f"{LABELS.get(root.kind, root.kind)} at step {step}"
 
 

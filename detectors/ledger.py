@@ -8,6 +8,7 @@ discarded attempt is badput). Category names follow Google's ``ml-goodput-measur
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 from collections import deque
@@ -16,7 +17,16 @@ from typing import Any
 from trainhealth import defaults
 from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.detectors.progress import ProgressTimeout
-from trainhealth.goodput import CATEGORIES, NOT_BADPUT, STEP_CATEGORIES, WINDOWS_S, LedgerSnapshot, RecordsDropped
+from trainhealth.detectors.progress_rate import loss_progress
+from trainhealth.goodput import (
+    CATEGORIES,
+    NOT_BADPUT,
+    STEP_CATEGORIES,
+    WINDOWS_S,
+    LedgerSnapshot,
+    Progress,
+    RecordsDropped,
+)
 from trainhealth.wire import DROP_CAUSES, Event
 
 # The categories and windows (CATEGORIES, STEP_CATEGORIES, NOT_BADPUT, WINDOWS_S, imported above and used here under
@@ -130,15 +140,21 @@ class GoodputLedger:
         self._durs: deque[float] = deque(maxlen=200)
         self._first: tuple[dict[str, float], float, list[float]] | None = None
         self._ckpts: list[int] = []
-        # Rolling windows: one entry per step attempt [t_end, tokens, good tokens, dur, step, alive].
+        # Rolling windows: one entry per step attempt [t_end, tokens, good tokens, dur, step, alive, loss (None when
+        # not finite), kept tokens of the run up to it].
         self._recent: deque[list[Any]] = deque()
         self._start: float | None = None
         self._last_end: float | None = None
         self._last_t = 0.0
         self._gen = 0
         self._sec = dict.fromkeys(CATEGORIES, 0.0)
-        # Surviving lineage, ascending by step: (step, good tokens, {category: seconds}).
-        self._lineage: deque[tuple[int, int, dict[str, float]]] = deque(maxlen=LINEAGE_STEPS)
+        # Surviving lineage, ascending by step: (step, good tokens, {category: seconds}, whether its loss is finite).
+        self._lineage: deque[tuple[int, int, dict[str, float], bool]] = deque(maxlen=LINEAGE_STEPS)
+        # The whole run's learning progress (progress_rate.loss_progress): the lineage's steps with a finite loss, the
+        # first and the newest PROGRESS_POINTS of them as (step, t_end, loss, kept tokens of the run up to it).
+        self._loss_n = 0
+        self._loss_head: list[tuple[int, float, float, int]] = []
+        self._loss_tail: deque[tuple[int, float, float, int]] = deque(maxlen=defaults.PROGRESS_POINTS)
         self._tokens_total = 0
         self._tokens_good = 0
         self._tokens_unobserved = 0  # tokens reported for time not booked as step time
@@ -408,16 +424,23 @@ class GoodputLedger:
         self._rank_steps += agg.n_ranks
         if agg.n_ranks < self.world_size:
             self._partial_steps += 1  # closed with the ranks it had: the others' records were lost
-        self._lineage.append((agg.step, good, parts))
+        loss = agg.loss if agg.loss is not None and math.isfinite(agg.loss) else None
+        self._lineage.append((agg.step, good, parts, loss is not None))
         self._tokens_total += counted
         self._tokens_good += good
+        if loss is not None:
+            point = (agg.step, end, loss, self._tokens_good)
+            self._loss_n += 1
+            if len(self._loss_head) < defaults.PROGRESS_POINTS:
+                self._loss_head.append(point)
+            self._loss_tail.append(point)
         self._steps_done += 1
         self._last_end = end
         self._last_t = max(self._last_t, end)
         if dur > 0 and agg.pause is None:  # a pause step is not a usual step time
             self._durs.append(dur)
         self.progress.step(agg.gen, end, agg.pause is not None, dur)
-        self._recent.append([end, counted, good, dur, agg.step, True])
+        self._recent.append([end, counted, good, dur, agg.step, True, loss, self._tokens_good])
         while self._recent and self._recent[0][0] < end - WINDOWS_S[-1]:
             self._recent.popleft()
         self._warmup(parts, dur, new_launch)
@@ -446,7 +469,7 @@ class GoodputLedger:
             return
         self._first = None
         excess = min(first_dur - sum(later) / len(later), first_parts.get("productive", 0.0))
-        if excess > 0 and any(p is first_parts for _, _, p in reversed(self._lineage)):
+        if excess > 0 and any(p is first_parts for _, _, p, _ in reversed(self._lineage)):
             first_parts["productive"] -= excess
             self._sec["productive"] -= excess
             self._sec["program_startup"] += excess
@@ -535,12 +558,16 @@ class GoodputLedger:
         sec = self._sec
         newest = max((c for c in self._ckpts if c < (self._lineage[-1][0] if self._lineage else 0)), default=None)
         while self._lineage and self._lineage[-1][0] >= resume:
-            step, good, parts = self._lineage.pop()
+            step, good, parts, lossy = self._lineage.pop()
             self._tokens_good -= good
+            self._loss_n -= lossy
             for cat, v in parts.items():
                 sec[cat] -= v
             lost = not same_process and (newest is None or step > newest)
             sec["wasted_progress_from_disruption" if lost else "wasted_progress_from_rollback"] += sum(parts.values())
+        self._loss_head = [p for p in self._loss_head if p[0] < resume]
+        while self._loss_tail and self._loss_tail[-1][0] >= resume:
+            self._loss_tail.pop()
         for entry in reversed(self._recent):
             if entry[4] < resume and entry[5]:
                 break
@@ -559,7 +586,7 @@ class GoodputLedger:
         sums: list[tuple[float, float, float]] = []  # (tokens, step seconds, kept tokens) per window
         tok = busy = good = 0.0  # of the attempts wholly inside the smallest window not closed yet
         i, lo = 0, los[0]
-        for t_end, tokens, good_tokens, d, _, alive in reversed(self._recent):
+        for t_end, tokens, good_tokens, d, _, alive, *_ in reversed(self._recent):
             if t_end - d >= lo and t_end > lo:  # wholly inside this window, and so inside the larger ones
                 if d > 0:
                     tok, busy, good = tok + tokens, busy + d, good + (good_tokens if alive else 0)
@@ -581,12 +608,29 @@ class GoodputLedger:
             if i == n:
                 break
         sums += [(tok, busy, good)] * (n - len(sums))
+        # Learning progress: the kept steps with a finite loss that ended in each window (oldest first).
+        kept = [(e[0], e[6], e[7]) for e in self._recent if e[5] and e[6] is not None and e[0] > now - WINDOWS_S[-1]]
         out = {}
         for w, (tok_w, busy_w, good_w) in zip(WINDOWS_S, sums, strict=True):
             span = min(w, wall)
+            prog = loss_progress(kept[bisect.bisect_right(kept, now - w, key=lambda p: p[0]):], self.world_size)
             out[f"{w}s"] = {"throughput_tok_s": tok_w / busy_w if busy_w > 0 else 0.0,
-                            "goodput_tok_s": good_w / span if span > 0 else 0.0}
+                            "goodput_tok_s": good_w / span if span > 0 else 0.0,
+                            "loss_drop_per_gpu_hour": prog["loss_drop_per_gpu_hour"] if prog else None,
+                            "loss_drop_per_btok": prog["loss_drop_per_btok"] if prog else None}
         return out
+
+    def _progress(self) -> Progress | None:
+        """Learning progress over the whole run's kept steps (:func:`~.progress_rate.loss_progress`): the first and the
+        newest ``PROGRESS_POINTS`` of its steps with a finite loss. After a rollback the newest are the ones kept since
+        (fewer until that many steps were redone: the blocks are as long as both ends hold)."""
+        head, tail = self._loss_head, self._loss_tail
+        if not head or not tail:
+            return None
+        joined = head + [p for p in tail if p[0] > head[-1][0]]
+        points = [(t, x, c) for _, t, x, c in joined]
+        most = min(defaults.PROGRESS_POINTS, len(head), len(tail))
+        return loss_progress(points, self.world_size, most=most, n=max(self._loss_n, len(points)))
 
     # -- output -----------------------------------------------------------------------------------
     @property
@@ -653,6 +697,7 @@ class GoodputLedger:
             "goodput_tok_s": self._tokens_good / wall if wall > 0 else 0.0,
             "goodput_pct": round(100.0 * sec["productive"] / wall, 6) if wall > 0 else 0.0,
             "rates": self._rates(end, wall),
+            "progress": self._progress(),
             "seconds": sec, "custom_by_name": {k: round(v, 6) for k, v in by_name.items()},
             "gpu_hours": gh, "cost_usd": cost,
             "badput_cost_usd": (sum(v for k, v in cost.items() if k not in NOT_BADPUT) if cost else None),

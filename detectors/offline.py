@@ -108,7 +108,11 @@ class OfflineRun:
             self.evals += 1
             self.pipeline.feed_event(Event("badput", rank, t, self.start, step=p.step,
                                            seconds=p.eval_seconds or 0.0, extra={"name": "evaluation"}))
-            return Output()
+            out = Output()
+            for name, loss in p.eval_losses:  # each set's loss, as Monitor.log_eval sends it
+                out.extend(self._keep(self.pipeline.feed_event(
+                    Event("eval", rank, t, self.start, step=p.step, extra={"name": name, "loss": repr(loss)}))))
+            return out
         self.steps += 1
         self.timed_steps += tp.timed
         rec = StepRecord(rank=rank, step=p.step, inc=self.start, t=t, loss=p.loss, grad_norm=p.grad_norm, lr=p.lr,

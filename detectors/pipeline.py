@@ -40,6 +40,7 @@ from trainhealth.detectors.memory_imbalance import MemoryImbalanceDetector
 from trainhealth.detectors.memory_pressure import MemoryHistory, MemoryVerdict
 from trainhealth.detectors.nan_inf import NanInfDetector
 from trainhealth.detectors.network import NetworkDetector
+from trainhealth.detectors.overfitting import OverfittingDetector
 from trainhealth.detectors.plateau import PlateauDetector
 from trainhealth.detectors.rank_outlier import RankOutlierDetector
 from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
@@ -185,9 +186,16 @@ class RunPipeline:
         # What the job's own logs report (events): a collective timeout is a hang, a launcher restart a restart.
         self.collective_timeout = CollectiveTimeoutDetector()
         self.worker_restart = WorkerRestartDetector()
+        # Fed the training loss with every step and each evaluation's loss (``eval`` events).
+        self.overfitting = OverfittingDetector()
+        # Prices what a plateau's stretch cost (the ledger's GPU-hour price).
+        self.plateau = PlateauDetector(gpu_hour_usd=gpu_hour_usd)
+        #: ``eval`` events whose loss was not a number (left out).
+        self.bad_evals = 0
         self.step_detectors: list[StepDetector] = [
             NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(), DivergenceDetector(),
-            GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), PlateauDetector(),
+            GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), self.plateau,
+            self.overfitting,
             self.slow_node, self.straggler, self.rank_outlier, self.network, RestartStormDetector(), self.throughput,
             SlowStepDetector(), self.collective_timeout]  # a step completed after a collective timeout ends it
         self.ended_ranks: set[int] = set()
@@ -250,6 +258,11 @@ class RunPipeline:
         if n >= 1:
             self.aggregator.world_size = n
             self.ledger.world_size = n
+
+    def set_gpu_hour_usd(self, price: float | None) -> None:
+        """The price of one GPU-hour (USD, from the run's metadata) for the ledger's costs and a plateau's."""
+        self.ledger.gpu_hour_usd = price
+        self.plateau.gpu_hour_usd = price
 
     def feed_step(self, rec: StepRecord) -> Output:
         """Feed one rank's step record."""
@@ -364,6 +377,8 @@ class RunPipeline:
             for a in out.anomalies:
                 self.anomalies[a.id] = a
             return out
+        if ev.kind == "eval":
+            return self._evaluated(ev)
         if ev.kind == "rank_exit":
             self.last_words[ev.rank] = LastWord(ev.t, ev.extra.get("reason", ""),
                                                 ev.extra.get("error") or ev.extra.get("signal", ""), ev.inc)
@@ -389,6 +404,28 @@ class RunPipeline:
             self._note_pause(ev)
         self.ledger.add_event(ev)
         return Output()
+
+    def _evaluated(self, ev: Event) -> Output:
+        """An evaluation's loss (``eval`` event: ``name``, ``loss``, ``step``; the newest step when it names none) for
+        the over-fitting detector. A loss that is not a number is left out (logged once per run)."""
+        try:
+            loss = float(ev.extra.get("loss", ""))
+        except ValueError:
+            if not self.bad_evals:
+                log.warning("run %s: eval event of rank %d has loss %r, not a number; left out", self.run, ev.rank,
+                            ev.extra.get("loss"))
+            self.bad_evals += 1
+            return Output()
+        step = ev.step if ev.step is not None else self.current_step
+        try:
+            found = self.overfitting.evaluate(step, ev.extra.get("name") or "eval", loss, self.aggregator.generation)
+        except Exception:  # see detector_errors
+            self._failed(self.overfitting, step)
+            return Output()
+        out = Output(anomalies=[self._with_hosts(a) for a in found])
+        for a in out.anomalies:
+            self.anomalies[a.id] = a
+        return out
 
     def _note_pause(self, ev: Event) -> None:
         """A checkpoint save or load, an evaluation or other badput: it falls in the first step after the step

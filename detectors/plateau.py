@@ -11,7 +11,7 @@ from trainhealth.anomaly import RESOLVED, Anomaly
 from trainhealth.detectors.aggregate import StepAggregate
 from trainhealth.detectors.base import StepDetector
 from trainhealth.detectors.robust import MAD_TO_SIGMA, resistant_slope
-from trainhealth.text import plural
+from trainhealth.text import fmt_gpu_hours, fmt_usd, plural
 
 #: Asymptotic efficiency factor of the median: its standard error is 1.2533 sigma / sqrt(n) on normal data.
 _MEDIAN_SE = 1.2533
@@ -41,9 +41,10 @@ class PlateauDetector(StepDetector):
     resolved when the gain is again above ``min_gain`` with the same confidence (``gain - z * SE``), or when the
     learning rate starts to decay (the schedule takes over).
 
-    What the plateau costs is in the evidence: the wall time of the stretch (from the job's step times; unknown
-    when the log has none), the loss gained per hour and, where the ranks reporting give the GPU count (more than
-    one), per GPU-hour; otherwise the message says the GPU count is unknown.
+    What the plateau costs is in the evidence and the message: the wall time of the stretch (from the job's step
+    times; unknown when the log has none), the loss gained per hour and, where the ranks reporting give the GPU count
+    (more than one), the stretch's GPU-hours (hours x GPUs), its money (GPU-hours x ``gpu_hour_usd``, when the run
+    has a price) and the gain per GPU-hour; otherwise the message says the GPU count is unknown.
 
     Parameters
     ----------
@@ -63,13 +64,16 @@ class PlateauDetector(StepDetector):
         Logged points between two checks (at least 1 % of the points seen so far).
     max_points : int
         Points kept (thinned to every other one when full: the whole run at a coarser grain).
+    gpu_hour_usd : float | None
+        Price of one GPU-hour (USD), for the stretch's cost; None: GPU-hours only. The pipeline sets the run's.
 
     Evidence: ``first_step``, ``last_step`` (the stretch judged), ``points``, ``median_before``, ``median_after``
     (loss medians of its first and last thirds), ``gain`` (relative improvement, negative for a rise),
     ``gain_upper``, ``gain_lower`` (its confidence bounds), ``min_gain``, ``noise`` (robust per-point SD of log-loss),
     ``lr_min``, ``lr_max`` (over the stretch), ``lr_peak`` (the run's highest), ``hours`` (wall time of the stretch,
-    None when unknown), ``gpus`` (None when unknown), ``gain_per_hour``, ``gain_per_gpu_hour`` (loss units; None
-    when unknown), ``history_points`` (points the decision had).
+    None when unknown), ``gpus`` (None when unknown), ``gpu_hours`` (hours x gpus: what the stalled stretch cost;
+    None when unknown), ``cost_usd`` (gpu_hours x gpu_hour_usd; None without a price), ``gain_per_hour``,
+    ``gain_per_gpu_hour`` (loss units; None when unknown), ``history_points`` (points the decision had).
 
     Examples
     --------
@@ -108,6 +112,7 @@ class PlateauDetector(StepDetector):
         lr_fraction: float = defaults.PLATEAU_LR_FRACTION,
         check_every: int = defaults.PLATEAU_CHECK_POINTS,
         max_points: int = defaults.PLATEAU_MAX_POINTS,
+        gpu_hour_usd: float | None = None,
     ) -> None:
         self.min_points = min_points
         self.min_steps = min_steps
@@ -117,6 +122,7 @@ class PlateauDetector(StepDetector):
         self.lr_fraction = lr_fraction
         self.check_every = check_every
         self.max_points = max_points
+        self.gpu_hour_usd = gpu_hour_usd
         # (step, log loss, lr or None, seconds since the previous point or None), steps increasing.
         self._pts: list[tuple[int, float, float | None, float | None]] = []
         self._stride = 1  # keep every stride-th point once thinned
@@ -232,11 +238,15 @@ class PlateauDetector(StepDetector):
         gain_loss = math.exp(before) - math.exp(after)  # in loss units
         gpus = self._ranks if self._ranks > 1 else None
         per_hour = gain_loss / hours if hours else None
+        gpu_hours = hours * gpus if hours is not None and gpus else None
+        price = self.gpu_hour_usd
         return {"first_step": window[0][0], "last_step": window[-1][0], "points": len(window),
                 "median_before": math.exp(before), "median_after": math.exp(after), "gain": math.expm1(gain),
                 "gain_upper": math.expm1(upper), "gain_lower": math.expm1(lower), "min_gain": self.min_gain,
                 "noise": noise,
                 "lr_min": min(lrs), "lr_max": max(lrs), "lr_peak": self._lr_peak, "hours": hours, "gpus": gpus,
+                "gpu_hours": gpu_hours,
+                "cost_usd": gpu_hours * price if gpu_hours is not None and price is not None else None,
                 "gain_per_hour": per_hour,
                 "gain_per_gpu_hour": per_hour / gpus if per_hour is not None and gpus else None,
                 "history_points": len(self._pts) * self._stride}
@@ -256,7 +266,9 @@ class PlateauDetector(StepDetector):
             cost = (f", {ev['hours']:.3g} h for a gain of {ev['gain_per_hour']:.3g} per hour (GPU count unknown: one "
                     f"stream of the job)")
         else:
-            cost = (f", {ev['hours'] * ev['gpus']:.4g} GPU-hours for a gain of {ev['gain_per_gpu_hour']:.3g} per "
+            money = f" ({fmt_usd(ev['cost_usd'])})" if ev.get("cost_usd") is not None else ""
+            cost = (f", the stalled stretch cost {fmt_gpu_hours(ev['gpu_hours'])} GPU-hours{money} "
+                    f"({ev['hours']:.3g} h on {ev['gpus']} GPUs) for a gain of {ev['gain_per_gpu_hour']:.3g} per "
                     f"GPU-hour")
         return text + cost
 

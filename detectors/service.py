@@ -899,7 +899,7 @@ class DetectorService:
                 run.pipeline.set_world_size(world)
             price = self._meta_num(run.keys.run, meta, "gpu_hour_usd", float, lambda v: 0 <= v < math.inf)
             if price is not None:
-                run.pipeline.ledger.gpu_hour_usd = price
+                run.pipeline.set_gpu_hour_usd(price)
             run.meta_checked = now
         pipe = self.client.pipeline(transaction=True)
         out = run.pipeline.flush_stale(now)

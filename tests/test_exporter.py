@@ -49,9 +49,15 @@ SNAPSHOT = {
     "last_step": 299, "steps_done": 310, "steps_good": 300, "restarts": 1,
     "tokens_total": 310 * 65536, "tokens_good": 300 * 65536, "step_s": 952.75,
     "throughput_tok_s": 310 * 65536 / 952.75, "goodput_tok_s": 300 * 65536 / WALL, "goodput_pct": 90.0,
-    "rates": {"60s": {"throughput_tok_s": 21845.5, "goodput_tok_s": 20000.25},
-              "600s": {"throughput_tok_s": 21000.0, "goodput_tok_s": 19500.0},
-              "3600s": {"throughput_tok_s": 20500.0, "goodput_tok_s": 19660.8}},
+    "rates": {"60s": {"throughput_tok_s": 21845.5, "goodput_tok_s": 20000.25, "loss_drop_per_gpu_hour": None,
+                      "loss_drop_per_btok": None},
+              "600s": {"throughput_tok_s": 21000.0, "goodput_tok_s": 19500.0, "loss_drop_per_gpu_hour": 0.25,
+                       "loss_drop_per_btok": 1.5},
+              "3600s": {"throughput_tok_s": 20500.0, "goodput_tok_s": 19660.8, "loss_drop_per_gpu_hour": -0.125,
+                        "loss_drop_per_btok": -0.75}},
+    "progress": {"points": 300, "block": 21, "loss_from": 4.0, "loss_to": 3.0, "from_t": T0 + 60.0,
+                 "to_t": T0 + 960.0, "loss_drop": 1.0, "gpu_hours": 2.0, "tokens_good": 280 * 65536,
+                 "loss_drop_per_gpu_hour": 0.5, "loss_drop_per_btok": 1e9 / (280 * 65536)},
     "seconds": SECONDS, "custom_by_name": {"evaluation": 3.0},
     "gpu_hours": {k: v * WORLD / 3600 for k, v in SECONDS.items()},
     "cost_usd": {k: v * WORLD / 3600 * PRICE for k, v in SECONDS.items()},
@@ -230,6 +236,11 @@ def test_exporter_serves_the_seeded_run_with_exact_values(r: redis.Redis, redis_
     assert of(m, "trainhealth_goodput_tokens_per_second") == {
         (("window", "all"),): 19660.8, (("window", "60s"),): 20000.25, (("window", "600s"),): 19500.0,
         (("window", "3600s"),): 19660.8}
+    # Learning progress: a window with too few losses (null) has no sample; a loss that rose is a negative drop.
+    assert of(m, "trainhealth_loss_drop_per_gpu_hour") == {
+        (("window", "all"),): 0.5, (("window", "600s"),): 0.25, (("window", "3600s"),): -0.125}
+    assert of(m, "trainhealth_loss_drop_per_billion_tokens") == {
+        (("window", "all"),): 1e9 / (280 * 65536), (("window", "600s"),): 1.5, (("window", "3600s"),): -0.75}
     assert one(m, "trainhealth_tokens_processed_total") == 310 * 65536
     assert one(m, "trainhealth_tokens_kept") == 300 * 65536
     assert one(m, "trainhealth_steps_completed_total") == 310.0
@@ -356,6 +367,10 @@ def test_serve_metrics_port_exports_what_the_service_wrote(r: redis.Redis, redis
     assert one(m, "trainhealth_tokens_processed_total", run) == snap["tokens_total"] == 118_000.0
     assert one(m, "trainhealth_throughput_tokens_per_second", run, window="all") == snap["throughput_tok_s"]
     assert one(m, "trainhealth_goodput_tokens_per_second", run, window="all") == snap["goodput_tok_s"]
+    # 59 kept losses (the first step's tokens and time are start-up, its loss is kept: 60), 3.0 - 0.001 s, 1 s apart.
+    assert snap["progress"]["points"] == 60 and snap["progress"]["block"] == 19
+    assert one(m, "trainhealth_loss_drop_per_gpu_hour", run, window="all") == snap["progress"][
+        "loss_drop_per_gpu_hour"] == pytest.approx(0.041 / (41 * 2 / 3600), rel=1e-9)
     assert one(m, "trainhealth_step", run) == 59.0
     assert one(m, "trainhealth_last_step_timestamp_seconds", run) == T0 + 69
     busy = json.loads(r.xrevrange(run_keys(run).agg, count=1)[0][1][b"busy"])
@@ -443,8 +458,8 @@ def test_prometheus_scrapes_the_service_and_promql_returns_the_ledgers_goodput(r
         answers = {}
         for title, expr in dashboard_queries():
             answers[title] = query(base, expr.replace("$run", ".+").replace("$window", "600s"))
-    for title in ("Goodput (time)", "Goodput vs throughput", "Badput by cause (whole run)", "Money lost by cause",
-                  "Straggler score of the slowest ranks (newest step)", "Detector lag", "$run"):
+    for title in ("Goodput (time)", "Goodput vs throughput, and progress per GPU-hour", "Badput by cause (whole run)",
+                  "Money lost by cause", "Straggler score of the slowest ranks (newest step)", "Detector lag", "$run"):
         assert answers[title], title
     assert {s["metric"]["rank"] for s in answers["Straggler score of the slowest ranks (newest step)"]} == {"0", "1"}
 
@@ -506,8 +521,8 @@ def test_grafana_dashboard_queries_name_only_exported_metrics(r: redis.Redis) ->
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
     assert all(p["targets"] and p["datasource"]["uid"] == "${DS_PROMETHEUS}" for p in panels)
     titles = {p["title"] for p in panels}
-    assert {"Goodput vs throughput", "Badput by cause (whole run)", "Active incidents by kind",
-            "Straggler score of the slowest ranks (newest step)"} <= titles
+    assert {"Goodput vs throughput, and progress per GPU-hour", "Badput by cause (whole run)",
+            "Active incidents by kind", "Straggler score of the slowest ranks (newest step)"} <= titles
     exported = exported_names(r)
     used: set[str] = set()
     for title, expr in dashboard_queries():

@@ -411,3 +411,19 @@ def test_follow_started_before_the_log_exists_waits_and_detects_it(r: redis.Redi
         out, _ = proc.communicate(timeout=20)
     assert got == want  # the file's lines were written after the follow started: all of them are new
     assert f"waiting for {path} to be written" in out and "following" in out and "(megatron)" in out
+
+
+def test_an_evaluation_followed_sends_its_badput_and_its_losses(r: redis.Redis) -> None:
+    from trainhealth.collectors.monitor import Monitor
+    from trainhealth.commands import follow as follow_cmd
+    from trainhealth.logpoint import LogPoint
+
+    mon = Monitor("fol-eval", client=r, rank=0, world_size=1, flush_interval=0.01)
+    fol = follow_cmd.Follower(Path("unused.json"), "hf_trainer_state", mon, poll_s=0.05, stop=lambda: True)
+    fol._push(LogPoint(step=40, eval_seconds=2.5, eval_losses=(("eval", 1.25), ("eval_wiki", 2.5))))
+    assert mon.flush(10)
+    mon.close("stopped")
+    got = [(f[b"kind"], f.get(b"name"), f.get(b"loss"), f.get(b"seconds"))
+           for _, f in r.xrange("th:{fol-eval}:events") if f[b"kind"] in (b"badput", b"eval")]
+    assert got == [(b"badput", b"evaluation", None, b"2.5"), (b"eval", b"eval", b"1.25", None),
+                   (b"eval", b"eval_wiki", b"2.5", None)]

@@ -35,7 +35,7 @@ REAL: dict[str, tuple[str | None, int | str]] = {
     "hf_trocr_large_gradnorm.trainer_state.json": ("hf_trainer_state", 707),
     "hf_whisper_small_lr_too_high.trainer_state.json": ("hf_trainer_state", 25),
     "tensorboard_t5_summarization": ("tensorboard", 430),
-    "lightning_slm_wikitext103.metrics.csv": ("lightning_csv", 2814),
+    "lightning_slm_wikitext103.metrics.csv": ("lightning_csv", 2824),  # 2814 train rows, 10 validation rows
     "llamafactory_mistral7b_translator.trainer_log.jsonl": ("llamafactory", 866),
     "megatron_mixtral8x7b_h100.golden_values.json": ("megatron_golden", 4538),
     "modded_nanogpt_soap.log": ("modded_nanogpt", 6000),
@@ -122,7 +122,12 @@ def test_tensorboard_t5_grad_norm_spikes(real_logs: Path) -> None:
 
 
 def test_lightning_metrics_csv(real_logs: Path) -> None:
-    pts = list(read(real_logs / "lightning_slm_wikitext103.metrics.csv"))
+    items = list(read(real_logs / "lightning_slm_wikitext103.metrics.csv"))
+    evals = [p for p in items if p.is_eval]  # the 10 validation rows, one per epoch, val_loss falling
+    assert len(evals) == 10 and all(p.eval_losses[0][0] == "val" for p in evals)
+    val = [p.eval_losses[0][1] for p in evals]
+    assert val == sorted(val, reverse=True)
+    pts = [p for p in items if not p.is_eval]
     assert (pts[0].step, pts[0].loss, pts[0].source_line) == (49, 7.628580570220947, 2)
     assert (pts[-1].step, pts[-1].loss, pts[-1].source_line) == (140699, 3.565943479537964, 2833)
     assert [p.step for p in pts[:3]] == [49, 99, 149]

@@ -235,8 +235,11 @@ def test_word_lm(caplog: pytest.LogCaptureFixture) -> None:
 # --- CSV: Lightning, W&B, generic --------------------------------------------------------------------
 
 def test_lightning_csv() -> None:
-    pts = list(read(DATA / "lightning_metrics.csv"))
-    # the val_loss row and the train_loss_epoch row at step 99 are not steps; lr from the lr-AdamW column
+    items = list(read(DATA / "lightning_metrics.csv"))
+    # the val_loss row is an evaluation of set "val"; the train_loss_epoch row is not a step; lr from lr-AdamW
+    assert [(p.step, p.eval_losses, p.eval_seconds, p.source_line) for p in items if p.is_eval] == [
+        (99, (("val", 2.1),), 0.0, 4)]
+    pts = [p for p in items if not p.is_eval]
     assert [(p.step, p.lr, p.source_line) for p in pts] == [(49, 0.001, 2), (99, 0.001, 3), (149, 0.0005, 6)]
     assert [p.loss for p in pts[:2]] == [2.5, 2.25] and math.isnan(pts[2].loss)
 
@@ -252,8 +255,10 @@ def test_lightning_csv_errors() -> None:
 
 
 def test_wandb_history_csv() -> None:
-    pts = list(read(DATA / "wandb_history.csv"))
-    # the step is train/global_step (not W&B's _step); the eval row is not a step; "NaN"/"Infinity" strings
+    items = list(read(DATA / "wandb_history.csv"))
+    # the step is train/global_step (not W&B's _step); the eval row is an evaluation; "NaN"/"Infinity" strings
+    assert [(p.step, p.eval_losses, p.source_line) for p in items if p.is_eval] == [(20, (("eval", 2.4),), 4)]
+    pts = [p for p in items if not p.is_eval]
     assert [(p.step, p.loss, p.lr, p.source_line) for p in pts] == [
         (10, 2.75, 1e-05, 2), (20, 2.5, 2e-05, 3), (30, 2.25, 3e-05, 5)]
     assert pts[0].grad_norm == 1.5 and math.isnan(pts[1].grad_norm) and pts[2].grad_norm == math.inf
@@ -273,7 +278,9 @@ def test_wandb_chart_export() -> None:
 def test_wandb_jsonl(caplog: pytest.LogCaptureFixture) -> None:
     path = DATA / "wandb-history.jsonl"
     with caplog.at_level(logging.WARNING, logger="trainhealth.collectors.importers"):
-        pts = list(read(path))
+        items = list(read(path))
+    assert [(p.step, p.eval_losses) for p in items if p.is_eval] == [(99, (("val", 7.1),))]
+    pts = [p for p in items if not p.is_eval]
     assert [(p.step, p.lr) for p in pts] == [(49, 0.001), (99, 0.001), (149, 0.0005)]  # trainer/global_step
     assert pts[0].loss == 7.5 and math.isnan(pts[1].loss) and pts[2].loss == 7.25
     assert [p.step_seconds for p in pts] == pytest.approx([12.0 / 49, 0.2, 0.2])
@@ -312,8 +319,10 @@ def test_generic_csv_and_jsonl_with_mapping() -> None:
 # --- LLaMA-Factory, Megatron golden values -------------------------------------------------------------
 
 def test_llamafactory() -> None:
-    pts = list(read(DATA / "trainer_log.jsonl"))
-    # the eval_loss row and the closing summary row are not steps; total_tokens is cumulative
+    items = list(read(DATA / "trainer_log.jsonl"))
+    # the eval_loss row is an evaluation of set "eval"; the closing summary row is not a step; total_tokens cumulative
+    assert [(p.step, p.eval_losses, p.source_line) for p in items if p.is_eval] == [(10, (("eval", 1.7),), 3)]
+    pts = [p for p in items if not p.is_eval]
     assert [(p.step, p.loss, p.lr, p.tokens, p.source_line) for p in pts] == [
         (5, 1.8, 1e-05, 20480, 1), (10, 1.6, 2e-05, 20480, 2), (20, 1.2, 0.0, 40960, 4)]
     # elapsed_time "0:00:10" / 5 steps; 10 s / 5 steps; "1 day, 0:00:46" - 20 s over 10 steps

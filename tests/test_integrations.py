@@ -155,6 +155,10 @@ def test_hf_trainer_run_is_recorded_exactly(r: redis.Redis, redis_url: str, tmp_
     bad = events_of(r, run, "badput")
     assert [(e.step, e.extra["name"], e.seconds) for e in bad] == [(5, "evaluation", evals[5]),
                                                                     (10, "evaluation", evals[10])]
+    # Each evaluation's loss, as the Trainer logged it, for the over-fitting detector.
+    eval_losses = [(h["step"], repr(h["eval_loss"])) for h in trainer.state.log_history if "eval_loss" in h]
+    assert [(e.step, e.extra["loss"]) for e in events_of(r, run, "eval") if e.extra["name"] == "eval"] == eval_losses
+    assert len(eval_losses) == 2
     saves = events_of(r, run, "checkpoint_save")
     assert [e.step for e in saves] == [5, 10] and all(e.seconds > 0 for e in saves)
     assert (tmp_path / "out" / "checkpoint-5").is_dir()

@@ -620,3 +620,26 @@ ALERT_CATCHUP_S = 600.0
 #: obvious answer, and a "Keep" card saying "costs 0.0 %" is noise); the anomaly itself still shows. Our choice:
 #: the throughput detector's own floor for a drop worth a warning is 4 %.
 SLOW_RANK_MIN_LOSS = 0.01
+
+#: Learning progress per GPU-hour (detectors/progress_rate.py): the loss improvement of a stretch is the median of its
+#: first PROGRESS_POINTS finite losses minus the median of its last PROGRESS_POINTS, each block at most a third of the
+#: stretch's points (the two stay apart, as the plateau's thirds) and at least PROGRESS_MIN_POINTS (a median of 3
+#: resists one spike at either end; fewer points give no figure). Odd, so each median is one point whose time and
+#: kept-token count the rate is measured between. Our choice, not fitted on a file.
+PROGRESS_POINTS = 21
+PROGRESS_MIN_POINTS = 3
+
+#: Over-fitting (detectors/overfitting.py): Prechelt 1998's generalization loss GL(t) = 100 (E_va(t) / E_opt(t) - 1)
+#: above OVERFIT_GL_PCT (his GL_5, the slowest of the GL criteria he compared: the fewest early stops), its eval
+#: loss risen at each of the last OVERFIT_RISES evaluations (his UP_s with s = 2: one noisy evaluation is not a trend;
+#: TrOCR's eval loss rises once by 10 % at step 800 and falls after) while the training loss fell over the same
+#: evaluations (median of its last OVERFIT_TRAIN_POINTS logged points; a rising training loss with it is a failing run,
+#: not over-fitting: Whisper's lr-too-high fine-tune, whose eval loss rises 3.195 -> 3.959 -> 3.984 at 528-792, 56 %
+#: above its best, with its training loss at 1.24 then 2.03). Chosen on hf_overfit_30epochs and hf_trocr_large_gradnorm:
+#: over GL 1-20 % x 1-3 rises, 1 rise fires on TrOCR's one bump (step 800) for GL <= 10 %, 3 rises fire an epoch later
+#: on the over-fitting run (1604 instead of 1203), and GL from 1 to 20 % changes nothing on these files (5 % is
+#: Prechelt's, not fitted). Reported on hf_tinyllama_sft_healthy, hf_whisper_small_lr_too_high,
+#: llamafactory_luojiu7b_cpt, lightning_slm_wikitext103, llmc_gpt2_124m_main: silent at every one of those settings.
+OVERFIT_GL_PCT = 5.0
+OVERFIT_RISES = 2
+OVERFIT_TRAIN_POINTS = 3

@@ -63,10 +63,56 @@ class WindowRates(TypedDict):
         Tokens/s: the tokens of the step attempts in the window over their seconds.
     goodput_tok_s : float
         Tokens/s: the kept tokens over the window's wall time.
+    loss_drop_per_gpu_hour : float | None
+        Loss decrease per GPU-hour over the kept steps that ended in the window (:class:`Progress`; negative: the
+        loss rose); null with too few finite losses in it.
+    loss_drop_per_btok : float | None
+        Loss decrease per billion kept tokens, the same way; null also without token counts.
     """
 
     throughput_tok_s: float
     goodput_tok_s: float
+    loss_drop_per_gpu_hour: float | None
+    loss_drop_per_btok: float | None
+
+
+class Progress(TypedDict):
+    """Learning progress over a stretch of kept steps: the loss improvement per GPU-hour and per billion kept tokens
+    (``trainhealth.detectors.progress_rate.loss_progress``).
+
+    Attributes
+    ----------
+    points : int
+        Kept steps with a finite loss in the stretch.
+    block : int
+        Points in each end block whose median is taken (at most 21 and a third of ``points``, odd).
+    loss_from, loss_to : float
+        Median loss of the first and of the last block.
+    from_t, to_t : float
+        Unix s the two medians' steps ended: the rate is measured between them.
+    loss_drop : float
+        ``loss_from - loss_to``, loss units (positive: the loss fell).
+    gpu_hours : float
+        ``(to_t - from_t) x world_size / 3600``: every GPU-second between them, badput included.
+    tokens_good : int
+        Kept tokens of the steps after the first median's up to the last median's.
+    loss_drop_per_gpu_hour : float | None
+        ``loss_drop / gpu_hours`` (null when no time passed).
+    loss_drop_per_btok : float | None
+        ``loss_drop`` per 1e9 kept tokens (null without token counts).
+    """
+
+    points: int
+    block: int
+    loss_from: float
+    loss_to: float
+    from_t: float
+    to_t: float
+    loss_drop: float
+    gpu_hours: float
+    tokens_good: int
+    loss_drop_per_gpu_hour: float | None
+    loss_drop_per_btok: float | None
 
 
 Rates = TypedDict("Rates", {f"{w}s": WindowRates for w in WINDOWS_S})  # type: ignore[misc]
@@ -187,7 +233,9 @@ class LedgerSnapshot(TypedDict):
     goodput_pct : float
         ``100 x productive / wall_s``, %.
     rates : Rates
-        Throughput and goodput over the last 60 s, 600 s and 3,600 s.
+        Throughput, goodput and learning progress over the last 60 s, 600 s and 3,600 s.
+    progress : Progress | None
+        Learning progress over the whole run's kept steps (null with fewer than 9 finite losses).
     seconds : CategorySeconds
         Seconds per category, summing to ``wall_s``.
     custom_by_name : dict[str, float]
@@ -228,6 +276,7 @@ class LedgerSnapshot(TypedDict):
     goodput_tok_s: float
     goodput_pct: float
     rates: Rates
+    progress: Progress | None
     seconds: CategorySeconds
     custom_by_name: dict[str, float]
     gpu_hours: CategoryGpuHours

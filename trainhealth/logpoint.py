@@ -19,6 +19,10 @@ class LogPoint:
         Tokens processed since the previous logged step (not cumulative), when known.
     eval_seconds : float | None
         For an evaluation entry: its runtime in seconds (a custom badput interval).
+    eval_losses : tuple[tuple[str, float], ...]
+        For an evaluation entry: ``(eval set name, loss)`` of each loss it reports — ``eval`` for HF's ``eval_loss``,
+        ``eval_<set>`` for ``eval_<set>_loss`` (one per eval set), ``val`` for Lightning's ``val_loss``. Empty when it
+        reports none. Sent as ``eval`` events (the over-fitting detector compares them with the training loss).
     source_line : int | None
         Where the point is in the file, for error messages: the 1-based line of a text, CSV or
         JSON-lines log, the ``log_history`` index of a ``trainer_state.json``, the record number
@@ -71,6 +75,7 @@ class LogPoint:
     host: str | None = None
     sections: tuple[tuple[str, float], ...] = ()
     loss_missing: bool = False
+    eval_losses: tuple[tuple[str, float], ...] = ()
 
     @property
     def is_eval(self) -> bool:

@@ -30,6 +30,7 @@ EventKind = Literal[
     "collective_timeout",  # a rank's watchdog timed out a collective: op, seq, seconds waited (read from logs)
     "worker_restart",   # the launcher (torchelastic) restarted the worker group: restart_count (read from logs)
     "rank_exit",        # a rank's interpreter exited without close(): reason, error, exit_code, step, phase
+    "eval",             # an evaluation's loss on a held-out set: step, name (the eval set), loss
 ]
 EVENT_KINDS: tuple[str, ...] = get_args(EventKind)
 

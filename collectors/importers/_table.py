@@ -62,6 +62,10 @@ COMMON: dict[str, tuple[str, ...]] = {
 GENERIC_STEP = ("step", "global_step", "train/global_step", "trainer/global_step", "iteration", "iter", "_step",
                 "Step", "current_steps")
 METRICS = ("loss", "grad_norm", "lr")
+#: An evaluation's loss (field ``eval_loss``): HF/LLaMA-Factory's ``eval_loss``, Lightning's ``val_loss``, W&B's
+#: ``eval/loss``. A row with one is an evaluation point of set ``eval`` (``val`` for ``val_loss``); its time is not
+#: in the row (0 s of evaluation badput).
+EVAL_LOSS = ("eval_loss", "eval/loss", "val_loss", "val/loss", "validation_loss")
 
 
 def check_mapping(mapping: Mapping[str, str | None] | None, fmt: str) -> dict[str, str | None]:
@@ -147,8 +151,9 @@ def points(path: Path, rows: Iterable[tuple[int, Mapping[str, Any]]], cols: Mapp
                     vals[field] = to_float(v)
             except (ValueError, TypeError, OverflowError) as exc:
                 raise InputFormatError(f"{path}: {where} {line} field {col!r} is {reason(exc)}: {show(v)}") from None
-        if all(vals.get(f) is None for f in METRICS):
-            continue  # an evaluation, epoch-summary or other row: not a training step
+        ev_loss = vals.get("eval_loss")
+        if all(vals.get(f) is None for f in METRICS) and ev_loss is None:
+            continue  # an epoch-summary or other row: not a training step
         v = row.get(cols["step"])
         if v is None or v == "":
             raise InputFormatError(f"{path}: {where} {line} field {cols['step']!r} (the step) is empty")
@@ -157,6 +162,10 @@ def points(path: Path, rows: Iterable[tuple[int, Mapping[str, Any]]], cols: Mapp
         except (ValueError, TypeError, OverflowError) as exc:
             raise InputFormatError(f"{path}: {where} {line} field {cols['step']!r} is {reason(exc, NOT_A_STEP)}: "
                                    f"{show(v)}") from None
+        if all(vals.get(f) is None for f in METRICS):  # an evaluation row
+            name = "val" if cols["eval_loss"].startswith("val") else "eval"
+            yield LogPoint(step=step, eval_seconds=0.0, eval_losses=((name, ev_loss),), source_line=line)
+            continue
         per = vals.get("step_seconds")
         from_clock = clock.per_step(step, vals.get(clock_field)) if clock_field else None
         if per is None:
@@ -169,6 +178,9 @@ def points(path: Path, rows: Iterable[tuple[int, Mapping[str, Any]]], cols: Mapp
         yield LogPoint(step=step, loss=vals.get("loss"), grad_norm=vals.get("grad_norm"), lr=vals.get("lr"),
                        tokens=tokens, source_line=line, step_seconds=per, skipped=_int(vals.get("skipped")),
                        consumed_samples=_int(vals.get("consumed_samples")))
+        if ev_loss is not None:  # a train row that carries an evaluation too
+            name = "val" if cols["eval_loss"].startswith("val") else "eval"
+            yield LogPoint(step=step, eval_seconds=0.0, eval_losses=((name, ev_loss),), source_line=line)
 
 
 def _int(x: float | None) -> int | None:

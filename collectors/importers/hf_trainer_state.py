@@ -69,6 +69,22 @@ def _runtime_key(entry: dict[str, Any]) -> str | None:
     return next((k for k in entry if k.endswith("_runtime") and k != "train_runtime"), None)
 
 
+def _eval_losses(entry: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+    """``(set name, loss)`` of an evaluation entry's losses: ``eval_loss`` is set ``eval``, ``eval_<set>_loss`` set
+    ``eval_<set>`` (the Trainer's ``metric_key_prefix``), ``test_loss`` set ``test``; a loss that is not a number is
+    left out (the entry's runtime still counts)."""
+    out = []
+    for key in entry:
+        if key.endswith("_loss") and key != "train_loss":
+            try:
+                value = _num(entry, key)
+            except _BadEntry:
+                continue
+            if value is not None:
+                out.append((key[:-len("_loss")], value))
+    return tuple(out)
+
+
 def _load(path: Path) -> tuple[Any, list[Any] | None]:
     """The document, or (when the file was cut mid-write) None and the complete ``log_history`` entries before the cut.
 
@@ -133,8 +149,8 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     Train entries (with ``loss``) give loss, ``grad_norm``, ``learning_rate`` and tokens as
     the difference of the cumulative ``num_tokens``/``num_input_tokens_seen``; eval entries
     (with ``eval_runtime``, or ``eval_<set>_runtime`` — one entry per eval set when the Trainer
-    evaluates several — or ``test_runtime``) give their runtime. Summary entries (``train_runtime``)
-    are skipped.
+    evaluates several — or ``test_runtime``) give their runtime and their losses (``eval_losses``: ``eval_loss`` as
+    set ``eval``, ``eval_<set>_loss`` as ``eval_<set>``). Summary entries (``train_runtime``) are skipped.
 
     A file cut mid-write (a crash while saving; a copy of a file being written) is not valid JSON:
     when the JSON breaks off at its end (not in the middle), the complete ``log_history`` entries
@@ -160,8 +176,8 @@ def read(path: str | Path) -> Iterator[LogPoint]:
     >>> f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
     >>> _ = f.write('{"log_history": [{"loss": 2.5, "grad_norm": NaN, "learning_rate": 1e-4, "step": 10},'
     ...             ' {"eval_loss": 2.4, "eval_runtime": 12.5, "step": 10}]}'); f.close()
-    >>> [(p.step, p.loss, p.grad_norm, p.eval_seconds) for p in read(f.name)]
-    [(10, 2.5, nan, None), (10, None, None, 12.5)]
+    >>> [(p.step, p.loss, p.grad_norm, p.eval_seconds, p.eval_losses) for p in read(f.name)]
+    [(10, 2.5, nan, None, ()), (10, None, None, 12.5, (('eval', 2.4),))]
     >>> os.unlink(f.name)
     """
     path = Path(path)
@@ -189,7 +205,8 @@ def read(path: str | Path) -> Iterator[LogPoint]:
                     seen_tokens = cum
                 point = LogPoint(step=step, loss=loss, grad_norm=gn, lr=lr, tokens=tokens, source_line=i)
             elif (runtime := _runtime_key(entry)) is not None:
-                point = LogPoint(step=step, eval_seconds=_num(entry, runtime), source_line=i)
+                point = LogPoint(step=step, eval_seconds=_num(entry, runtime), source_line=i,
+                                 eval_losses=_eval_losses(entry))
             else:
                 continue
         except _BadEntry as exc:

@@ -13,7 +13,7 @@ from pathlib import Path
 from trainhealth.collectors.importers import _table
 from trainhealth.logpoint import LogPoint
 
-CANDIDATES = {"step": ("step",), **_table.COMMON}
+CANDIDATES = {"step": ("step",), **_table.COMMON, "eval_loss": _table.EVAL_LOSS}
 
 
 def sniff(header: list[str]) -> bool:
@@ -22,7 +22,8 @@ def sniff(header: list[str]) -> bool:
 
 
 def read(path: str | Path, mapping: Mapping[str, str | None] | None = None) -> Iterator[LogPoint]:
-    """Yield the training steps of a Lightning ``metrics.csv`` in file order.
+    """Yield the training steps of a Lightning ``metrics.csv`` in file order, and its validation rows (``val_loss``)
+    as evaluations of set ``val``.
 
     Raises
     ------
@@ -35,8 +36,8 @@ def read(path: str | Path, mapping: Mapping[str, str | None] | None = None) -> I
     >>> import tempfile, os
     >>> f = tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False)
     >>> _ = f.write("epoch,step,train_loss_step,val_loss\\n0,49,7.6,\\n0,99,7.5,\\n0,99,,7.1\\n"); f.close()
-    >>> [(p.step, p.loss) for p in read(f.name)]
-    [(49, 7.6), (99, 7.5)]
+    >>> [(p.step, p.loss, p.eval_losses) for p in read(f.name)]
+    [(49, 7.6, ()), (99, 7.5, ()), (99, None, (('val', 7.1),))]
     >>> os.unlink(f.name)
     """
     yield from _table.csv_points(Path(path), "lightning_csv", CANDIDATES, mapping)

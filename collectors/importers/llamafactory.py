@@ -5,8 +5,8 @@ versions, ``lr`` in newer), ``elapsed_time`` (``H:MM:SS`` since training began: 
 seconds per step) and, when the Trainer counts input tokens, ``total_tokens`` (cumulative) and
 ``throughput``. Older versions write ``"throughput": "0.00"`` and ``"total_tokens": 0`` when tokens
 are not counted: that means "not recorded", not a throughput collapse, so 0 tokens is read as
-unknown. Rows without ``loss`` (evaluation ``eval_loss`` rows, the closing summary, prediction
-progress) are not training steps.
+unknown. Rows without ``loss`` (the closing summary, prediction progress) are not training steps; a row with an
+``eval_loss`` (not null) is an evaluation of set ``eval``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from trainhealth.collectors.importers._common import BadLines
 from trainhealth.logpoint import LogPoint
 
 CANDIDATES = {"step": ("current_steps",), "loss": ("loss",), "grad_norm": ("grad_norm",),
-              "lr": ("lr", "learning_rate"), "tokens_total": ("total_tokens",), "elapsed": ("elapsed_time",)}
+              "lr": ("lr", "learning_rate"), "tokens_total": ("total_tokens",), "elapsed": ("elapsed_time",),
+              "eval_loss": ("eval_loss",)}
 
 
 def sniff(row: Mapping[str, Any]) -> bool:

@@ -116,5 +116,7 @@ def read(path: str | Path) -> Iterator[LogPoint]:
             yield LogPoint(step=step, loss=vals.get("loss"), grad_norm=vals.get("grad_norm"), lr=vals.get("lr"),
                            step_seconds=per, source_line=lineno)
         else:
-            yield LogPoint(step=step, eval_seconds=0.0, source_line=lineno)
+            val = vals.get("val_loss")
+            yield LogPoint(step=step, eval_seconds=0.0, source_line=lineno,
+                           eval_losses=(("val", val),) if val is not None else ())
     bad.finish(good, last)

@@ -21,7 +21,7 @@ from trainhealth.exceptions import InputFormatError
 from trainhealth.logpoint import LogPoint
 
 CANDIDATES = {"step": ("train/global_step", "trainer/global_step", "global_step", "_step", "Step"),
-              **_table.COMMON, "elapsed": ("_runtime",), "wall_time": ("_timestamp",)}
+              **_table.COMMON, "elapsed": ("_runtime",), "wall_time": ("_timestamp",), "eval_loss": _table.EVAL_LOSS}
 SYSTEM = ("_step", "_runtime", "_timestamp")
 
 

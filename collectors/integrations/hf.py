@@ -31,7 +31,8 @@ world size from ``args.process_index`` / ``args.world_size``). Mapping, per hook
   split evenly over the ranks (rank 0 takes the remainder) so the sum over ranks is exact.
 - ``on_save``: HF calls it *after* the checkpoint is written, so the save time is the gap
   since the previous hook of that step (``on_step_end``, ``on_log`` or ``on_evaluate``).
-- ``on_evaluate``: ``badput("evaluation", eval_runtime)``.
+- ``on_evaluate``: ``badput("evaluation", eval_runtime)``; on rank 0, ``log_eval`` of each eval set's loss
+  (``eval_loss`` as set ``eval``, ``eval_<set>_loss`` as ``eval_<set>``).
 - ``on_train_begin`` with ``state.global_step > 0`` (``resume_from_checkpoint``):
   ``checkpoint_loaded(global_step)``; the restore itself happens before any hook, so its
   seconds are unknown.
@@ -216,6 +217,11 @@ class TrainHealthCallback(TrainerCallback):
                         if k.startswith("eval") and k.endswith("_runtime")), None)
         self.monitor.badput("evaluation", runtime if runtime is not None else now - self._t_last,
                             step=int(state.global_step))
+        # Its losses, per eval set (eval_loss, eval_<set>_loss), for the over-fitting detector; rank 0's are the job's.
+        if self.monitor.rank == 0:
+            for key, value in (metrics or {}).items():
+                if key.endswith("_loss") and key != "train_loss" and isinstance(value, (int, float)):
+                    self.monitor.log_eval(int(state.global_step), float(value), name=key[:-len("_loss")])
         self._t_last = now
 
     @guarded

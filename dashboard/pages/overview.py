@@ -46,7 +46,7 @@ SLOW_TTL_S = 10
 #: the since-start curves it draws move by at most 1/600 of their range between two samples.
 LEDGER_POINTS = 600
 #: What the goodput chart draws of each snapshot (since-start tokens/s): Redis sends only these.
-LEDGER_PATHS = ("t", "throughput_tok_s", "goodput_tok_s")
+LEDGER_PATHS = ("t", "throughput_tok_s", "goodput_tok_s", data.PROGRESS_COLUMN)
 #: Session-state key of the step series read so far: ``{(run, step_from, step_to): data.StepSeries}``, so a
 #: refresh reads only the entries added since the last one.
 SERIES_KEY = "th_series"
@@ -77,6 +77,11 @@ def _checkpoints(url: str, run: str) -> tuple[pd.DataFrame, list[str]]:
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
 def _run_ids(url: str) -> list[str]:
     return list(data.list_runs(get_client(url))["run"])
+
+
+#: Said under the throughput/goodput chart when it draws learning progress (docs/goodput.md).
+PROGRESS_NOTE = (" Progress per GPU-hour (right axis, dashed): the loss decrease per GPU-hour over the kept steps "
+                 "since the run started, median of the first points against the newest; below 0 the loss rose.")
 
 
 @st.cache_data(ttl=SLOW_TTL_S, show_spinner=False)
@@ -415,7 +420,7 @@ def live(run: str) -> None:
             fig = reuse("goodput", (run, viewer_tz(), len(history), float(history["t"].iloc[0]),
                                     float(history["t"].iloc[-1]), current_focus(run)), goodput_figure)
             st.plotly_chart(fig, config={"displaylogo": False}, key="goodput")
-            st.caption(TOKEN_GAP_NOTE)
+            st.caption(TOKEN_GAP_NOTE + (PROGRESS_NOTE if history[data.PROGRESS_COLUMN].notna().any() else ""))
     with right:
         if snap:
             breakdown = data.badput_seconds(snap)
