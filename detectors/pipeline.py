@@ -126,12 +126,26 @@ class RunPipeline:
         Price per GPU-hour for the ledger.
     hang : HangDetector | None
         Override the hang detector's settings (e.g. a shorter floor for the demo).
+    settings : mapping, optional
+        The run's own detector parameters (:func:`trainhealth.tuning.validate`'d: detector -> {parameter: value},
+        ``th:{run}:meta`` field ``detector_settings``); the detectors named are built with them, over the
+        defaults (and over ``hang``'s floor).
     """
 
     def __init__(self, world_size: int = 1, gpu_hour_usd: float | None = None,
-                 hang: HangDetector | None = None, run: str = "") -> None:
+                 hang: HangDetector | None = None, run: str = "",
+                 settings: Mapping[str, Mapping[str, float]] | None = None) -> None:
+        #: The run's own detector parameters the detectors were built with (empty: the defaults).
+        self.settings: dict[str, dict[str, float]] = {k: dict(v) for k, v in (settings or {}).items()}
+        tuned = self.settings.get
         self.aggregator = StepAggregator(world_size)
         self.hang = hang or HangDetector()
+        if tuned("hang"):
+            h = self.hang
+            self.hang = HangDetector(**{"floor_s": h.floor_s, "step_multiple": h.step_multiple,
+                                        "checkpoint_s": h.checkpoint_s, "heartbeat_interval": h.heartbeat_interval,
+                                        "missed_intervals": h.missed_intervals, "initial_s": h.initial_s,
+                                        "update_s": h.update_s, **tuned("hang", {})})
         # One progress timeout for the hang and dead-rank detectors and the ledger: they agree on what a hang is.
         self.ledger = GoodputLedger(world_size, gpu_hour_usd, progress=self.hang.progress)
         self.job = JobStateTracker()
@@ -150,8 +164,10 @@ class RunPipeline:
         self.hosts: dict[int, str] = {}
         # Rank family: a slow node is one slow_node anomaly, not a straggler per rank (the straggler
         # detector skips its ranks); a rank outlier is a rank neither explains (docs/anomalies.md).
-        self.slow_node = SlowNodeDetector(self.hosts)
-        self.straggler = StragglerDetector(exclude=self.slow_node.covered_ranks)
+        # A slow node is judged on the straggler's score and windows: tuned with it.
+        self.slow_node = SlowNodeDetector(self.hosts, **{k: v for k, v in tuned("straggler", {}).items()
+                                                         if k in ("window", "threshold")})
+        self.straggler = StragglerDetector(exclude=self.slow_node.covered_ranks, **tuned("straggler", {}))
         self.rank_outlier = RankOutlierDetector(
             exclude=lambda: self.slow_node.covered_ranks() | self.straggler.open_ranks)
         self.throughput = ThroughputDropDetector()
@@ -162,14 +178,15 @@ class RunPipeline:
         #: rank -> its latest GPU health sample (a heartbeat's ``gpu``), to explain a slow rank or node.
         self.gpu: dict[int, dict] = {}
         self.memory = MemoryHistory()
-        self.memory_growth = MemoryGrowthDetector()
+        self.memory_growth = MemoryGrowthDetector(**tuned("memory_growth", {}))
         self._death_memory: dict[int, MemoryVerdict] = {}
         # What the job's own logs report (events): a collective timeout is a hang, a launcher restart a restart.
         self.collective_timeout = CollectiveTimeoutDetector()
         self.worker_restart = WorkerRestartDetector()
         self.step_detectors: list[StepDetector] = [
             NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(), DivergenceDetector(),
-            GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), PlateauDetector(),
+            GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(),
+            PlateauDetector(**tuned("plateau", {})),
             self.slow_node, self.straggler, self.rank_outlier, RestartStormDetector(), self.throughput,
             SlowStepDetector(), self.collective_timeout]  # a step completed after a collective timeout ends it
         self.ended_ranks: set[int] = set()
