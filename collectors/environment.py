@@ -8,13 +8,14 @@ Kubernetes ConfigMap), and ``TRAINHEALTH_MODE=disabled`` to switch it off withou
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainhealth import defaults
+from trainhealth import defaults, tuning
 from trainhealth.collectors import ranks
 from trainhealth.collectors.monitor import Monitor
 from trainhealth.exceptions import ConfigError
@@ -29,12 +30,13 @@ RUN_ID_VARS = ("TRAINHEALTH_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 #: ``online`` (default) sends; ``disabled`` (also ``off``) checks the settings and sends nothing (as W&B's
 #: ``WANDB_MODE=disabled``).
 MODES = ("online", "disabled", "off")
-#: Settings read from the environment: variable → (Monitor argument, type).
-ENV_SETTINGS: dict[str, tuple[str, type]] = {
+#: Settings read from the environment: variable → (Monitor argument, the function reading its text).
+ENV_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "TRAINHEALTH_GPU_HOUR_USD": ("gpu_hour_usd", float),
     "TRAINHEALTH_HEARTBEAT_INTERVAL": ("heartbeat_interval", float),
     "TRAINHEALTH_BUFFER_RECORDS": ("buffer_records", int),
     "TRAINHEALTH_CLOSE_TIMEOUT": ("close_timeout", float),
+    tuning.ENV: ("detector_settings", json.loads),
 }
 
 _lock = threading.Lock()
@@ -62,7 +64,8 @@ def run_id_from(env: Mapping[str, str]) -> tuple[str, str] | None:
 def settings_from(env: Mapping[str, str]) -> dict[str, Any]:
     """The Monitor arguments the ``TRAINHEALTH_*`` variables of :data:`ENV_SETTINGS` set.
 
-    Raises :class:`ConfigError` naming the variable and its value when one is not a number.
+    Raises :class:`ConfigError` naming the variable and its value when one is not a number
+    (``TRAINHEALTH_DETECTOR_SETTINGS``: not JSON; :class:`Monitor` checks what it holds).
 
     >>> settings_from({"TRAINHEALTH_GPU_HOUR_USD": "2.5", "TRAINHEALTH_BUFFER_RECORDS": "50000"})
     {'gpu_hour_usd': 2.5, 'buffer_records': 50000}
@@ -74,7 +77,9 @@ def settings_from(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         try:
             out[arg] = kind(raw.strip())
-        except ValueError:
+        except ValueError as exc:
+            if kind is json.loads:
+                raise ConfigError(f"environment {var}={raw!r} is not JSON ({exc})") from None
             noun = "an integer" if kind is int else "a number"
             raise ConfigError(f"environment {var}={raw!r} is not {noun} ({arg})") from None
     return out
@@ -147,7 +152,7 @@ def init(run: str | None = None, *, env: Mapping[str, str] | None = None, **kwar
         except ConfigError as exc:
             # A value the environment gave: name its variable, not only the Monitor argument it became.
             var = next((v for v, (arg, _) in ENV_SETTINGS.items()
-                        if arg not in kwargs and env.get(v) and str(exc).startswith(f"{arg}=")), None)
+                        if arg not in kwargs and env.get(v) and str(exc).startswith((f"{arg}=", f"{arg}["))), None)
             raise ConfigError(f"environment {var}={env[var]!r}: {exc}" if var else str(exc)) from None
         if mode != "online":
             log.info("trainhealth: %s=%s: the collector of run %s sends nothing", defaults.MODE_ENV, mode, run)

@@ -18,14 +18,14 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from time import perf_counter
 from typing import Any
 
 import redis
 
-from trainhealth import config, connection, defaults
+from trainhealth import config, connection, defaults, tuning
 from trainhealth.collectors import ranks
 from trainhealth.collectors.cuda_timing import GpuTimer, torch_event_factory
 from trainhealth.collectors.gpu_health import GpuHealthSampler
@@ -246,6 +246,11 @@ class Monitor:
         Price of one GPU-hour, for the ledger's cost figures (rank 0's value is stored).
     run_config : dict, optional
         Hyper-parameters etc., stored with the run start event (JSON-serialisable).
+    detector_settings : dict, optional
+        This run's own detector parameters, detector -> {parameter: value}, e.g. ``{"memory_growth":
+        {"min_span_s": 60, "bucket_s": 5}}``: what may be tuned is :data:`trainhealth.tuning.TUNABLE`. Checked
+        here; rank 0's are stored in the run's meta and the detector service builds the run's detectors with them
+        (``TRAINHEALTH_DETECTOR_SETTINGS`` with :func:`trainhealth.init`).
     buffer_records : int
         Bound of the in-memory buffer; beyond it the oldest records are dropped and counted.
     heartbeat_interval : float
@@ -290,6 +295,7 @@ class Monitor:
         host: str | None = None,
         gpu_hour_usd: float | None = None,
         run_config: dict[str, Any] | None = None,
+        detector_settings: Mapping[str, Mapping[str, float]] | None = None,
         buffer_records: int = defaults.COLLECTOR_BUFFER_RECORDS,
         batch_records: int = defaults.COLLECTOR_BATCH_RECORDS,
         flush_interval: float = defaults.COLLECTOR_FLUSH_INTERVAL_S,
@@ -347,6 +353,7 @@ class Monitor:
                 raise ConfigError(f"run_config is not JSON-serialisable: {exc}") from None
         else:
             config_json = None
+        tuned = tuning.validate(detector_settings) if detector_settings is not None else {}
         if client is None and enabled:
             url = config.redis_url(redis_url)
             if url is None:
@@ -388,6 +395,10 @@ class Monitor:
 
         registry: dict[str, Any] = {"_rank": self.rank, "_inc": repr(self.inc), "status": "running",
                                     "world_size": self.world_size, "updated_at": repr(self.inc)}
+        if tuned:
+            # Every rank's (a job gives them all the same): the rank that registers the run first carries them, so
+            # the service builds the run's detectors with them from the start. A dict: stored as its JSON text.
+            registry[tuning.META_FIELD] = tuned
         if self.rank == 0:
             registry.update(name=run, started_at=self.inc)
             if gpu_hour_usd is not None:

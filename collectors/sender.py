@@ -705,7 +705,6 @@ class Sender(threading.Thread):
         missing_only = pipe is not None
         if pipe is None:
             pipe = client.pipeline(transaction=False)  # not a transaction: its keys may be in two slots
-            pipe.zadd(RUNS, self._registry_entry(), nx=True)
         started = meta.pop("started_at", None)
         if started is not None:
             pipe.hsetnx(self._keys.meta, "started_at", repr(float(started)))
@@ -716,6 +715,8 @@ class Sender(threading.Thread):
             return
         if fields:
             pipe.hset(self._keys.meta, mapping=fields)
+        # After the meta: a service that finds the run finds what it needs to build its detectors.
+        pipe.zadd(RUNS, self._registry_entry(), nx=True)
         pipe.execute()
 
 

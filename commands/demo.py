@@ -3,10 +3,13 @@ multi-rank training job (also used by the end-to-end tests).
 
 Each rank is its own process, as under ``torchrun``, instrumented with
 :class:`trainhealth.Monitor` exactly as a real job would be. A shared barrier stands in for the
-gradient all-reduce, so every rank's step takes as long as the slowest rank's sections,
-and a straggler shows only in its own section times. Scripted faults: one slow rank for a
-span of steps, a loss spike, and a crash of the whole job followed by a relaunch that
-resumes from the last checkpoint (as ``torchrun --max-restarts`` would).
+gradient all-reduce (timed as the ``allreduce`` section), so every rank's step takes as long as the slowest rank's
+sections, and a straggler shows only in its own section times. Scripted faults: one slow rank for a
+span of steps, a loss spike, a crash of the whole job followed by a relaunch that
+resumes from the last checkpoint (as ``torchrun --max-restarts`` would), one rank whose host memory grows step after
+step (a leak), a node whose all-reduce slows (a slow network: every rank waits for it inside the collective), and a
+loss that stops improving at a held learning rate (a plateau). The run tunes the memory-growth and plateau detectors
+(:mod:`trainhealth.tuning`) so a two-minute demo shows what takes them tens of minutes of evidence on a real job.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,13 @@ class DemoConfig:
     times longer for steps in ``[straggler_from, straggler_to)``. The job crashes right after
     step ``crash_step`` (set < 0 for no crash) and is relaunched ``restart_delay_s`` later from
     the newest checkpoint (one every ``ckpt_every`` steps, blocking ``ckpt_s``).
+
+    Rank ``leak_rank`` (< 0: none) keeps ``leak_kib`` KiB of host memory more after every step, up to ``leak_max_mib``
+    MiB per process (a relaunch starts from nothing again). The ranks of node ``comm_slow_node`` (< 0: none) spend
+    ``comm_slow_s`` more in the all-reduce for steps in ``[comm_slow_from, comm_slow_to)``: the others wait for them
+    at the barrier, inside the same section. From step ``plateau_from`` the loss stays at its level then (the
+    learning rate is held after its warm-up: a plateau, not a schedule's end). ``detector_settings`` are the run's
+    own (:mod:`trainhealth.tuning`); None: :func:`demo_detector_settings`.
     """
 
     run: str
@@ -77,15 +87,25 @@ class DemoConfig:
     gpu_hour_usd: float = 2.5
     heartbeat_interval: float = 1.0
     seed: int = 0
+    leak_rank: int = 2
+    leak_kib: int = 256
+    leak_max_mib: int = 384
+    comm_slow_node: int = 1
+    comm_slow_from: int = 1000
+    comm_slow_to: int = 1300
+    comm_slow_s: float = 0.03
+    plateau_from: int = 1000
+    detector_settings: dict[str, dict[str, float]] | None = field(default=None, hash=False)
 
     def host(self, rank: int) -> str:
         """Simulated node name of ``rank``."""
         return f"demo-node-{rank // self.ranks_per_node}"
 
     def loss(self, step: int, rank: int) -> float:
-        """Deterministic loss curve: decay + noise, plus the injected spike."""
+        """Deterministic loss curve: decay (held from ``plateau_from``) + noise, plus the injected spike."""
         rng = random.Random(self.seed * 1_000_003 + step)
-        x = 2.1 + 8.0 * math.exp(-step / 160.0) + 0.4 * math.exp(-step / 2000.0) + rng.gauss(0.0, 0.02)
+        s = min(step, self.plateau_from)
+        x = 2.1 + 8.0 * math.exp(-s / 160.0) + 0.4 * math.exp(-s / 2000.0) + rng.gauss(0.0, 0.02)
         x += random.Random(step * 131 + rank).gauss(0.0, 0.005)
         if self.spike_step <= step < self.spike_step + 8:
             x += 3.2 * 0.65 ** (step - self.spike_step)
@@ -99,26 +119,65 @@ class DemoConfig:
         return g
 
     def lr(self, step: int) -> float:
+        """Linear warm-up over 100 steps, then held (a constant schedule: a flat loss is then a plateau)."""
         warm = 100
-        if step < warm:
-            return 3e-4 * (step + 1) / warm
-        return 3e-5 + 0.5 * (3e-4 - 3e-5) * (1 + math.cos(math.pi * min(1.0, step / max(self.steps, 1))))
+        return 3e-4 * (step + 1) / warm if step < warm else 3e-4
+
+    def node(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def comm_extra_s(self, step: int, rank: int) -> float:
+        """Seconds the slow network adds to ``rank``'s all-reduce at ``step``."""
+        slow = self.node(rank) == self.comm_slow_node and self.comm_slow_from <= step < self.comm_slow_to
+        return self.comm_slow_s if slow else 0.0
+
+    def settings(self) -> dict[str, dict[str, float]]:
+        """The run's detector settings: ``detector_settings``, else :func:`demo_detector_settings`."""
+        return demo_detector_settings() if self.detector_settings is None else self.detector_settings
 
 
-def _rank_main(cfg: DemoConfig, rank: int, start: int, barrier, url: str, ckpt_file: str, crash: bool) -> None:
+#: Growth of the leaking rank's memory that the demo's memory-growth detector opens on (bytes): about 15 s of its leak.
+DEMO_LEAK_SEEN_BYTES = 48 * 2**20
+
+
+def demo_detector_settings(host_total: int | None = None) -> dict[str, dict[str, float]]:
+    """The demo run's detector settings (:mod:`trainhealth.tuning`): a memory trend judged on 20 s (2-s floors,
+    a minute's window) instead of 10 min, opening at :data:`DEMO_LEAK_SEEN_BYTES` of growth (as a fraction of this
+    machine's memory, ``host_total`` bytes, default the collectors' reading); a plateau on a stretch of 200 steps
+    and 15 % of the run instead of 500 and a third.
+
+    >>> demo_detector_settings(64 * 2**30)["memory_growth"]["min_growth_frac"]
+    0.000732421875
+    """
+    if host_total is None:
+        from trainhealth.collectors.memory import MemorySampler
+
+        host_total = MemorySampler(0).sample()["host_total"] or 64 * 2**30
+    return {"memory_growth": {"window_s": 60.0, "min_span_s": 20.0, "min_samples": 15, "bucket_s": 2.0,
+                              "min_growth_frac": min(1.0, max(1e-4, DEMO_LEAK_SEEN_BYTES / host_total))},
+            "plateau": {"min_steps": 200, "min_points": 60, "run_fraction": 0.15}}
+
+
+def _rank_main(cfg: DemoConfig, rank: int, start: int, barrier, url: str, ckpt_file: str, crash: bool,
+               settings: dict) -> None:
     # Runs in a spawned process: one rank of the job. The terminal's Ctrl-C reaches every rank too: a demo the user
     # stopped ends its ranks quietly (their last word says so), not with a traceback per rank.
     with contextlib.suppress(KeyboardInterrupt):
-        _rank_loop(cfg, rank, start, barrier, url, ckpt_file, crash)
+        _rank_loop(cfg, rank, start, barrier, url, ckpt_file, crash, settings)
 
 
-def _rank_loop(cfg: DemoConfig, rank: int, start: int, barrier, url: str, ckpt_file: str, crash: bool) -> None:
+def _rank_loop(cfg: DemoConfig, rank: int, start: int, barrier, url: str, ckpt_file: str, crash: bool,
+               settings: dict) -> None:
     from trainhealth import Monitor
 
     logging.basicConfig(level=logging.WARNING)
     mon = Monitor(cfg.run, redis_url=url, rank=rank, world_size=cfg.ranks, host=cfg.host(rank),
                   gpu_hour_usd=cfg.gpu_hour_usd, heartbeat_interval=cfg.heartbeat_interval,
-                  run_config={"demo": True, "ranks": cfg.ranks, "steps": cfg.steps})
+                  run_config={"demo": True, "ranks": cfg.ranks, "steps": cfg.steps}, detector_settings=settings)
+    # The leak: what a loop keeping each step's outputs alive does (losses appended without .item(), a cache).
+    kept: list[bytes] = []
+    leak = cfg.leak_kib * 1024 if rank == cfg.leak_rank else 0
+    leak_max = cfg.leak_max_mib * 2**20 // max(leak, 1)
     if start > 0:
         with mon.checkpoint_load(start - 1):
             time.sleep(cfg.load_s)
@@ -131,9 +190,15 @@ def _rank_loop(cfg: DemoConfig, rank: int, start: int, barrier, url: str, ckpt_f
                 time.sleep(cfg.data_s * jitter.uniform(0.9, 1.1))
             with mon.section("forward_backward"):
                 time.sleep(cfg.fb_s * (cfg.straggler_factor if slow else 1.0) * jitter.uniform(0.97, 1.03))
-            barrier.wait()  # the gradient all-reduce: everyone waits for the slowest rank
+            with mon.section("allreduce"):  # the gradient all-reduce: everyone waits for the slowest rank
+                extra = cfg.comm_extra_s(step, rank)
+                if extra:
+                    time.sleep(extra)  # a slow link: this node's share of the collective takes longer
+                barrier.wait()
             with mon.section("optimizer"):
                 time.sleep(cfg.optim_s)
+            if leak and len(kept) < leak_max:
+                kept.append(bytes([step & 0xFF]) * leak)  # written, so resident: a leak the RSS shows
         mon.log_step(step, loss=cfg.loss(step, rank), grad_norm=cfg.grad_norm(step), lr=cfg.lr(step),
                      tokens=cfg.tokens_per_rank, samples=cfg.tokens_per_rank // 2048)
         if crash and step == cfg.crash_step:
@@ -160,10 +225,12 @@ def run_job(cfg: DemoConfig, url: str, workdir: Path, max_restarts: int = 3,
     ckpt_file = workdir / f"{cfg.run}.ckpt.json"
     ckpt_file.unlink(missing_ok=True)
     restarts, start = 0, 0
+    settings = cfg.settings()
     while True:
         barrier = ctx.Barrier(cfg.ranks, timeout=120)
         procs = [ctx.Process(target=_rank_main, name=f"rank{r}",
-                             args=(cfg, r, start, barrier, url, str(ckpt_file), restarts == 0 and cfg.crash_step >= 0))
+                             args=(cfg, r, start, barrier, url, str(ckpt_file), restarts == 0 and cfg.crash_step >= 0,
+                                   settings))
                  for r in range(cfg.ranks)]
         for p in procs:
             p.start()
@@ -270,7 +337,8 @@ secret_env = "TRAINHEALTH_DEMO_WEBHOOK_SECRET"
 def register(sub: Any) -> None:
     """Add ``demo`` to the ``trainhealth`` sub-parsers."""
     d = with_url(command(sub, "demo", "Embedded Redis, detector service, dashboard and a simulated multi-rank job "
-                                      "with a straggler, a loss spike and a crash + restart."))
+                                      "with a straggler, a loss spike, a crash + restart, a memory leak, a slow "
+                                      "all-reduce on one node and a loss plateau."))
     d.add_argument("--ranks", type=int, default=8, help="ranks (processes) of the simulated job, 2-64 (default 8)")
     d.add_argument("--steps", type=int, default=1500, help="training steps (default 1500, about 2 minutes)")
     d.add_argument("--port", type=int, default=defaults.DASHBOARD_PORT,
@@ -297,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
         check_port(args.port)
     url, embedded = resolve(args)
     run_id = args.run or time.strftime("demo-%Y%m%d-%H%M%S")
-    cfg = DemoConfig(run=run_id, ranks=args.ranks, steps=args.steps, straggler_rank=min(5, args.ranks - 1))
+    cfg = DemoConfig(run=run_id, ranks=args.ranks, steps=args.steps, straggler_rank=min(5, args.ranks - 1),
+                     leak_rank=min(2, args.ranks - 1))
     env = child_env(url)
     children: dict[str, subprocess.Popen] = {}
     receiver = None
@@ -380,6 +449,14 @@ def _faults(cfg: DemoConfig) -> str:
         parts.append(f"loss spike at step {cfg.spike_step}")
     if 0 <= cfg.crash_step < cfg.steps - 1:
         parts.append(f"crash after step {cfg.crash_step} and resume from the last checkpoint")
+    if 0 <= cfg.leak_rank < cfg.ranks and cfg.leak_kib > 0:
+        parts.append(f"rank {cfg.leak_rank}'s host memory grows {cfg.leak_kib} KiB a step (up to "
+                     f"{cfg.leak_max_mib} MiB)")
+    if cfg.comm_slow_from < cfg.steps and 0 <= cfg.comm_slow_node < math.ceil(cfg.ranks / cfg.ranks_per_node):
+        parts.append(f"slow all-reduce on demo-node-{cfg.comm_slow_node} (+{cfg.comm_slow_s * 1000:.0f} ms, steps "
+                     f"{cfg.comm_slow_from}-{min(cfg.comm_slow_to, cfg.steps)})")
+    if cfg.plateau_from < cfg.steps:
+        parts.append(f"loss plateau from step {cfg.plateau_from} at a held learning rate")
     return ", ".join(parts) if parts else "too few steps for the scripted faults (use --steps 1500)"
 
 

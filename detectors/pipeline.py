@@ -139,12 +139,26 @@ class RunPipeline:
         Price per GPU-hour for the ledger.
     hang : HangDetector | None
         Override the hang detector's settings (e.g. a shorter floor for the demo).
+    settings : mapping, optional
+        The run's own detector parameters (:func:`trainhealth.tuning.validate`'d: detector -> {parameter: value},
+        ``th:{run}:meta`` field ``detector_settings``); the detectors named are built with them, over the
+        defaults (and over ``hang``'s floor).
     """
 
     def __init__(self, world_size: int = 1, gpu_hour_usd: float | None = None,
-                 hang: HangDetector | None = None, run: str = "") -> None:
+                 hang: HangDetector | None = None, run: str = "",
+                 settings: Mapping[str, Mapping[str, float]] | None = None) -> None:
+        #: The run's own detector parameters the detectors were built with (empty: the defaults).
+        self.settings: dict[str, dict[str, float]] = {k: dict(v) for k, v in (settings or {}).items()}
+        tuned = self.settings.get
         self.aggregator = StepAggregator(world_size)
         self.hang = hang or HangDetector()
+        if tuned("hang"):
+            h = self.hang
+            self.hang = HangDetector(**{"floor_s": h.floor_s, "step_multiple": h.step_multiple,
+                                        "checkpoint_s": h.checkpoint_s, "heartbeat_interval": h.heartbeat_interval,
+                                        "missed_intervals": h.missed_intervals, "initial_s": h.initial_s,
+                                        "update_s": h.update_s, **tuned("hang", {})})
         # One progress timeout for the hang and dead-rank detectors and the ledger: they agree on what a hang is.
         self.ledger = GoodputLedger(world_size, gpu_hour_usd, progress=self.hang.progress)
         self.job = JobStateTracker()
@@ -163,8 +177,10 @@ class RunPipeline:
         self.hosts: dict[int, str] = {}
         # Rank family: a slow node is one slow_node anomaly, not a straggler per rank (the straggler
         # detector skips its ranks); a rank outlier is a rank neither explains (docs/anomalies.md).
-        self.slow_node = SlowNodeDetector(self.hosts)
-        self.straggler = StragglerDetector(exclude=self.slow_node.covered_ranks)
+        # A slow node is judged on the straggler's score and windows: tuned with it.
+        self.slow_node = SlowNodeDetector(self.hosts, **{k: v for k, v in tuned("straggler", {}).items()
+                                                         if k in ("window", "threshold")})
+        self.straggler = StragglerDetector(exclude=self.slow_node.covered_ranks, **tuned("straggler", {}))
         self.rank_outlier = RankOutlierDetector(
             exclude=lambda: self.slow_node.covered_ranks() | self.straggler.open_ranks)
         # A node whose ranks spend more of the step in their collective than the other nodes' (straggler wait left
@@ -178,7 +194,7 @@ class RunPipeline:
         #: rank -> its latest GPU health sample (a heartbeat's ``gpu``), to explain a slow rank or node.
         self.gpu: dict[int, dict] = {}
         self.memory = MemoryHistory()
-        self.memory_growth = MemoryGrowthDetector()
+        self.memory_growth = MemoryGrowthDetector(**tuned("memory_growth", {}))
         # One rank's peak far above the others' (rank -> (sample time, peak allocated bytes, device bytes)).
         self.memory_imbalance = MemoryImbalanceDetector()
         self._peaks: dict[int, tuple[float, float, float]] = {}
@@ -189,7 +205,7 @@ class RunPipeline:
         # Fed the training loss with every step and each evaluation's loss (``eval`` events).
         self.overfitting = OverfittingDetector()
         # Prices what a plateau's stretch cost (the ledger's GPU-hour price).
-        self.plateau = PlateauDetector(gpu_hour_usd=gpu_hour_usd)
+        self.plateau = PlateauDetector(gpu_hour_usd=gpu_hour_usd, **tuned("plateau", {}))
         #: ``eval`` events whose loss was not a number (left out).
         self.bad_evals = 0
         self.step_detectors: list[StepDetector] = [

@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from trainhealth import config, defaults
+from trainhealth import config, defaults, tuning
 from trainhealth.anomaly import Anomaly
 from trainhealth.connection import REDIS_DOWN, read_groups
 from trainhealth.detectors.advisor import RollbackAdvisor
@@ -39,6 +39,7 @@ from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
 from trainhealth.detectors.retention import StreamBound
 from trainhealth.detectors.rollup import Rollups
+from trainhealth.exceptions import ConfigError
 from trainhealth.job import JobState
 from trainhealth.keys import RUNS, SERVICES, RunKeys, run_keys, run_of, service_heartbeat
 from trainhealth.loop import LEASE_LUA, MEMBERS_LUA, RELEASE_LUA, RENEW_LUA, Backoff, stop_on_signals
@@ -395,11 +396,48 @@ class DetectorService:
                         "value)", run, name, raw, run)
         return None
 
+    def _settings(self, run: str, meta: dict[str, str]) -> tuning.Settings:
+        """The run's own detector parameters (meta ``detector_settings``); the defaults, warned once, when they are
+        not valid (a collector of another version may have written them)."""
+        raw = meta.get(tuning.META_FIELD)
+        if not raw:
+            return {}
+        try:
+            return tuning.parse(raw, f"th:{{{run}}}:meta {tuning.META_FIELD}")
+        except ConfigError as exc:
+            self._warn_once(f"meta:{run}:{tuning.META_FIELD}:{raw}", "run %s: ignoring its detector settings, the "
+                            "defaults apply: %s", run, exc)
+            return {}
+
+    def _retire_stale(self, run: _Run) -> None:
+        """After a rebuild with changed detector settings: an anomaly stored active that the rebuilt detectors did
+        not find (a straggler the defaults' threshold opened) is resolved, saying why, with its open advice."""
+        pipe = self.client.pipeline(transaction=True)
+        for aid, d in list(run.stored.items()):
+            if d.get("status") != "active" or aid in run.pipeline.anomalies:
+                continue
+            try:
+                _, *scope, _, _ = aid.split(":")
+                a = Anomaly(kind=d["kind"], severity=d["severity"], step=int(d["step"]),
+                            evidence=d.get("evidence") or {},
+                            message=f"{d['message']}; not found with the run's changed detector settings",
+                            ranks=tuple(d.get("ranks") or ()), hosts=tuple(d.get("hosts") or ()),
+                            end_step=max(int(d["step"]), run.pipeline.current_step), status="resolved",
+                            gen=int(d.get("gen") or 0), scope=":".join(scope))
+            except (KeyError, TypeError, ValueError):
+                continue  # not one this service wrote
+            self._close_recommendation(run, a, pipe)
+            self._write_anomaly(run, a, pipe)
+        pipe.execute()
+
     def _attach(self, keys: RunKeys) -> _Run:
         meta = {_s(k): _s(v) for k, v in self.client.hgetall(keys.meta).items()}
         world = self._meta_num(keys.run, meta, "world_size", int, lambda v: 1 <= v <= MAX_RANKS)
         price = self._meta_num(keys.run, meta, "gpu_hour_usd", float, lambda v: 0 <= v < math.inf)
-        pipeline = RunPipeline(world or 1, price, hang=self.hang_factory(), run=keys.run)
+        settings = self._settings(keys.run, meta)
+        if settings:
+            log.info("run %s: detectors built with the run's own settings: %s", keys.run, tuning.describe(settings))
+        pipeline = RunPipeline(world or 1, price, hang=self.hang_factory(), run=keys.run, settings=settings)
         run = _Run(keys, pipeline, status=meta.get("status", "running"),
                    replay=meta.get("source", "").startswith("replay:"))
         run.bounds = {name: StreamBound(entries, self.retention_bytes[name]) for name, entries in (
@@ -889,8 +927,16 @@ class DetectorService:
 
     def _tick_run(self, run: _Run, now: float) -> None:
         if now - run.meta_checked >= 5.0:
-            fields = ("status", "world_size", "gpu_hour_usd", "source")
+            fields = ("status", "world_size", "gpu_hour_usd", "source", tuning.META_FIELD)
             meta = {k: _s(v) for k, v in zip(fields, self.client.hmget(run.keys.meta, fields), strict=False) if v}
+            if self._settings(run.keys.run, meta) != run.pipeline.settings:
+                # Written after the run was attached (rank 0 connected after another rank registered the run), or
+                # changed by a relaunch: the run's detectors are rebuilt with them, from its streams (as after a
+                # restart of the service), so their state never mixes two settings.
+                log.info("run %s: its detector settings changed; rebuilding its state with them", run.keys.run)
+                self.runs[run.keys.run] = rebuilt = self._attach(run.keys)
+                self._retire_stale(rebuilt)
+                return
             run.replay = run.replay or meta.get("source", "").startswith("replay:")
             if meta.get("status") and meta["status"] != run.status:
                 run.status, run.dirty = meta["status"], True

@@ -29,6 +29,18 @@ Faults you can inject, and what trainhealth should say:
   from step S, a real optimisation blow-up → ``loss_spike`` at about step S.
 - ``--crash-step S``: every rank exits abruptly (``os._exit``) right after step S, as when a
   node fails → with ``--max-restarts``, ``restart`` with ``resume_step`` = checkpoint + 1.
+- ``--leak-rank R``: rank R keeps ``--leak-kib`` KiB of tensors more after every step (a cache that only grows, up
+  to ``--leak-max-mib``) → ``memory_growth`` on rank R (host memory on CPU). The run's detector settings judge the
+  trend on 30 s instead of 10 min (``trainhealth.tuning``), and the ranks send a heartbeat (with a memory sample)
+  every second.
+- ``--slow-comm-node N``: the ranks of node N (``--ranks-per-node`` ranks each: torchrun's nodes, or nodes simulated
+  on one machine, named ``<host>-node<N>``) spend ``--slow-comm-ms`` more in the gradient all-reduce for steps
+  ``[--slow-comm-from, --slow-comm-to)``, as behind a slow link. The all-reduce is then done after backward, timed as
+  the ``allreduce`` section (DDP's overlap is switched off with ``no_sync``): every rank waits inside it for node N,
+  so no rank is a straggler; the job's steps are slower (a throughput drop).
+- ``--plateau-from S``: from step S the parameters stop being updated (as when every layer is frozen by mistake),
+  with the learning rate held at its peak after warm-up (a constant schedule) → ``plateau`` (settings: a stretch of
+  half the steps after S, judged against a 5 % gain: the frozen model's loss still moves with each batch).
 
 Sections are the work a rank does on its own, never waiting for another rank: ``data`` and
 ``forward`` before the gradient all-reduce, ``optimizer`` after it. Backward is deliberately
@@ -45,6 +57,7 @@ import logging
 import math
 import os
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -58,7 +71,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # Run from a source checkout without installing: make the repository importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainhealth import Monitor
+from trainhealth import Monitor, defaults
 from trainhealth.collectors.integrations.torch import grad_norm_value
 
 log = logging.getLogger("torchrun_gpt")
@@ -124,15 +137,37 @@ def get_batch(data: torch.Tensor, step: int, rank: int, batch_size: int, seq_len
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warm-up then cosine decay to 10 %; ×50 during the injected spike."""
+    """Linear warm-up then cosine decay to 10 % (held at the peak with ``--plateau-from``: a constant schedule, so
+    the flat loss is not the schedule's end); ×50 during the injected spike."""
     if step < args.warmup:
         lr = args.lr * (step + 1) / args.warmup
+    elif args.plateau_from >= 0:
+        lr = args.lr
     else:
         frac = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
         lr = args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
     if args.spike_step >= 0 and args.spike_step <= step < args.spike_step + args.spike_steps:
         lr *= 50.0
     return lr
+
+
+
+
+def detector_settings(args: argparse.Namespace) -> dict[str, dict[str, float]] | None:
+    """The run's own detector settings (``trainhealth.tuning``) for the faults injected; None without any."""
+    out: dict[str, dict[str, float]] = {}
+    if args.leak_rank >= 0:
+        from trainhealth.collectors.memory import MemorySampler
+
+        host = MemorySampler(0).sample()["host_total"] or 64 * 2**30
+        out["memory_growth"] = {"window_s": 120.0, "min_span_s": 30.0, "min_samples": 20, "bucket_s": 2.0,
+                                "min_growth_frac": min(1.0, max(1e-4, 48 * 2**20 / host))}  # opens at 48 MiB
+    if args.plateau_from >= 0:
+        stretch = max(20, (args.steps - args.plateau_from) // 2)
+        # A frozen model's loss still moves with each batch (a few %): judged against a 5 % gain, not 1 %.
+        out["plateau"] = {"min_steps": stretch, "min_points": min(100, max(9, stretch // 2)),
+                          "run_fraction": min(1.0, stretch / max(1, args.steps)), "min_gain": 0.05}
+    return out or None
 
 
 def newest_checkpoint(ckpt_dir: Path) -> tuple[int, Path] | None:
@@ -173,6 +208,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spike-step", type=int, default=-1, help="first step of a x50 learning-rate burst")
     p.add_argument("--spike-steps", type=int, default=3, help="steps the burst lasts")
     p.add_argument("--crash-step", type=int, default=-1, help="all ranks exit abruptly after this step (first launch)")
+    p.add_argument("--leak-rank", type=int, default=-1, help="rank whose host memory grows every step")
+    p.add_argument("--leak-kib", type=int, default=256, help="KiB it keeps per step")
+    p.add_argument("--leak-max-mib", type=int, default=384, help="bound of the leak (MiB per process)")
+    p.add_argument("--slow-comm-node", type=int, default=-1, help="node whose all-reduce is slow")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="ranks per node for --slow-comm-node (default: torchrun's LOCAL_WORLD_SIZE; fewer simulates "
+                        "nodes on one machine)")
+    p.add_argument("--slow-comm-ms", type=float, default=30.0, help="milliseconds the slow node adds per step")
+    p.add_argument("--slow-comm-from", type=int, default=0, help="first step of the slow all-reduce")
+    p.add_argument("--slow-comm-to", type=int, default=10**9, help="first step after it")
+    p.add_argument("--plateau-from", type=int, default=-1, help="step from which the parameters stop being updated")
     p.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoints (and resume) directory")
     p.add_argument("--ckpt-every", type=int, default=50, help="save after every N steps (0: never)")
     p.add_argument("--log-every", type=int, default=20, help="rank 0 prints every N steps")
@@ -211,7 +257,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # One Monitor per rank; rank and world size come from torchrun's RANK / WORLD_SIZE, Redis
     # from TRAINHEALTH_REDIS_URL (else the embedded server of `trainhealth serve`).
-    mon = NullMonitor() if args.no_monitor else Monitor(args.run, run_config={k: str(v) for k, v in vars(args).items()})
+    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    node = rank // per_node
+    simulated = per_node < int(os.environ.get("LOCAL_WORLD_SIZE", world))  # several "nodes" on this machine
+    mon = NullMonitor() if args.no_monitor else Monitor(
+        args.run, run_config={k: str(v) for k, v in vars(args).items()}, detector_settings=detector_settings(args),
+        host=f"{socket.gethostname()}-node{node}" if simulated else None,
+        heartbeat_interval=1.0 if args.leak_rank >= 0 else defaults.HEARTBEAT_INTERVAL_S)
+    explicit_allreduce = args.slow_comm_node >= 0
+    kept: list[torch.Tensor] = []  # --leak-rank: what a cache that never evicts keeps
 
     torch.manual_seed(args.seed)
     model = TinyGPT(256, args.seq_len, args.d_model, args.layers, args.heads)
@@ -242,17 +296,33 @@ def main(argv: list[str] | None = None) -> int:
         with mon.step(step):
             with mon.section("data"):
                 x, y = get_batch(data, step, rank, args.batch_size, args.seq_len, args.seed)
-            with mon.section("forward"):
-                if rank == args.slow_rank:
-                    time.sleep(args.slow_ms / 1000.0)  # a slower device: more own work before the all-reduce
-                loss = ddp(x, y)
-            # Not a section: DDP's all-reduce overlaps backward, so this includes waiting for the slowest rank.
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            with ddp.no_sync() if explicit_allreduce else contextlib.nullcontext():
+                with mon.section("forward"):
+                    if rank == args.slow_rank:
+                        time.sleep(args.slow_ms / 1000.0)  # a slower device: more own work before the all-reduce
+                    loss = ddp(x, y)
+                opt.zero_grad(set_to_none=True)
+                if explicit_allreduce:
+                    with mon.section("backward"):  # no all-reduce in it: the rank's own work
+                        loss.backward()
+                else:
+                    # Not a section: DDP's all-reduce overlaps backward, so this includes waiting for the slowest rank.
+                    loss.backward()
+            if explicit_allreduce:
+                with mon.section("allreduce"):  # a collective: each rank's time in it includes waiting for the others
+                    if node == args.slow_comm_node and args.slow_comm_from <= step < args.slow_comm_to:
+                        time.sleep(args.slow_comm_ms / 1000.0)  # a slow link: this node's transfers take longer
+                    for prm in model.parameters():
+                        if prm.grad is not None:
+                            dist.all_reduce(prm.grad)
+                            prm.grad.div_(world)
             with mon.section("optimizer"):
                 # Gradients are all-reduced by now: the norm is global and the same on every rank.
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-                opt.step()
+                if args.plateau_from < 0 or step < args.plateau_from:
+                    opt.step()  # from --plateau-from on, nothing is updated: a frozen model
+            if rank == args.leak_rank and len(kept) * args.leak_kib < args.leak_max_mib * 1024:
+                kept.append(torch.full((args.leak_kib * 256,), float(step)))  # float32: leak_kib KiB, written
         # .item() after the optimizer step: one sync at the end of the step (on a GPU it waits for the queue).
         mon.log_step(step, loss=loss.item(), grad_norm=grad_norm_value(grad_norm), lr=lr, tokens=tokens_per_rank,
                      samples=args.batch_size, consumed_samples=(step + 1) * args.batch_size * world)

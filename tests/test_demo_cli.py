@@ -218,3 +218,28 @@ def test_ctrl_c_in_the_middle_of_the_job_stops_it_and_marks_the_run_interrupted(
     while subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout and time.monotonic() < deadline:
         time.sleep(0.2)
     assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout == b""  # nothing left
+
+
+def test_the_demo_says_what_it_injects_and_tunes_its_run() -> None:
+    from trainhealth.commands.demo import DemoConfig, _faults, demo_detector_settings
+
+    assert _faults(DemoConfig(run="d")) == (
+        "straggler rank 5 (steps 250-800), loss spike at step 450, crash after step 620 and resume from the last "
+        "checkpoint, rank 2's host memory grows 256 KiB a step (up to 384 MiB), slow all-reduce on demo-node-1 "
+        "(+30 ms, steps 1000-1300), loss plateau from step 1000 at a held learning rate")
+    # 120 steps: only the leak is within reach; 2 ranks on one node: no node's network to slow.
+    assert _faults(DemoConfig(run="d", ranks=4, steps=120)) == (
+        "rank 2's host memory grows 256 KiB a step (up to 384 MiB)")
+    assert "slow all-reduce" not in _faults(DemoConfig(run="d", ranks=2, ranks_per_node=4, leak_rank=1))
+    # The learning rate is held after its warm-up (a plateau needs it held), the loss from plateau_from on.
+    cfg = DemoConfig(run="d")
+    assert (cfg.lr(0), cfg.lr(99), cfg.lr(100), cfg.lr(1499)) == (3e-4 / 100, 3e-4, 3e-4, 3e-4)
+    decaying = DemoConfig(run="d", plateau_from=10**9)
+    assert cfg.loss(999, 0) == decaying.loss(999, 0) and cfg.loss(1400, 0) > decaying.loss(1400, 0)
+    # The run's own settings, through the same check as any job's; a leak of 48 MiB opens on a 16 GiB host.
+    from trainhealth.tuning import validate
+
+    assert validate(demo_detector_settings(16 * 2**30)) == {
+        "memory_growth": {"window_s": 60.0, "min_span_s": 20.0, "min_samples": 15, "bucket_s": 2.0,
+                          "min_growth_frac": 48 / 16 / 1024},
+        "plateau": {"min_steps": 200, "min_points": 60, "run_fraction": 0.15}}

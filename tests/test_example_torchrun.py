@@ -96,3 +96,20 @@ def test_crash_and_torchrun_relaunch_resume_from_checkpoint(r: redis.Redis, redi
     assert sorted(p.name for p in ckpt.iterdir()) == [f"ckpt-{s:08d}.pt" for s in (9, 19, 29, 39)]
     assert sorted(e.rank for e in events if e.kind == "run_start") == [0, 0, 1, 1, 2, 2, 3, 3]  # 2 launches
     assert sorted(e.rank for e in events if e.kind == "run_end") == [0, 1, 2, 3]  # only the relaunch ends cleanly
+
+
+def test_a_frozen_model_at_a_held_learning_rate_is_a_plateau(r: redis.Redis, redis_url: str,
+                                                              serve: subprocess.Popen, wait_for) -> None:
+    # --plateau-from 100: a constant learning rate after warm-up, no update from step 100 on; the run's detector
+    # settings judge a 50-step stretch against a 5 % gain (the frozen model's loss moves ~3 % with each batch).
+    torchrun(redis_url, "--run-id", "gpt-plateau", "--steps", "200", "--plateau-from", "100", "--ckpt-every", "0")
+    wait_for(ledger_with(r, "gpt-plateau", 200), 30, "the service to process the 200 steps")
+    assert json.loads(r.hget("th:{gpt-plateau}:meta", "detector_settings")) == {
+        "plateau": {"min_steps": 50, "min_points": 25, "run_fraction": 0.25, "min_gain": 0.05}}
+    plateaus = {k: a for k, a in anomalies_of(r, "gpt-plateau").items() if a["kind"] == "plateau"}
+    assert list(plateaus) == ["plateau:*:99:0"]
+    ev = plateaus["plateau:*:99:0"]["evidence"]
+    assert (plateaus["plateau:*:99:0"]["status"], ev["first_step"], ev["last_step"], ev["points"]) == (
+        "active", 149, 199, 51)
+    assert (ev["lr_min"], ev["lr_max"], ev["lr_peak"], ev["gpus"]) == (3e-3, 3e-3, 3e-3, 4)
+    assert abs(ev["gain"]) < 0.05 < ev["median_before"]
