@@ -2,12 +2,12 @@
 multi-rank training job (also used by the end-to-end tests).
 
 Each rank is its own process, as under ``torchrun``, instrumented with
-:class:`trainhealth.Monitor` exactly as a real job would be. A shared barrier stands in for the
-gradient all-reduce (timed as the ``allreduce`` section), so every rank's step takes as long as the slowest rank's
-sections, and a straggler shows only in its own section times. Scripted faults: one slow rank for a
-span of steps, a loss spike, a crash of the whole job followed by a relaunch that
+:class:`trainhealth.Monitor` exactly as a real job would be. Each node's ranks time their node's own
+collective as the ``allreduce`` section; a shared barrier stands in for the gradient sync across nodes, so every
+rank's step takes as long as the slowest rank's, and a straggler shows only in its own section times.
+Scripted faults: one slow rank for a span of steps, a loss spike, a crash of the whole job followed by a relaunch that
 resumes from the last checkpoint (as ``torchrun --max-restarts`` would), one rank whose host memory grows step after
-step (a leak), a node whose all-reduce slows (a slow network: every rank waits for it inside the collective), and a
+step (a leak), a node whose collective slows (a slow link: the other nodes' ranks wait for it at the sync), and a
 loss that stops improving at a held learning rate (a plateau). The run tunes the memory-growth and plateau detectors
 (:mod:`trainhealth.tuning`) so a two-minute demo shows what takes them tens of minutes of evidence on a real job.
 """
@@ -60,10 +60,12 @@ class DemoConfig:
 
     Rank ``leak_rank`` (< 0: none) keeps ``leak_kib`` KiB of host memory more after every step, up to ``leak_max_mib``
     MiB per process (a relaunch starts from nothing again). The ranks of node ``comm_slow_node`` (< 0: none) spend
-    ``comm_slow_s`` more in the all-reduce for steps in ``[comm_slow_from, comm_slow_to)``: the others wait for them
-    at the barrier, inside the same section. From step ``plateau_from`` the loss stays at its level then (the
-    learning rate is held after its warm-up: a plateau, not a schedule's end). ``detector_settings`` are the run's
-    own (:mod:`trainhealth.tuning`); None: :func:`demo_detector_settings`.
+    ``comm_slow_s`` more in their node's collective (``comm_s`` each step, timed as ``allreduce``) for steps in
+    ``[comm_slow_from, comm_slow_to)``: the other nodes' ranks wait for them at the barrier (the gradient sync,
+    untimed), as data-parallel ranks wait for a tensor-parallel group whose link is slow. From step
+    ``plateau_from`` the loss stays at its level then (the learning rate is held after its warm-up: a plateau, not a
+    schedule's end). ``detector_settings`` are the run's own (:mod:`trainhealth.tuning`); None:
+    :func:`demo_detector_settings`.
     """
 
     run: str
@@ -90,6 +92,7 @@ class DemoConfig:
     leak_rank: int = 2
     leak_kib: int = 256
     leak_max_mib: int = 384
+    comm_s: float = 0.004
     comm_slow_node: int = 1
     comm_slow_from: int = 1000
     comm_slow_to: int = 1300
@@ -190,11 +193,9 @@ def _rank_loop(cfg: DemoConfig, rank: int, start: int, barrier, url: str, ckpt_f
                 time.sleep(cfg.data_s * jitter.uniform(0.9, 1.1))
             with mon.section("forward_backward"):
                 time.sleep(cfg.fb_s * (cfg.straggler_factor if slow else 1.0) * jitter.uniform(0.97, 1.03))
-            with mon.section("allreduce"):  # the gradient all-reduce: everyone waits for the slowest rank
-                extra = cfg.comm_extra_s(step, rank)
-                if extra:
-                    time.sleep(extra)  # a slow link: this node's share of the collective takes longer
-                barrier.wait()
+            with mon.section("allreduce"):  # the node's own (tensor-parallel) collective, timed by the job
+                time.sleep(cfg.comm_s + cfg.comm_extra_s(step, rank))  # a slow link: this node's takes longer
+            barrier.wait()  # the data-parallel gradient sync, untimed: everyone waits for the slowest rank
             with mon.section("optimizer"):
                 time.sleep(cfg.optim_s)
             if leak and len(kept) < leak_max:

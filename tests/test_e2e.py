@@ -117,9 +117,16 @@ def test_demo_job_shows_a_leaking_rank_a_slow_network_and_a_plateau(r, redis_url
         snap = wait_for(done, 60, "the service to process all 700 steps")
         anomalies = {k.decode(): json.loads(v) for k, v in r.hgetall("th:{e2e-other}:anomalies").items()}
         kinds = sorted({k.split(":")[0] for k in anomalies})
-        # The slow network is inside the all-reduce section, left out of each rank's own time: no straggler, slow
-        # node or rank outlier; the job's steps are slower (a throughput drop, or slow steps, on a loaded machine).
-        assert set(kinds) - {"throughput_drop", "slow_step"} == {"memory_growth", "plateau"}
+        # The slow link is in node 1's own collective (the allreduce section), left out of each rank's own time: no
+        # straggler, slow node or rank outlier, but a network anomaly on that node; the job's steps are slower too
+        # (a throughput drop, or slow steps, on a loaded machine).
+        assert set(kinds) - {"throughput_drop", "slow_step"} == {"memory_growth", "plateau", "network_slow"}
+        [net] = [a for k, a in anomalies.items() if k.startswith("network_slow:")]
+        assert (net["ranks"], net["hosts"], net["status"]) == ([2, 3], ["demo-node-1"], "resolved")
+        # Slow from step 400 to 549: found within the first 20-step windows, its end within the last.
+        assert 400 <= net["step"] < 440 and 530 <= net["end_step"] < 570
+        assert net["message"].startswith("demo-node-1's ranks spent more of the step in communication than the "
+                                         "other nodes' from step ")
         [leak] = [a for k, a in anomalies.items() if k.startswith("memory_growth:")]
         assert leak["id"].startswith("memory_growth:1:") and leak["id"].endswith(":0")
         assert (leak["ranks"], leak["hosts"], leak["evidence"]["metric"], leak["evidence"]["capacity"]) == (
