@@ -275,9 +275,10 @@ def main() -> None:
     ap.add_argument("--services", type=int, default=1, help="trainhealth serve processes")
     ap.add_argument("--redis", choices=("single", "cluster"), default="single")
     ap.add_argument("--faults", default="straggler,spike,hang", help="comma-separated; empty for none")
-    ap.add_argument("--hang-s", type=float, default=45.0, help="the hang's pause (s)")
+    ap.add_argument("--hang-s", type=float, default=90.0, help="the hang's pause (s)")
     ap.add_argument("--dashboard", action="store_true", help="AppTest times of Runs and Overview after the load")
     ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--profile", help="run the first service under cProfile, its profile written to this file")
     args = ap.parse_args()
     steps = max(10, int(args.duration / args.step_s))
     names = {f for f in args.faults.split(",") if f}
@@ -294,9 +295,10 @@ def main() -> None:
         mem0 = used_memory(server)
         env = {**os.environ, "TRAINHEALTH_REDIS_URL": server.url,
                "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-        services = [subprocess.Popen([sys.executable, "-m", "trainhealth", "serve"], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    for _ in range(args.services)]
+        prof = ["-m", "cProfile", "-o", args.profile] if args.profile else []
+        services = [subprocess.Popen([sys.executable, *(prof if i == 0 else []), "-m", "trainhealth", "serve"],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    for i in range(args.services)]
         ctx = mp.get_context("spawn")
         pairs = [(r, k) for r in range(args.runs) for k in range(args.ranks)]
         ready, go, done, t0_box = ctx.Barrier(args.procs + 1), ctx.Event(), ctx.Queue(), ctx.Value("d", 0.0)
