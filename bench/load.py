@@ -16,10 +16,12 @@ What runs:
 - ``--services`` ``trainhealth serve`` processes sharing the runs (their own leases and rebalancing).
 - ``--procs`` producer processes hosting ``--runs`` x ``--ranks`` real :class:`trainhealth.Monitor` objects (each
   with its own sender thread and connection, as in a job), every rank stepping every ``--step-s`` seconds from a
-  common start: ``step()`` with three ``section()`` blocks and ``log_step()``. **Shortcut**: the sections' seconds
-  are set to what a ``--step-s`` step would measure (5 %, 60 % and 10 % of it, with noise) instead of being
-  slept in — timing 1,024 ranks' real work on one machine would take 1,024 x the step. Producers run at nice 19,
-  so the services' share of the cores is not taken by the simulation (on a cluster each rank has its own host).
+  common start: ``step()`` with three sections and ``log_step()``. **Shortcuts**: the sections' seconds are given
+  with ``add_section`` as a ``--step-s`` step would measure them (5 %, 60 % and 10 % of it, with noise) instead of
+  being slept in — timing 1,024 ranks' real work on one machine would take 1,024 x the step; beyond 250 Monitors
+  they flush every ``Monitors / 1,000`` s instead of 0.25 s (thousands of sender threads on 2 cores). Producers run
+  at nice 19, so the services' share of the cores is not taken by the simulation (on a cluster each rank has its own
+  host).
 - Faults, in run 0 only (``--faults``, any of ``straggler,spike,hang``): rank ``ranks // 2 + 1`` is 2.5x slower in
   its forward/backward from 15 % to 55 % of the steps; every rank's loss is 3x at 60 %; and at 75 % every rank
   stops stepping for ``--hang-s`` seconds while its heartbeats go on (a hung collective), then resumes.
@@ -66,6 +68,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import redis  # noqa: E402
 
+from trainhealth import defaults  # noqa: E402
 from trainhealth.connection import connect  # noqa: E402
 from trainhealth.embedded_redis import find_redis_server, free_port, ping  # noqa: E402
 from trainhealth.keys import run_keys  # noqa: E402
@@ -95,14 +98,25 @@ class Faults:
         return 0.0
 
 
+def flush_interval(monitors: int) -> float:
+    """The Monitors' flush interval: the default (0.25 s) up to 250 Monitors on this machine; beyond, so that their
+    senders wake ~1,000 times a second in all (4.1 s at 4,096). Thousands of sender threads waking every 0.25 s on
+    2 cores keep hundreds runnable, and Redis (one thread among them) answers after the collectors' socket timeout
+    (bench/dashboard_scale.py measured it); on a cluster each rank has its own CPU."""
+    return max(defaults.COLLECTOR_FLUSH_INTERVAL_S, monitors / 1_000)
+
+
 def _producer(url: str, pairs: list[tuple[int, int]], ranks: int, steps: int, step_s: float, faults: Faults,
-              ready: Any, go: Any, t0_box: Any, done: Any) -> None:
+              flush_s: float, ready: Any, go: Any, t0_box: Any, done: Any) -> None:
     """A producer process: a real Monitor per ``(run, rank)`` of ``pairs``, one step every ``step_s`` seconds."""
     from trainhealth import Monitor
 
     os.nice(19)
+    # Hundreds of sender threads share this process's GIL; each waiting one re-checks every switch interval (5 ms).
+    # They release the GIL on every Redis round trip, so a longer interval costs them nothing.
+    sys.setswitchinterval(0.05)
     mons = [(run, Monitor(run_name(run), redis_url=url, rank=rank, world_size=ranks, host=f"node-{rank // 8:03d}",
-                          spill_dir=False, close_timeout=120)) for run, rank in pairs]
+                          spill_dir=False, close_timeout=300, flush_interval=flush_s)) for run, rank in pairs]
     ready.wait()
     go.wait()
     t0 = t0_box.value
@@ -110,24 +124,21 @@ def _producer(url: str, pairs: list[tuple[int, int]], ranks: int, steps: int, st
     for s in range(steps):
         rng = random.Random(s)
         base = 2.0 + 1.5 * math.exp(-s / 300) + rng.gauss(0, 0.01)
+        st = faults.straggler
         for run, mon in mons:
             due = t0 + s * step_s + faults.delay(run, s)
             time.sleep(max(0.0, due - time.time()))
+            slow = 2.5 if run == 0 and st is not None and mon.rank == st[0] and st[1] <= s < st[2] else 1.0
             with mon.step(s):
-                for name in SECTIONS:
-                    with mon.section(name):
-                        pass
-                mon._sections = {name: step_s * (share + 0.01 * rng.random())
-                                 for name, share in zip(SECTIONS, SHARES, strict=True)}
-                st = faults.straggler
-                if run == 0 and st is not None and mon.rank == st[0] and st[1] <= s < st[2]:
-                    mon._sections["forward_backward"] *= 2.5
+                # What the sections of a step_s-second step measure: timing the real work of hundreds of ranks on
+                # one machine would take hundreds of steps' time.
+                for name, share in zip(SECTIONS, SHARES, strict=True):
+                    mon.add_section(name, step_s * (share + 0.01 * rng.random()) * (slow if name != "data" else 1.0))
             loss = base * (3.0 if run == 0 and s == faults.spike else 1.0)
             mon.log_step(s, loss=loss, grad_norm=0.8 + rng.uniform(0, 0.05), lr=3e-4, tokens=8192, samples=4)
             logged += 1
     closed = [m.close() for _, m in mons]
-    dropped = sum(m.dropped_total for _, m in mons)
-    done.put({"logged": logged, "closed": all(closed), "dropped": dropped})
+    done.put({"logged": logged, "closed": all(closed), "dropped": sum(m.dropped_total for _, m in mons)})
 
 
 def _cpu_s(pid: int) -> float:
@@ -301,9 +312,10 @@ def main() -> None:
                     for i in range(args.services)]
         ctx = mp.get_context("spawn")
         pairs = [(r, k) for r in range(args.runs) for k in range(args.ranks)]
+        flush_s = flush_interval(len(pairs))
         ready, go, done, t0_box = ctx.Barrier(args.procs + 1), ctx.Event(), ctx.Queue(), ctx.Value("d", 0.0)
         procs = [ctx.Process(target=_producer, args=(server.url, pairs[i::args.procs], args.ranks, steps, args.step_s,
-                                                     faults, ready, go, t0_box, done))
+                                                     faults, flush_s, ready, go, t0_box, done))
                  for i in range(args.procs)]
         for p in procs:
             p.start()
