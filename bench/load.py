@@ -121,7 +121,10 @@ def _producer(url: str, pairs: list[tuple[int, int]], ranks: int, steps: int, st
     go.wait()
     t0 = t0_box.value
     logged = 0
+    parent = os.getppid()
     for s in range(steps):
+        if os.getppid() != parent:  # the bench was killed: no orphans stepping on
+            os._exit(1)
         rng = random.Random(s)
         base = 2.0 + 1.5 * math.exp(-s / 300) + rng.gauss(0, 0.01)
         st = faults.straggler
@@ -161,7 +164,7 @@ class SingleRedis:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen([find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--maxclients", "20000",
+                                      "--save", "", "--appendonly", "no",
                                       "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not ping(self.url, timeout=0.2):
@@ -188,10 +191,12 @@ class ClusterRedis:
         from conftest import RedisClusterProcs
 
         self.c = RedisClusterProcs(directory)
-        self.c.start()
+        try:
+            self.c.start()
+        except BaseException:
+            self.c.stop()
+            raise
         self.url = self.c.url
-        for port in self.c.ports:
-            self.c.node(port).config_set("maxclients", 20000)
 
     def nodes(self) -> list[redis.Redis]:
         return [self.c.node(p) for p in self.c.primaries()]
@@ -298,11 +303,12 @@ def main() -> None:
         ap.error(f"--faults: unknown {sorted(unknown)} (known: straggler, spike, hang)")
     faults = Faults(names, steps, args.ranks, args.hang_s)
     tmp = Path(tempfile.mkdtemp(prefix="th-load-"))
-    server: Any = SingleRedis(tmp) if args.redis == "single" else ClusterRedis(tmp)
-    client = connect(server.url)
     services: list[subprocess.Popen] = []
     procs: list[Any] = []
+    server: Any = None
     try:
+        server = SingleRedis(tmp) if args.redis == "single" else ClusterRedis(tmp)
+        client = connect(server.url)
         mem0 = used_memory(server)
         env = {**os.environ, "TRAINHEALTH_REDIS_URL": server.url,
                "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
@@ -358,7 +364,8 @@ def main() -> None:
         for p in procs:
             if p.is_alive():
                 p.terminate()
-        server.stop()
+        if server is not None:
+            server.stop()
     logged = sum(r["logged"] for r in results)
     stored = got["records_stored"]
     figures = {
