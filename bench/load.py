@@ -246,13 +246,14 @@ class AggPoller(threading.Thread):
 
 def collect(client: Any, runs: int, faults: Faults, step_s: float) -> dict[str, Any]:
     """What the services wrote: stored records, aggregates, anomaly openings."""
-    records = aggs = 0
+    records = aggs = processed = 0
     found: dict[str, Any] = {}
     for i in range(runs):
         keys = run_keys(run_name(i))
         t_end: dict[int, float] = {}
         for _, f in client.xrange(keys.agg):
             t_end[int(f[b"step"])] = float(f[b"t_end"])
+            processed += int(f[b"n_ranks"])
             aggs += 1
         for _, f in client.xrange(keys.steps):
             records += int(f.get(b"n", len(json.loads(f[b"recs"]))))
@@ -265,7 +266,7 @@ def collect(client: Any, runs: int, faults: Faults, step_s: float) -> dict[str, 
             at = int(eid.split(b"-")[0]) / 1000
             found.setdefault(kind, []).append({"step": a.get("step"), "at": at,
                                                "lag_s": at - t_end[a["step"]] if a.get("step") in t_end else None})
-    return {"records_stored": records, "aggregates": aggs, "opened": found}
+    return {"records_stored": records, "records_processed": processed, "aggregates": aggs, "opened": found}
 
 
 def dashboard_times(url: str) -> dict[str, Any]:
@@ -367,11 +368,12 @@ def main() -> None:
         if server is not None:
             server.stop()
     logged = sum(r["logged"] for r in results)
-    stored = got["records_stored"]
+    stored = got["records_processed"]
     figures = {
         "config": {k: getattr(args, k) for k in ("ranks", "runs", "step_s", "duration", "procs", "services", "redis",
                                                   "faults", "hang_s")},
-        "steps": steps, "logged": logged, "stored": stored, "all_delivered": all(r["closed"] for r in results),
+        "steps": steps, "logged": logged, "stored": stored, "in_stream": got["records_stored"],
+        "all_delivered": all(r["closed"] for r in results),
         "dropped": sum(r["dropped"] for r in results),
         "ingest_records_per_s": stored / produced_s, "offered_records_per_s": args.runs * args.ranks / args.step_s,
         "aggregates": got["aggregates"], "aggregates_expected": total_aggs,
@@ -394,7 +396,8 @@ def report(f: dict[str, Any], faults: Faults) -> None:
     print(f"\n{c['runs']} run(s) x {c['ranks']} ranks, a step every {c['step_s']} s for {f['steps']} steps "
           f"({f['offered_records_per_s']:,.0f} records/s offered), {c['services']} service(s), Redis {c['redis']}; "
           f"load average {' '.join(f'{x:.2f}' for x in f['load_average'])}")
-    print(f"records logged {f['logged']:,}, stored {f['stored']:,}, dropped {f['dropped']:,} "
+    print(f"records logged {f['logged']:,}, aggregated by the service {f['stored']:,} ({f['in_stream']:,} still "
+          f"in the steps streams at the end), dropped {f['dropped']:,} "
           f"(all delivered: {f['all_delivered']}); "
           f"ingest {f['ingest_records_per_s']:,.0f} records/s over the stepping (pauses included); "
           f"aggregates {f['aggregates']:,} of "
