@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainhealth import defaults
-from trainhealth.wire import ROW_SOURCE, StepRecord, record_row, step_record
+from trainhealth.wire import ROW_SOURCE, StepRecord, record_row, row_record
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,7 @@ def _merge(a: StepRecord, b: StepRecord) -> StepRecord:
 
 
 def _source(row: tuple) -> StepRecord:
-    src = row[ROW_SOURCE]
-    return src if isinstance(src, StepRecord) else step_record(src)
+    return row_record(row[ROW_SOURCE])
 
 
 class StepAggregator:

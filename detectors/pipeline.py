@@ -50,7 +50,7 @@ from trainhealth.detectors.worker_restart import WorkerRestartDetector
 from trainhealth.job import Culprit, JobState
 from trainhealth.recommendations import Recommendation
 from trainhealth.text import fmt_ranks
-from trainhealth.wire import ROW_DATA, ROW_SOURCE, ROW_STEP, Event, StepRecord, step_record
+from trainhealth.wire import ROW_DATA, ROW_SOURCE, ROW_STEP, Event, StepRecord, row_record
 
 log = logging.getLogger(__name__)
 
@@ -233,11 +233,11 @@ class RunPipeline:
             if rank >= agg.world_size:
                 self.set_world_size(rank + 1)
             src = rec[ROW_SOURCE]
-            if type(src) is dict and self.rank_outlier.data_sections is agg.data_sections:
-                # A plain record's row holds the data-loading sum observe() would compute.
+            if type(src) is not StepRecord and self.rank_outlier.data_sections is agg.data_sections:
+                # A plain (or typed) record's row holds the data-loading sum observe() would compute.
                 self.rank_outlier.observe_data(rank, rec[ROW_DATA], rec[ROW_STEP])
             else:
-                self.rank_outlier.observe(src if isinstance(src, StepRecord) else step_record(src))
+                self.rank_outlier.observe(row_record(src))
             out = agg.add_row(rec)
             if agg.first_rows:
                 self._first_rows()
