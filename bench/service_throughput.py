@@ -47,9 +47,10 @@ Starts its own redis-server on a free port (no persistence). Two parts:
    Printed per pass: records/s, CPU µs per record of the service process (``time.process_time``) and of
    redis-server (``INFO cpu``), and the load average; then each version's medians. After each pass every
    key the service wrote (aggregates, rollups, anomalies and their log, recommendations, incidents,
-   checkpoints, ledger, job state, lease; of the input streams, their length and consumer group state) is
-   read back: the pass fails unless all are byte-identical to the first pass's (stream ids included where
-   the service chose them: the aggregates'; the server's own ids of the anomaly log and ledger are left out).
+   checkpoints, ledger, job state; of the input streams, their length and consumer group state) is read
+   back: the pass fails unless all are byte-identical to the first pass's (stream ids included where the
+   service chose them: the aggregates'; the server's own ids of the anomaly log and ledger are left out, and
+   the run's lease, which expires in wall-clock time).
 """
 
 from __future__ import annotations
@@ -341,8 +342,8 @@ def _written(client: redis.Redis, run: str) -> dict[str, str]:
     out = {}
     for raw in sorted(client.scan_iter(count=1000)):
         key = raw.decode()
-        if key.startswith(f"th:{{{run}}}:{PRISTINE}:"):
-            continue
+        if key.startswith(f"th:{{{run}}}:{PRISTINE}:") or key == keys.owner:
+            continue  # the kept input; the lease, which expires in wall-clock time
         kind = client.type(key).decode()
         if key in keys.input_streams:
             groups = [{k: v for k, v in g.items() if k != "lag"} for g in client.xinfo_groups(key)]

@@ -13,6 +13,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Any
 
 from trainhealth import defaults
@@ -770,7 +771,8 @@ def agg_fields(agg: StepAggregate) -> dict[str, Any]:
     d: dict[str, Any] = {
         "step": agg.step, "gen": agg.gen, "t_end": repr(agg.t_end), "n_ranks": agg.n_ranks,
         "data_s": repr(agg.data_s),
-        "busy": json.dumps([None if b is None else round(b, 6) for b in agg.busy]),
+        "busy": json.dumps([None if b is None else round(b, 6) for b in agg.busy] if None in agg.busy else
+                           list(map(round, agg.busy, repeat(6)))),
     }
     if agg.t_start is not None:
         d["t_start"] = repr(agg.t_start)

@@ -645,20 +645,25 @@ def test_typed_decode_gives_the_rows_of_the_dict_path() -> None:
         return {b"rank": b"4", b"n": str(len(recs)).encode(), b"recs": json.dumps(recs).encode()}
 
     def dict_path(fields: dict[bytes, bytes]) -> tuple[list[tuple], list[str]]:
-        saved = dict(wire._TYPED_FOR)
-        wire._TYPED_FOR.clear()
+        saved = dict(wire._TYPED_FOR), dict(wire._TYPED_LAST)
+        forget()
         try:
             return decode(fields)
         finally:
-            wire._TYPED_FOR.clear()
-            wire._TYPED_FOR.update(saved)
+            forget()
+            wire._TYPED_FOR.update(saved[0])
+            wire._TYPED_LAST.update(saved[1])
+
+    def forget() -> None:
+        wire._TYPED_FOR.clear()
+        wire._TYPED_LAST.clear()
 
     def decode(fields: dict[bytes, bytes]) -> tuple[list[tuple], list[str]]:
         bad: list[str] = []
         rows = decode_step_rows(fields, ds, lambda i, exc: bad.append(f"{i}: {exc}"))
         return rows, bad
 
-    wire._TYPED_FOR.clear()
+    forget()
     first = entry([rec(s) for s in range(3)])
     rows, _ = decode(first)
     assert all(type(r[ROW_SOURCE]) is dict for r in rows)  # the dict path, which learns the layout
@@ -668,6 +673,8 @@ def test_typed_decode_gives_the_rows_of_the_dict_path() -> None:
     assert [r[:ROW_SOURCE] for r in typed] == [w[:ROW_SOURCE] for w in want]
     assert [row_record(r[ROW_SOURCE]) for r in typed] == [w[ROW_SOURCE] for w in want]
     assert typed[0][16] == 0 + 0.1 + 0.2 + 0.3 == 0.6000000000000001  # busy: the sections in the record's order
+    other_rank = decode({**entry([rec(s) for s in range(3)]), b"rank": b"5"})[0]  # the layout the others send
+    assert [type(r[ROW_SOURCE]).__name__ for r in other_rank] == ["TypedStepRecord"] * 3
 
     permuted = {k: v for k, v in rec(7).items() if k != "sec.data"} | {"sec.data": 0.1}  # adds to 0.6
     cases = {

@@ -416,10 +416,16 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
     """
     body = fields.get(b"recs")
     if _TYPED_FOR and type(body) is bytes and body[:2] == b"[{" and "recs" not in fields:
-        typed = _TYPED_FOR.get((data_sections, fields.get(b"rank")))
+        sender = (data_sections, fields.get(b"rank"))
+        typed = _TYPED_FOR.get(sender)
         if typed is not None:
             rows = typed.rows(body)
             if rows is not None:
+                return rows
+        elif sender[0] in _TYPED_LAST:  # a rank not seen yet: most likely of the layout the others send
+            rows = _TYPED_LAST[sender[0]].rows(body)
+            if rows is not None:
+                _TYPED_FOR[sender] = _TYPED_LAST[sender[0]]
                 return rows
     recs = _records(fields)
     layouts = _LAYOUTS.get(data_sections)
@@ -483,6 +489,7 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
 # (checked on the entry's bytes where three or more are added: two floats add the same in either order).
 _TYPED_FOR: dict[tuple[tuple[str, ...], Any], _Typed] = {}  # (data sections, the entry's rank field) -> decoder
 _TYPED: dict[tuple, _Typed | None] = {}  # (data sections, section keys in order, other keys) -> decoder, or None
+_TYPED_LAST: dict[tuple[str, ...], _Typed] = {}  # data sections -> the decoder learnt last (tried for a new rank)
 #: A CPU or GPU section's key in a ``recs`` body, as JSON: in a body the typed decode took, every string is a key
 #: (the values are numbers) and no key holds a quote (no field's name does), so each match is one whole key.
 _SECTION_KEYS = {p: re.compile(b'"' + re.escape(p.encode()) + b'[^"]*"') for p in (SECTION_PREFIX, GPU_PREFIX)}
@@ -555,7 +562,7 @@ def _learn(key: tuple, data_sections: tuple[str, ...], rank_field: Any) -> None:
     if typed is not None:
         if len(_TYPED_FOR) > 100_000:
             _TYPED_FOR.clear()
-        _TYPED_FOR[(data_sections, rank_field)] = typed
+        _TYPED_FOR[(data_sections, rank_field)] = _TYPED_LAST[data_sections] = typed
 
 
 def _typed(layout: tuple, sections: tuple[str, ...], others: frozenset[str]) -> _Typed | None:
