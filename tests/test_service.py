@@ -695,6 +695,17 @@ def test_typed_decode_gives_the_rows_of_the_dict_path() -> None:
     assert decode(entry([rec(6), permuted]))[0][1][16] == 0.6
     assert decode(entry([rec(6), rec(7, rank=2**20)]))[1] == ["1: record 1: field 'rank' is 1048576, not in 0..1048575"]
 
+    # Other layouts (each rank's own): GPU-timed sections, no sections (an untimed step), four sections.
+    for rank, extra, drop in ((b"6", {"gpu.forward_backward": 0.15, "gpu.optimizer": 0.25}, ()),
+                              (b"7", {}, ("dur", "sec.data", "sec.forward_backward", "sec.optimizer")),
+                              (b"8", {"sec.data_loading": 0.07}, ())):
+        recs = [{k: v for k, v in rec(s, **extra).items() if k not in drop} for s in range(3)]
+        decode({**entry(recs), b"rank": rank})
+        got = decode({**entry(recs), b"rank": rank})[0]
+        assert {type(r[ROW_SOURCE]).__name__ for r in got} == {"TypedStepRecord"}, rank
+        assert [r[:ROW_SOURCE] for r in got] == [r[:ROW_SOURCE] for r in dict_path({**entry(recs), b"rank": rank})[0]]
+    assert got[0][16:18] == (0 + 0.1 + 0.2 + 0.3 + 0.07, 0.1)  # rank 8: four sections, one of them data
+
     # A communication section is subtracted from the busy time: such a layout keeps the dict path.
     comm = [rec(s, **{"sec.allreduce": 0.05}) for s in range(8, 10)]
     decode(entry(comm))
