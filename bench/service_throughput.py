@@ -421,7 +421,10 @@ def compare(args: argparse.Namespace, rp: RedisProc) -> dict[str, Any]:
                     else:
                         diff = sorted(k for k in set(first) | set(written) if first.get(k) != written.get(k))
                         if diff:
-                            raise RuntimeError(f"{name}, pass {i + 1}: keys differ from the first pass's: {diff}")
+                            k = diff[0]
+                            raise RuntimeError(f"{name}, pass {i + 1}: keys differ from the first pass's: {diff}; "
+                                               f"{k} was {first.get(k, '')[:2000]}\nand is {written.get(k, '')[:2000]}"
+                                               f"\n(the pass's log: {proc.stderr[-3000:]})")
                         same = "identical"
                     digest = hashlib.sha256("".join(f"{k}={v}" for k, v in written.items()).encode()).hexdigest()
                     row = {"records_s": records / res["wall_s"], "cpu_us": 1e6 * res["cpu_s"] / records,
