@@ -9,14 +9,14 @@ are muted. An alert never inhibits itself. As in Alertmanager, a silenced source
 
 - a ``dead_rank`` of a run inhibits that run's ``hang`` (the other ranks wait in a collective for the
   dead one: the dead rank is the cause to act on) and its slowness alerts;
-- a ``hang`` inhibits that run's slowness alerts (``straggler``, ``slow_node``, ``rank_outlier``,
+- a ``hang`` inhibits that run's slowness alerts (``straggler``, ``slow_node``, ``network_slow``, ``rank_outlier``,
   ``throughput_drop``, ``slow_step``): a hung job makes every rank look slow;
 - a critical ``nan_inf`` (the loss itself is NaN/Inf) inhibits that run's ``loss_spike``,
   ``grad_norm_spike``, ``divergence`` and ``grad_norm_explosion`` alerts. A warning ``nan_inf`` (grad
   norm only: an fp16 overflow skip) does not;
 - a ``restart_storm`` inhibits that run's single ``restart`` alerts (the storm says it all);
-- a ``straggler`` or ``slow_node`` inhibits that run's ``throughput_drop`` and ``slow_step``: the slow rank
-  is the cause to act on, the job-wide slowdown its symptom.
+- a ``straggler``, ``slow_node`` or ``network_slow`` inhibits that run's ``throughput_drop`` and ``slow_step``: the
+  slow rank or node is the cause to act on, the job-wide slowdown its symptom.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class InhibitRule:
 
 
 #: Kinds a stalled or dead rank makes fire as a side effect, and the loss kinds a NaN loss explains.
-SLOWNESS_KINDS = "straggler|slow_node|rank_outlier|throughput_drop|slow_step"
+SLOWNESS_KINDS = "straggler|slow_node|network_slow|rank_outlier|throughput_drop|slow_step"
 LOSS_KINDS = "loss_spike|grad_norm_spike|divergence|grad_norm_explosion"
 
 DEFAULT_RULES = (
@@ -51,8 +51,8 @@ DEFAULT_RULES = (
     InhibitRule(parse_all(['kind="nan_inf"', 'severity="critical"']),
                 parse_all([f'kind=~"{LOSS_KINDS}"']), ("run",)),
     InhibitRule(parse_all(['kind="restart_storm"']), parse_all(['kind="restart"']), ("run",)),
-    InhibitRule(parse_all(['kind=~"straggler|slow_node"']), parse_all(['kind=~"throughput_drop|slow_step"']),
-                ("run",)),
+    InhibitRule(parse_all(['kind=~"straggler|slow_node|network_slow"']),
+                parse_all(['kind=~"throughput_drop|slow_step"']), ("run",)),
 )
 
 

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -263,6 +264,9 @@ class Monitor:
         Everything is delivered in order after reconnecting.
     spill_bytes : int
         Bound of the spill on disk (bytes); beyond it the oldest records are dropped and counted.
+    sample_indices_max : int
+        Most sample indices :meth:`log_step` records for one step (1 to ``defaults.SAMPLE_INDICES_MAX`` = 16,384,
+        what the detector service takes); a step's indices beyond it are not recorded, with one warning.
     enabled : bool
         False: the arguments are checked, then nothing starts, nothing is sent and every method returns at once
         (``TRAINHEALTH_MODE=disabled`` with :func:`trainhealth.init`).
@@ -296,6 +300,7 @@ class Monitor:
         started_at: float | None = None,
         spill_dir: str | os.PathLike[str] | bool | None = None,
         spill_bytes: int = defaults.COLLECTOR_SPILL_BYTES,
+        sample_indices_max: int = defaults.SAMPLE_INDICES_MAX,
         enabled: bool = True,
     ) -> None:
         self.keys = run_keys(run)
@@ -313,12 +318,17 @@ class Monitor:
             raise ConfigError(f"client={show(client)} is not a redis-py client")
         for name, value, low in (("buffer_records", buffer_records, 1), ("batch_records", batch_records, 1),
                                  ("spill_bytes", spill_bytes, 1), ("retention", retention, 1),
+                                 ("sample_indices_max", sample_indices_max, 1),
                                  ("retention_bytes", retention_bytes, 1)):
             if value is None and name in ("retention", "retention_bytes"):
                 continue
             if type(value) is not int or not low <= value <= sys.maxsize:  # not bool; within a C size
                 raise ConfigError(f"{name}={show(value)} must be an integer >= {low}"
                                   + (" (bytes)" if name.endswith("_bytes") else ""))
+        if sample_indices_max > defaults.SAMPLE_INDICES_MAX:
+            raise ConfigError(f"sample_indices_max={sample_indices_max} must be at most {defaults.SAMPLE_INDICES_MAX} "
+                              "(the detector service refuses a step record with more)")
+        self._indices_max = sample_indices_max
         for name, value in (("flush_interval", flush_interval), ("heartbeat_interval", heartbeat_interval),
                             ("close_timeout", close_timeout)):
             # Finite and within what threading's waits take: inf or 1e300 would kill the sender thread.
@@ -504,6 +514,7 @@ class Monitor:
         step_s: float | None = None,
         loss_missing: bool | None = None,
         loss_scale: float | None = None,
+        sample_indices: Sequence[int] | None = None,
         **unknown: Any,
     ) -> None:
         """Record a step's metrics: loss, global grad norm, learning rate, tokens and samples on this rank.
@@ -513,6 +524,14 @@ class Monitor:
         step, so a rollback recommendation can name the exact batches to skip. ``skipped=True``
         marks an optimizer step skipped by the loss scaler (fp16 overflow); ``loss_scale`` is the scaler's scale
         after the step (``GradScaler.get_scale()``, DeepSpeed's), which halves at each overflow.
+
+        ``sample_indices`` are the indices of the samples (documents, instances) **this rank** consumed in the step,
+        in order: what OLMo's data loader knows, or a sampler's indices for the step's batches (a ``range``, a list,
+        a numpy array; a tensor is read with ``tolist()``, so pass a CPU one). With them, an incident says which
+        samples its onset step trained on, and a rollback's export lists the exact samples to skip. At most
+        ``sample_indices_max`` (default and most 16,384) per rank per step: beyond it the step's indices are not
+        recorded, with one warning. The training thread only checks the length and copies them (a ``range`` is kept
+        as it is); the sender thread encodes them, each run of equally spaced indices as one range.
 
         ``timestamp`` (unix s) overrides when the step ended, for replaying logs; default now.
         ``step_s`` is the step's duration in seconds as the job itself measured it (a framework's
@@ -539,6 +558,10 @@ class Monitor:
                 metrics["loss_scale"] = loss_scale  # only mixed-precision jobs have one
             if loss_missing:
                 metrics["loss_missing"] = 1  # only replayed logs set it: live records keep their fields
+            if sample_indices is not None:
+                indices = self._indices(step, sample_indices)
+                if indices is not None:
+                    metrics["sample_indices"] = indices
             cur = self._cur
             if cur is not None and cur.step == step:
                 cur.metrics = metrics
@@ -559,6 +582,25 @@ class Monitor:
             self._progress(step, t)
         except Exception:
             self._internal_error()
+
+    def _indices(self, step: int, values: Any) -> Any:
+        """A snapshot of ``log_step``'s ``sample_indices`` for the sender to encode (it checks the values), or None
+        (with one warning) when there are too many or they are no sequence. O(1) for a ``range``, a C-speed copy
+        otherwise: a caller reusing its list must not change what was logged."""
+        try:
+            n = len(values)
+        except Exception:
+            self._warn_once("sample_indices", "log_step(sample_indices=%s): not a sequence of indices; not recorded",
+                            show(values))
+            return None
+        if n > self._indices_max:
+            self._warn_once("sample_indices_max", "log_step(step=%s, sample_indices=...): %d indices, more than the "
+                            "%d a rank logs per step (sample_indices_max); not recorded for this step and further "
+                            "ones this large", show(step), n, self._indices_max)
+            return None
+        if type(values) is range:
+            return values
+        return values.tolist() if hasattr(values, "tolist") else tuple(values)
 
     def _progress(self, step: int, t: float) -> None:
         last = self._last_step

@@ -46,7 +46,7 @@ from trainhealth.keys import RUNS, RunKeys
 from trainhealth.loop import Backoff
 from trainhealth.text import show
 from trainhealth.warn_once import WarnOnce
-from trainhealth.wire import DROP_CAUSES, encode_value
+from trainhealth.wire import DROP_CAUSES, encode_indices, encode_value
 
 log = logging.getLogger(__name__)
 
@@ -668,6 +668,12 @@ class Sender(threading.Thread):
         out: dict[str, Any] = {}
         for k, v in fields.items():
             if v is None:
+                continue
+            if numeric and k == "sample_indices":
+                try:
+                    out[k] = encode_indices(v, pause=self._pause)
+                except ValueError as exc:
+                    self._warn_once(k, "log_step(sample_indices=...): %s; not recorded", exc)
                 continue
             if numeric:
                 e, why = _step_value(k, v)

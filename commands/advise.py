@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import redis
 
-from trainhealth import recommendations
+from trainhealth import recommendations, samples
 from trainhealth.commands._shared import with_url
 from trainhealth.exceptions import ConfigError
 from trainhealth.keys import RUNS, run_keys
 from trainhealth.recommendations import STATUSES, Recommendation
+
+#: What ``--format`` prints.
+FORMATS = ("text", "json", "megatron", "skip-json", "indices")
 
 
 def register(sub: Any) -> None:
@@ -27,7 +31,14 @@ def register(sub: Any) -> None:
                    help="move the recommendation to this status")
     a.add_argument("--by", default="", help="who sets the status (recorded in its history)")
     a.add_argument("--note", default="", help="a note recorded with the status change")
-    a.add_argument("--megatron", action="store_true", help="print the Megatron arguments of the rollback")
+    a.add_argument("--format", choices=FORMATS, default=None,
+                   help="what to print: text (default), json (every recommendation), megatron (the rollback's "
+                        "Megatron arguments), skip-json (the exact skip: step, sample and batch ranges and the "
+                        "sample indices of the skipped steps), indices (those sample indices, one a line)")
+    a.add_argument("-o", "--output", metavar="FILE", help="write what --format json, megatron, skip-json or indices "
+                   "prints to FILE instead")
+    a.add_argument("--megatron", action="store_true", help="print the Megatron arguments of the rollback "
+                   "(--format megatron)")
     a.add_argument("--lightning", metavar="FILE", help="write the skip_batches.json of the rollback to FILE")
     a.set_defaults(func=run, extra=None)
 
@@ -57,16 +68,21 @@ def run_advise(client: redis.Redis, args: argparse.Namespace) -> int:
         d = recommendations.set_status(client, args.run, recs[0]["id"], args.status, by=args.by, note=args.note)
         print(f"{d['id']}: {d['status']}")
         return 0
-    if args.json:
-        print(json.dumps(recs, indent=2, sort_keys=True))
+    fmt = args.format or ("json" if args.json else "megatron" if args.megatron else "text")
+    if fmt == "json":
+        _emit(json.dumps(recs, indent=2, sort_keys=True) + "\n", args.output)
         return 0 if recs else 1
     if not recs:
         print(f"No recommendation for run {args.run!r}: no loss spike, divergence or NaN needs one "
               f"({keys.recommendations} is empty).")
         return 1
     rec = recs[0]
-    if args.megatron or args.lightning:
+    if fmt in ("skip-json", "indices"):
+        return _export_skip(client, rec, args, fmt)
+    if fmt == "megatron" or args.lightning:
         return _export(rec, args)
+    if args.output:
+        raise ConfigError(f"--output={args.output!r} takes --format json, megatron, skip-json or indices")
     for d in recs:
         print(f"[{d['status']}] {d['id']} — {d['action']}")
         print(f"  {d['summary']}")
@@ -82,10 +98,37 @@ def _export(rec: dict[str, Any], args: argparse.Namespace) -> int:
     megatron, skip = r.megatron_args(), r.lightning_skip()
     if megatron is None or skip is None or r.checkpoint_step is None:
         raise ConfigError(f"recommendation {r.id!r} ({r.action}) has no rollback to export")
-    if args.megatron:
-        print(megatron)
+    if args.megatron or args.format == "megatron":
+        _emit(megatron + "\n", args.output)
     if args.lightning:
         with open(args.lightning, "w") as f:
             json.dump(skip, f, indent=2)
         print(f"wrote {args.lightning}")
     return 0
+
+
+def _export_skip(client: redis.Redis, rec: dict[str, Any], args: argparse.Namespace, fmt: str) -> int:
+    """``--format skip-json`` / ``indices``: the exact skip of ``rec``, its sample indices read from Redis."""
+    doc = samples.read_skip(client, args.run, rec)
+    if doc is None:
+        raise ConfigError(f"recommendation {rec['id']!r} ({rec['action']}) has no skip range to export")
+    if fmt == "skip-json":
+        _emit(samples.dumps(doc), args.output)
+        return 0
+    body = samples.skip_list(doc)
+    if body is None:
+        a, b = doc["skip_steps"]
+        raise ConfigError(f"run {args.run!r} logged no sample indices for steps {a}-{b} (log_step(sample_indices=) "
+                          f"records them); --format skip-json has the step, sample and batch ranges")
+    _emit(body, args.output)
+    return 0
+
+
+def _emit(text: str, path: str | None) -> None:
+    """``text`` to ``path``, or to stdout."""
+    if path is None:
+        sys.stdout.write(text)
+        return
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {path}")

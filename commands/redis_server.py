@@ -10,7 +10,8 @@ from trainhealth.commands._shared import command
 
 def register(sub: Any) -> None:
     """Add ``redis`` to the ``trainhealth`` sub-parsers."""
-    e = command(sub, "redis", "Manage the embedded redis-server (data in ~/.trainhealth/redis).")
+    e = command(sub, "redis",
+                "Manage the embedded redis-server (data in ~/.trainhealth/redis, or $TRAINHEALTH_HOME/redis).")
     e.add_argument("action", choices=["start", "stop", "url"], help="start it, stop it, or print its URL")
     e.set_defaults(func=run, extra=None)
 
@@ -23,8 +24,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "start":
         print(emb.ensure_running())
     elif args.action == "stop":
-        emb.stop()
-        print("stopped")
+        print("stopped" if emb.stop() else f"not running (nothing to stop in {emb.directory})")
     else:
         url = emb.running_url()
         print(url or "not running")

@@ -191,9 +191,28 @@ def _merged(base: dict[str, Any], extra: dict[str, Any], title: str, description
     return out
 
 
+#: How msgspec writes an item of ``trainhealth.wire.Indices`` (an int or a list of ints), and what it is: an index,
+#: or a ``[start, stop]`` / ``[start, stop, step]`` range, every number in 0..2**53.
+_INDEX_ITEM = {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "integer"}}]}
+_INDEX_ITEM_EXACT = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 2**53 - 1},
+                               {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**53},
+                                "minItems": 2, "maxItems": 3}]}
+
+
+def _exact_indices(node: Any) -> Any:
+    """``node`` with each item schema of a compact index list (:data:`_INDEX_ITEM`) made exact."""
+    if isinstance(node, dict):
+        return {k: (copy.deepcopy(_INDEX_ITEM_EXACT) if k == "items" and v == _INDEX_ITEM else _exact_indices(v))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_exact_indices(v) for v in node]
+    return node
+
+
 def _document(title: str, description: str, root: dict[str, Any], defs: dict[str, dict[str, Any]]
               ) -> dict[str, Any]:
     """A published schema: ``$schema``, what it is, the root, and only the ``$defs`` it reaches."""
+    root, defs = _exact_indices(root), _exact_indices(defs)
     doc: dict[str, Any] = {"$schema": DRAFT, "title": title, "description": description, **root}
     used: dict[str, dict[str, Any]] = {}
     todo = [doc]
@@ -365,6 +384,16 @@ def event_schema() -> dict[str, Any]:
                      "returns it); the fields of each kind: docs/architecture.md.", _ref("Event"), defs)
 
 
+def skip_schema() -> dict[str, Any]:
+    """``trainhealth advise RUN --format skip-json``: the exact skip of a rollback."""
+    from trainhealth.samples import SkipDocument
+
+    (root,), defs = _components(SkipDocument)
+    return _document("trainhealth skip", "The exact data a rollback skips (`trainhealth advise RUN --format "
+                     "skip-json`, the dashboard card's `skip.json`; docs/advisor.md): step, consumed-sample and "
+                     "batch-index ranges, and the sample indices the skipped steps consumed.", root, defs)
+
+
 def analyze_report_schema() -> dict[str, Any]:
     """``trainhealth analyze --json``."""
     from trainhealth.commands.analyze_report import AnalyzeReport
@@ -411,6 +440,7 @@ DOCUMENTS: dict[str, Callable[[], dict[str, Any]]] = {
     "incident": incident_schema,
     "job-state": job_state_schema,
     "ledger-snapshot": ledger_snapshot_schema,
+    "skip": skip_schema,
 }
 
 

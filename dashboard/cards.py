@@ -12,6 +12,7 @@ Redis, so an applied or dismissed recommendation disappears at once. A read-only
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -249,8 +250,40 @@ def card(rec: Mapping[str, Any], run: str, where: str, tz: str, now: float) -> N
                 st.download_button("Download skip_batches.json", body, file_name="skip_batches.json",
                                    mime="application/json", on_click="ignore", icon=":material/download:",
                                    key=f"rec-{where}-download-{rec_id}")
+                exact_skip(rec, run, where)
             else:
                 st.markdown("No skip range.")
+
+
+def exact_skip(rec: Mapping[str, Any], run: str, where: str) -> None:
+    """The exact skip's downloads: ``skip.json`` (:class:`trainhealth.samples.SkipDocument`) and, when the job logged
+    sample indices for the skipped steps, ``skip_indices.txt`` (one a line). Both are read from Redis only when
+    clicked (Streamlit's deferred download: the indices of 300 steps of 1,024 ranks are megabytes); here one
+    ``XRANGE … COUNT 1`` says whether there are indices."""
+    rec_id, c, frozen = str(rec.get("id", "")), client(), dict(rec)
+    st.caption("`skip.json`: the exact skip — steps, consumed samples, batches and the sample indices each rank "
+               "consumed in the skipped steps (`log_step(sample_indices=)`):")
+    st.download_button("Download skip.json", functools.partial(_text, data.skip_export, c, run, frozen),
+                       file_name="skip.json", mime="application/json", on_click="ignore", icon=":material/download:",
+                       key=f"rec-{where}-skip-json-{rec_id}")
+    if data.skip_indices_logged(c, run, frozen):
+        st.download_button("Download skip_indices.txt", functools.partial(_text, data.skip_indices_export, c, run,
+                                                                          frozen),
+                           file_name="skip_indices.txt", mime="text/plain", on_click="ignore",
+                           icon=":material/download:", key=f"rec-{where}-skip-indices-{rec_id}")
+        st.caption("`skip_indices.txt`: those sample indices, one a line, for a data loader's skip list.")
+    else:
+        st.caption("No sample indices logged for the skipped steps: pass `sample_indices=` to `log_step` to get the "
+                   "exact samples.")
+
+
+def _text(read: Any, c: redis.Redis, run: str, rec: Mapping[str, Any]) -> str:
+    """A deferred download's body (run in Streamlit's download thread): ``read(c, run, rec)``, or the reason it
+    failed, so a click never gives an empty file without saying why."""
+    try:
+        return read(c, run, rec) or ""
+    except redis.RedisError as exc:
+        return f"could not read the skip from Redis: {exc}\n"
 
 
 def render(recs: list[dict[str, Any]], run: str, where: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -599,4 +600,50 @@ def rank_heatmap(matrix: pd.DataFrame, relative: bool = False, highlight: list[i
     fig.update_layout(height=min(900, max(320, 120 + 14 * n_ranks)), margin={"l": 10, "r": 10, "t": 40, "b": 10},
                       title={"text": title, "x": 0, "font": {"size": 14}}, xaxis_title="step",
                       yaxis={"title": "rank", "autorange": "reversed", **({"dtick": 1} if n_ranks <= 32 else {})})
+    return fig
+
+
+def memory_heatmap(matrix: pd.DataFrame, label: str, tz: str) -> go.Figure:
+    """Memory per rank over time: rank on y, sample time on x (in ``tz``), GiB as colour (from 0: a magnitude); one
+    ``go.Heatmap`` trace of :func:`trainhealth.dashboard.data.memory_matrix` (at most its 120 columns)."""
+    z = matrix.to_numpy(dtype="float64")
+    times = pd.to_datetime(pd.Series(matrix.columns, dtype="float64"), unit="s", utc=True).dt.tz_convert(tz)
+    finite = z[np.isfinite(z)]
+    scale = {"zmin": 0.0, "zmax": float(finite.max())} if finite.size and finite.max() > 0 else {}
+    steps = matrix.attrs.get("steps") or [-1] * matrix.shape[1]
+    custom = np.broadcast_to(np.array(steps, dtype="int64"), z.shape)
+    fig = go.Figure(go.Heatmap(
+        z=z.astype("float32"), x=list(times), y=[int(r) for r in matrix.index], customdata=custom,
+        colorscale="Viridis", colorbar={"title": {"text": "GiB"}}, **scale,
+        hovertemplate="rank %{y}<br>%{x}<br>step %{customdata}<br>" + label + " %{z:.1f} GiB<extra></extra>"))
+    n_ranks = matrix.shape[0]
+    fig.update_layout(height=min(900, max(320, 120 + 14 * n_ranks)), margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      title={"text": f"{label[0].upper()}{label[1:]} per rank (GiB)", "x": 0, "font": {"size": 14}},
+                      xaxis_title=f"time ({tz})",
+                      yaxis={"title": "rank", "autorange": "reversed", **({"dtick": 1} if n_ranks <= 32 else {})})
+    return fig
+
+
+def rank_memory_figure(matrix: pd.DataFrame, rank: int, label: str, tz: str) -> go.Figure:
+    """One rank's memory over time (GiB) beside the median and the highest of the other ranks (lines)."""
+    times = list(pd.to_datetime(pd.Series(matrix.columns, dtype="float64"), unit="s", utc=True).dt.tz_convert(tz))
+    mine = matrix.loc[rank].to_numpy(dtype="float64")
+    others = matrix.drop(index=rank).to_numpy(dtype="float64")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a column no other rank reported: NaN, drawn as a gap
+        med = np.nanmedian(others, axis=0) if others.size else np.full(len(times), np.nan)
+        top = np.nanmax(others, axis=0) if others.size else np.full(len(times), np.nan)
+    fig = go.Figure([
+        go.Scatter(x=times, y=mine, name=f"rank {rank}", mode="lines", line={"color": "#d62728", "width": 2},
+                   hovertemplate=f"rank {rank}: %{{y:.1f}} GiB<extra></extra>"),
+        go.Scatter(x=times, y=med, name="median of the others", mode="lines", line={"color": "#1f77b4", "width": 2},
+                   hovertemplate="median: %{y:.1f} GiB<extra></extra>"),
+        go.Scatter(x=times, y=top, name="highest of the others", mode="lines",
+                   line={"color": "#2ca02c", "width": 1, "dash": "dot"},
+                   hovertemplate="highest other: %{y:.1f} GiB<extra></extra>"),
+    ])
+    fig.update_layout(height=280, margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      title={"text": f"Rank {rank}: {label} (GiB)", "x": 0, "font": {"size": 14}},
+                      xaxis_title=f"time ({tz})", yaxis_title="GiB", yaxis_rangemode="tozero",
+                      legend={"orientation": "h", "y": 1.14, "x": 1, "xanchor": "right"})
     return fig

@@ -251,6 +251,7 @@ KIND_WORDS = {
     "dead_rank": "Dead rank", "data_loss": "Data loss", "throughput_drop": "Throughput drop",
     "slow_step": "Slow step", "restart": "Restart", "restart_storm": "Restart storm",
     "loss_collapse": "Loss collapse", "plateau": "Plateau", "memory_growth": "Memory growth",
+    "network_slow": "Network (node)", "memory_imbalance": "Memory imbalance",
 }
 
 

@@ -22,13 +22,13 @@ import numpy as np
 import pandas as pd
 import redis
 
-from trainhealth import defaults, goodput
+from trainhealth import defaults, goodput, samples
 from trainhealth.anomaly import ALL_KINDS
 from trainhealth.exceptions import ConfigError
 from trainhealth.job import Culprit, JobState
 from trainhealth.keys import RUNS, SERVICE_HEARTBEAT_PATTERN, run_keys, validate_run_id
-from trainhealth.text import fmt_ranks
-from trainhealth.wire import decode_event
+from trainhealth.text import fmt_ranks, plural
+from trainhealth.wire import MEMORY_FIELDS, decode_event
 
 #: Runs listed in the picker (newest first); older ones are reachable by ``?run=`` links.
 RUNS_LIMIT = 200
@@ -1387,6 +1387,26 @@ def recommendations(client: redis.Redis, run: str, problems: list[str] | None = 
     return sorted(recs, key=lambda d: d.get("updated_at") or 0.0, reverse=True)
 
 
+def skip_export(client: redis.Redis, run: str, rec: Mapping[str, Any]) -> str | None:
+    """The text of recommendation ``rec``'s ``skip.json`` (:func:`trainhealth.samples.dumps` of its
+    :class:`~trainhealth.samples.SkipDocument`: one ``XRANGE`` of ``th:{run}:samples`` over the skipped steps), None
+    without a skip range."""
+    doc = samples.read_skip(client, run, rec)
+    return None if doc is None else samples.dumps(doc)
+
+
+def skip_indices_export(client: redis.Redis, run: str, rec: Mapping[str, Any]) -> str | None:
+    """The sample indices recommendation ``rec`` skips, one a line (:func:`trainhealth.samples.skip_list`), None when
+    none were logged."""
+    doc = samples.read_skip(client, run, rec)
+    return None if doc is None else samples.skip_list(doc)
+
+
+def skip_indices_logged(client: redis.Redis, run: str, rec: Mapping[str, Any]) -> bool:
+    """Whether any step recommendation ``rec`` skips has sample indices stored (one ``XRANGE … COUNT 1``)."""
+    return samples.any_logged(client, run, rec)
+
+
 def open_recommendations(recs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The recommendations still waiting for a decision (``proposed`` or ``acknowledged``), newest
     proposal first (by ``created_at``; the service bumps ``updated_at`` whenever it refreshes the figures)."""
@@ -2368,3 +2388,131 @@ def rank_timeline(matrix: pd.DataFrame, rank: int) -> pd.DataFrame:
     return pd.DataFrame({"step": matrix.columns.astype("int64"), "busy_s": matrix.loc[rank].to_numpy("float64"),
                          "median_s": matrix.median(axis=0).to_numpy("float64"),
                          "fastest_s": matrix.min(axis=0).to_numpy("float64")})
+
+
+# --- memory per rank (th:{run}:mem, the heartbeats) --------------------------------------------------------------
+#: The memory lists of a ``th:{run}:mem`` entry the Ranks page can draw (:data:`trainhealth.wire.MEMORY_FIELDS`).
+MEMORY_METRICS = tuple(MEMORY_FIELDS)
+#: Columns (samples in time) the memory heatmap draws at most: a 24-h window is thinned in Redis to this many.
+MEMORY_COLUMNS = 120
+#: The newest ``ARGV[1]`` entries of the ``mem`` stream (KEYS[1]), every ``stride``-th of them (the newest always)
+#: so that at most ``ARGV[2]`` come back, oldest first, each as ``[id, t, step, the ARGV[3] list]``: only the one
+#: list drawn crosses the network (at 1,024 ranks ~6 kB an entry, not the entry's ~20 kB).
+MEMORY_WINDOW_SCRIPT = """
+local entries = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', tonumber(ARGV[1]))
+local n, cols, name = #entries, tonumber(ARGV[2]), ARGV[3]
+local stride = math.max(1, math.ceil(n / cols))
+local out = {}
+for i = n, 1, -1 do
+  if (i - 1) % stride == 0 then
+    local f, t, step, v = entries[i][2], false, false, false
+    for j = 1, #f, 2 do
+      local k = f[j]
+      if k == 't' then t = f[j + 1] elseif k == 'step' then step = f[j + 1] elseif k == name then v = f[j + 1] end
+    end
+    out[#out + 1] = {entries[i][1], t, step, v}
+  end
+end
+return out
+"""
+
+
+def _mib_list(raw: Any) -> list[float] | None:
+    """A ``th:{run}:mem`` list (JSON, MiB by rank, null where missing) as floats (NaN where missing), None when it is
+    not one."""
+    try:
+        values = json.loads(_s(raw))
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(values, list) or len(values) > MAX_RANKS:
+        return None
+    out = []
+    for v in values:
+        if v is None:
+            out.append(math.nan)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+            out.append(float(v))
+        else:
+            return None
+    return out
+
+
+def memory_matrix(client: redis.Redis, run: str, metric: str = "alloc", count: int = defaults.MEMORY_HISTORY_ENTRIES,
+                  columns: int = MEMORY_COLUMNS, problems: list[str] | None = None) -> pd.DataFrame:
+    """Rank × time matrix of one memory list of the newest ``count`` entries of ``th:{run}:mem``, at most
+    ``columns`` of them (evenly thinned in Redis: :data:`MEMORY_WINDOW_SCRIPT`).
+
+    Index ``rank`` (0..widest list − 1), columns the entries' ``t`` (unix s, ascending), values **GiB** (NaN where a
+    rank sent none); ``attrs["steps"]`` holds each column's step. Unreadable entries are left out and named in
+    ``problems``. Raises ``ValueError`` for a ``metric`` not in :data:`MEMORY_METRICS`.
+    """
+    if metric not in MEMORY_METRICS:
+        raise ValueError(f"metric={metric!r} is not a memory list of th:{{run}}:mem (one of {MEMORY_METRICS})")
+    key = run_keys(run).memory
+    got = client.register_script(MEMORY_WINDOW_SCRIPT)(keys=[key], args=[count, columns, metric])
+    ts, steps, cols, bad = [], [], [], []
+    for entry_id, t, step, raw in got:
+        values = _mib_list(raw) if raw else None
+        tt, ss = _opt_num(t), _opt_num(step)
+        if values is None or tt is None or not math.isfinite(tt):
+            bad.append(_s(entry_id))
+            continue
+        ts.append(tt)
+        steps.append(int(ss) if ss is not None and math.isfinite(ss) else -1)
+        cols.append(values)
+    if bad:
+        _report(problems, f"{key}: {plural(len(bad), 'entry', 'entries')} unreadable ({', '.join(bad[:3])}"
+                          f"{', …' if len(bad) > 3 else ''}), left out")
+    width = max((len(c) for c in cols), default=0)
+    values = np.full((width, len(cols)), np.nan)
+    for j, c in enumerate(cols):
+        values[: len(c), j] = c
+    frame = pd.DataFrame(values / 1024.0, index=pd.Index(range(width), name="rank"),
+                         columns=pd.Index(ts, name="t", dtype="float64"))
+    frame.attrs["steps"] = steps
+    return frame
+
+
+def rank_heartbeats(client: redis.Redis, run: str, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
+    """The newest heartbeat of each of ``ranks`` (``HMGET`` of those fields of ``th:{run}:hb`` only), as dicts; ranks
+    without one, or with one that is not a JSON object, left out."""
+    ranks = sorted({int(r) for r in ranks})
+    if not ranks:
+        return {}
+    out = {}
+    for r, raw in zip(ranks, client.hmget(run_keys(run).heartbeats, [str(r) for r in ranks]), strict=True):
+        hb = _json(raw) if raw is not None else None
+        if isinstance(hb, dict):
+            out[r] = hb
+    return out
+
+
+def memory_rates(client: redis.Redis, run: str, ranks: Iterable[int], span_s: float = 3600.0,
+                 min_span_s: float = defaults.MEMORY_MIN_SPAN_S) -> dict[int, tuple[float, float]]:
+    """How fast each of ``ranks``' memory moved over the last ``span_s`` seconds of ``th:{run}:mem``: rank ->
+    ``(bytes per hour, seconds between the two entries)``, from the oldest entry within the span and the newest
+    (two entries read); CUDA allocated where the rank reports it, else host RSS. Ranks without both values, and
+    every rank when the entries are less than ``min_span_s`` apart (a warm-up is not a trend), left out."""
+    key = run_keys(run).memory
+    newest = client.xrevrange(key, count=1)
+    if not newest:
+        return {}
+    ms = _entry_id(_s(newest[0][0]))[0]
+    oldest = client.xrange(key, f"{max(0, ms - int(span_s * 1000))}", "+", count=1)
+    if not oldest:  # trimmed between the two reads
+        return {}
+    (_, new), (_, old) = newest[0], oldest[0]
+    new, old = _decode_map(new), _decode_map(old)
+    t_new, t_old = _opt_num(new.get("t")), _opt_num(old.get("t"))
+    if t_new is None or t_old is None or not t_new - t_old >= min_span_s:
+        return {}
+    out = {}
+    lists = {(m, which): _mib_list(d.get(m, "null")) or [] for m in ("alloc", "rss") for which, d in
+             (("new", new), ("old", old))}
+    for r in sorted(set(ranks)):
+        for m in ("alloc", "rss"):
+            a, b = lists[(m, "old")], lists[(m, "new")]
+            if r < len(a) and r < len(b) and math.isfinite(a[r]) and math.isfinite(b[r]):
+                out[r] = ((b[r] - a[r]) * 2**20 * 3600.0 / (t_new - t_old), t_new - t_old)
+                break
+    return out

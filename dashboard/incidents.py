@@ -10,7 +10,9 @@ since when, what it costs and what to do (issue "incident first"). :func:`header
 3. a card per active critical or warning incident (:func:`card`): what (the kind in words and the incident's title),
    where (ranks, hosts), since when (step and time), what it costs (badput so far and per hour, in job time,
    GPU-hours and USD) and its one recommendation with the lifecycle buttons (:func:`trainhealth.dashboard.cards.card`);
-   a recommendation already decided is named with who decided and why;
+   a recommendation already decided is named with who decided and why; the memory and GPU health of its first
+   ranks from their newest heartbeats (:func:`rank_evidence`: "rank 3: 71.2 of 80.0 GiB allocated, +1.10 GiB/h over
+   the last 60.0 min"; the SM clock, temperature, power and throttle reasons);
 4. the other incidents (info, resolved) in one collapsed table, so a finished run still tells what happened.
 
 Incidents are read from ``th:{run}:incidents`` (:func:`trainhealth.dashboard.data.incidents`), the grouping of the
@@ -34,17 +36,19 @@ import streamlit as st
 from trainhealth.dashboard import cards, data
 from trainhealth.dashboard.common import (
     FOCUS_MAX_RANKS,
+    URL_KEY,
     Focus,
     client,
+    get_client,
     kind_words,
     set_focus,
     show_problems,
     to_datetime,
     viewer_tz,
 )
-from trainhealth.defaults import DASHBOARD_REFRESH_S
+from trainhealth.defaults import DASHBOARD_REFRESH_S, MEMORY_HISTORY_S
 from trainhealth.job import JobState
-from trainhealth.text import fmt_cost, fmt_duration, fmt_int, plural
+from trainhealth.text import fmt_bytes, fmt_cost, fmt_duration, fmt_int, plural
 
 #: Run states, their badge colour and icon.
 LEVELS = {"critical": ("red", ":material/error:"), "degraded": ("orange", ":material/warning:"),
@@ -59,6 +63,11 @@ NOUNS = {"incident": "incidents", "anomaly": "anomalies"}
 _GOTO = "th_incident_goto"
 #: Job states the detector service judges over the ranks' own ``status`` (trainhealth/job.py).
 JUDGED = ("hung", "crashed", "restarted")
+#: Ranks of an incident whose memory and GPU a card shows (its first ones; "and N more"): a bounded read (``HMGET`` of
+#: their heartbeats) at 1,024 ranks too.
+EVIDENCE_RANKS = 4
+#: NVML clock-event reasons that explain nothing (an idle GPU waits for the others).
+_BENIGN_THROTTLE = frozenset({"idle", "display clock setting"})
 
 
 # --- the job banner (hung, crashed, restarted) -------------------------------------------------------------
@@ -263,9 +272,120 @@ def _show_evidence(run: str, inc: Mapping[str, Any]) -> None:
     st.session_state[_GOTO] = "pages/anomalies.py"
 
 
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def memory_words(hb: Mapping[str, Any]) -> str | None:
+    """A heartbeat's memory in words: ``71.2 of 80.0 GiB allocated (peak 74.0 GiB, 75.0 GiB reserved)``, else the
+    host's ``host RSS 3.00 GiB of 512 GiB``; None without a sample.
+
+    >>> GiB = 2**30
+    >>> memory_words({"mem": {"rss": 3 * GiB, "host_total": 512 * GiB,
+    ...                       "cuda": {"total": 80 * GiB, "alloc": 71.2 * GiB, "alloc_peak": 74 * GiB,
+    ...                                "reserved": 75 * GiB}}})
+    '71.2 of 80.0 GiB allocated (peak 74.0 GiB, 75.0 GiB reserved)'
+    >>> memory_words({"mem": {"rss": 3 * GiB, "host_total": 512 * GiB, "cuda_absent": "no CUDA device"}})
+    'host RSS 3.00 GiB of 512 GiB'
+    """
+    mem = hb.get("mem")
+    if not isinstance(mem, Mapping):
+        return None
+    cuda = mem.get("cuda")
+    if isinstance(cuda, Mapping) and _number(cuda.get("alloc")) is not None and _number(cuda.get("total")):
+        total = float(cuda["total"])
+        text = f"{float(cuda['alloc']) / 2**30:.1f} of {fmt_bytes(total)} allocated"
+        more = [f"peak {fmt_bytes(cuda['alloc_peak'])}"] if _number(cuda.get("alloc_peak")) is not None else []
+        if _number(cuda.get("reserved")) is not None:
+            more.append(f"{fmt_bytes(cuda['reserved'])} reserved")
+        return text + (f" ({', '.join(more)})" if more else "")
+    rss = _number(mem.get("rss"))
+    if rss is None:
+        return None
+    limit = _number(mem.get("host_total"))
+    return f"host RSS {fmt_bytes(rss)}" + (f" of {fmt_bytes(limit)}" if limit else "")
+
+
+def gpu_words(hb: Mapping[str, Any]) -> str | None:
+    """A heartbeat's GPU health in words: ``SM clock 1,210 of 1,980 MHz, 87 °C, 350 of 400 W, held down by thermal
+    slowdown (hardware)``; None without an NVML sample.
+
+    >>> gpu_words({"gpu": {"sm_clock_mhz": 1210, "sm_clock_max_mhz": 1980, "temp_c": 87, "power_w": 350.4,
+    ...                    "power_limit_w": 400, "throttle": ["idle", "thermal slowdown (hardware)"],
+    ...                    "ecc_uncorrected": 2}})
+    'SM clock 1,210 of 1,980 MHz, 87 °C, 350 of 400 W, held down by thermal slowdown (hardware), 2 uncorrected ECC \
+errors'
+    """
+    gpu = hb.get("gpu")
+    if not isinstance(gpu, Mapping) or "absent" in gpu:
+        return None
+    parts = []
+    clock, top = _number(gpu.get("sm_clock_mhz")), _number(gpu.get("sm_clock_max_mhz"))
+    if clock is not None:
+        parts.append(f"SM clock {clock:,.0f}" + (f" of {top:,.0f}" if top else "") + " MHz")
+    if _number(gpu.get("temp_c")) is not None:
+        parts.append(f"{gpu['temp_c']:.0f} °C")
+    power, limit = _number(gpu.get("power_w")), _number(gpu.get("power_limit_w"))
+    if power is not None:
+        parts.append(f"{power:,.0f}" + (f" of {limit:,.0f}" if limit else "") + " W")
+    reasons = [str(x) for x in gpu.get("throttle") or () if str(x) not in _BENIGN_THROTTLE]
+    if reasons:
+        parts.append("held down by " + ", ".join(reasons))
+    ecc = _number(gpu.get("ecc_uncorrected"))
+    if ecc:
+        parts.append(f"{ecc:.0f} uncorrected ECC error{'s' if ecc != 1 else ''}")
+    return ", ".join(parts) or None
+
+
+def rank_evidence(ranks: Sequence[int], beats: Mapping[int, Mapping[str, Any]],
+                  rates: Mapping[int, tuple[float, float]]) -> list[str]:
+    """What the newest heartbeats of an incident's first :data:`EVIDENCE_RANKS` ranks show: a line of memory per rank
+    (with how fast it moved, ``rates``: :func:`trainhealth.dashboard.data.memory_rates`) and one of its GPU when NVML
+    sent one; "and N more ranks" after them. Empty when none of them sent a sample.
+
+    >>> GiB = 2**30
+    >>> hb = {"mem": {"cuda": {"total": 80 * GiB, "alloc": 71.2 * GiB}}, "gpu": {"sm_clock_mhz": 1980, "temp_c": 64}}
+    >>> for line in rank_evidence([3, 5, 6, 7, 9], {3: hb}, {3: (1.1 * GiB, 3600.0)}):
+    ...     print(line)
+    rank 3: 71.2 of 80.0 GiB allocated, +1.10 GiB/h over the last 60.0 min
+    rank 3 GPU: SM clock 1,980 MHz, 64 °C
+    and 1 more rank
+    """
+    lines = []
+    for r in ranks[:EVIDENCE_RANKS]:
+        hb = beats.get(r)
+        if hb is None:
+            continue
+        mem = memory_words(hb)
+        if mem is not None:
+            rate = rates.get(r)
+            if rate is not None:
+                sign = "+" if rate[0] >= 0 else "−"
+                mem += f", {sign}{fmt_bytes(abs(rate[0]))}/h over the last {fmt_duration(rate[1])}"
+            lines.append(f"rank {r}: {mem}")
+        gpu = gpu_words(hb)
+        if gpu is not None:
+            lines.append(f"rank {r} GPU: {gpu}")
+    if lines and len(ranks) > EVIDENCE_RANKS:
+        lines.append(f"and {plural(len(ranks) - EVIDENCE_RANKS, 'more rank')}")
+    return lines
+
+
+def evidence_ranks(incidents: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The ranks whose heartbeats the cards of ``incidents`` show (:data:`EVIDENCE_RANKS` of each carded one)."""
+    return sorted({int(r) for i in incidents if i.get("status") == "active" and i.get("severity") in CARD_SEVERITIES
+                   for r in list(i.get("ranks") or [])[:EVIDENCE_RANKS]})
+
+
+@st.cache_data(ttl=MEMORY_HISTORY_S / 3, show_spinner=False)
+def _rates(url: str, run: str, ranks: tuple[int, ...]) -> dict[int, tuple[float, float]]:
+    return data.memory_rates(get_client(url), run, ranks)
+
+
 def card(inc: Mapping[str, Any], recs: Mapping[str, Mapping[str, Any]], run: str, where: str,
-         meta: Mapping[str, Any], tz: str, now: float) -> None:
-    """One active incident as a bordered card (see the module doc); ``recs`` are the run's recommendations by id."""
+         meta: Mapping[str, Any], tz: str, now: float, evidence: Sequence[str] = ()) -> None:
+    """One active incident as a bordered card (see the module doc); ``recs`` are the run's recommendations by id,
+    ``evidence`` the lines of its ranks' memory and GPUs (:func:`rank_evidence`)."""
     iid = str(inc.get("id"))
     sev = str(inc.get("severity") or "?")
     with st.container(border=True, key=card_key(where, iid)):
@@ -277,6 +397,8 @@ def card(inc: Mapping[str, Any], recs: Mapping[str, Mapping[str, Any]], run: str
                 f"**Since**  \n{since_text(inc, tz, now)}",
                 f"**Costs**  \n{cost_text(inc, world, price)}"), strict=True):
             col.markdown(text)
+        if evidence:
+            st.markdown("**Memory and GPUs** (newest heartbeats)  \n" + "  \n".join(evidence))
         members = list(inc.get("anomalies") or [])
         row = st.container(horizontal=True, gap="small", vertical_alignment="center")
         row.button("Evidence", key=f"inc-{where}-evidence-{iid}", icon=":material/manage_search:", type="tertiary",
@@ -317,16 +439,20 @@ def others_table(incidents: Sequence[Mapping[str, Any]], recs: Mapping[str, Mapp
 
 
 def render(incidents: list[dict[str, Any]], recs: list[dict[str, Any]], state: JobState | None,
-           meta: Mapping[str, Any], run: str, where: str, loose: Sequence[Mapping[str, Any]] = ()) -> None:
+           meta: Mapping[str, Any], run: str, where: str, loose: Sequence[Mapping[str, Any]] = (),
+           beats: Mapping[int, Mapping[str, Any]] | None = None,
+           rates: Mapping[int, tuple[float, float]] | None = None) -> None:
     """Everything :func:`header` draws, from what it read; ``loose`` are the run's anomalies as incident-like dicts
-    (:func:`loose_anomalies`) when it has no incidents."""
+    (:func:`loose_anomalies`) when it has no incidents; ``beats`` and ``rates`` the newest heartbeats and memory
+    rates of the carded incidents' ranks (:func:`evidence_ranks`)."""
     job_banner(state)
     st.markdown(state_line(incidents or loose, state, meta, "incident" if incidents or not loose else "anomaly"))
     tz, now = viewer_tz(), time.time()
     by_id = {str(r.get("id")): r for r in recs}
     carded = [i for i in incidents if i.get("status") == "active" and i.get("severity") in CARD_SEVERITIES]
     for inc in carded:
-        card(inc, by_id, run, where, meta, tz, now)
+        card(inc, by_id, run, where, meta, tz, now,
+             rank_evidence(list(inc.get("ranks") or []), beats or {}, rates or {}))
     # Advice no incident names or groups (a service older than incidents): a card of its own, as before.
     named = {i.get("recommendation") for i in incidents}
     members = {f"rec:{a}" for i in incidents for a in i.get("anomalies") or []}
@@ -358,10 +484,15 @@ def header(run: str, where: str) -> None:
         meta = data.run_meta(cl, run)  # unreadable fields: the sidebar and the pages say so
         # No incident: a healthy run, or one whose service predates incidents; its anomalies then give the state.
         loose = [] if incidents else loose_anomalies(data.anomalies(cl, run))
+        # The carded incidents' first ranks: their newest heartbeats (one HMGET), and how fast their memory moved
+        # over the last hour (two entries of th:{run}:mem, cached for a third of its 30-s interval).
+        ranks = evidence_ranks(incidents)
+        beats = data.rank_heartbeats(cl, run, ranks) if ranks else {}
+        rates = _rates(st.session_state.get(URL_KEY, ""), run, tuple(beats)) if beats else {}
     except redis.RedisError:
         return  # the page's own live reads say that Redis is unreachable
     show_problems(problems)
-    render(incidents, recs, state, meta, run, where, loose)
+    render(incidents, recs, state, meta, run, where, loose, beats, rates)
 
 
 def loose_anomalies(frame: pd.DataFrame) -> list[dict[str, Any]]:

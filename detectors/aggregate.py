@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from trainhealth import defaults
@@ -70,6 +70,9 @@ class StepAggregate:
         no rank timed one.
     loss_scale : float | None
         The lowest fp16 loss scale any rank reported after the step; None when none did.
+    sample_indices : dict[int, list] | None
+        Rank -> the sample indices it consumed in the step (``StepRecord.sample_indices``, a compact list), for the
+        ranks that logged them; None when none did.
     """
 
     step: int
@@ -94,6 +97,7 @@ class StepAggregate:
     pause: str | None = None
     comm: tuple[float | None, ...] = ()
     loss_scale: float | None = None
+    sample_indices: dict[int, list] | None = field(default=None, hash=False)
 
     @property
     def dur(self) -> float | None:
@@ -115,7 +119,7 @@ def _merge(a: StepRecord, b: StepRecord) -> StepRecord:
     # Same rank, same step, two records (timing, then metrics): keep what each has.
     kw = {f: getattr(b, f) if getattr(b, f) is not None else getattr(a, f)
           for f in ("dur", "loss", "grad_norm", "lr", "tokens", "samples", "consumed_samples", "batch_index",
-                    "skipped", "step_s", "loss_missing")}
+                    "skipped", "step_s", "loss_missing", "sample_indices")}
     return StepRecord(rank=a.rank, step=a.step, inc=a.inc, t=max(a.t, b.t),
                       sections={**a.sections, **b.sections}, gpu={**a.gpu, **b.gpu}, **kw)
 
@@ -129,6 +133,19 @@ def _present(column: tuple) -> tuple | list:
     if missing == len(column):
         return ()
     return [x for x in column if x is not None]
+
+
+def _indices(order: list[int], sources: tuple) -> dict[int, list] | None:
+    """Rank -> ``sample_indices`` of the ranks whose record (a decoded dict, a StepRecord or a typed record) has them,
+    else None (a typed record never has them: see trainhealth.wire._typed)."""
+    out = None
+    for r, src in zip(order, sources, strict=True):
+        v = src.get("sample_indices") if type(src) is dict else getattr(src, "sample_indices", None)
+        if v is not None:
+            if out is None:
+                out = {}
+            out[r] = v
+    return out
 
 
 def _source(row: tuple) -> StepRecord:
@@ -335,4 +352,5 @@ class StepAggregator:
             skipped=any(skipped_c),
             step_s=max(_present(step_s_c), default=None),
             loss_missing=any(missing_c),
+            sample_indices=_indices(order, _src_c),
         )

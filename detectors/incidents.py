@@ -17,12 +17,12 @@ Grouping rules (docs/anomalies.md, "Incidents"):
    :meth:`RunPipeline._in_job_incident <trainhealth.detectors.pipeline.RunPipeline._in_job_incident>` — a dead
    rank, the hang of the ranks waiting for it, the restart that ends the generation.
 3. **A slow rank or node and the throughput it costs**: a ``throughput_drop`` or ``slow_step``
-   (:data:`EFFECT_KINDS`) joins the ``slow_node``, ``straggler`` or ``rank_outlier`` (:data:`CAUSE_KINDS`) of its
-   generation whose steps overlap its own (an open anomaly's reach to the present); of several, the first in that
-   order of kinds, then the earliest onset. A synchronous job's every step waits for its slowest rank (the
-   all-reduce; NVIDIA Resiliency Extension scores stragglers by the share of the step they cost), so a step-time
-   rise while a rank is slow is that rank's cost. An effect seen before its cause is its own incident until the
-   cause opens: it then moves to the cause's incident and its own is removed (reported as ``None``).
+   (:data:`EFFECT_KINDS`) joins the ``slow_node``, ``straggler``, ``rank_outlier`` or ``network_slow``
+   (:data:`CAUSE_KINDS`) of its generation whose steps overlap its own (an open anomaly's reach to the present); of
+   several, the first in that order of kinds, then the earliest onset. A synchronous job's every step waits for its
+   slowest rank (the all-reduce; NVIDIA Resiliency Extension scores stragglers by the share of the step they cost),
+   so a step-time rise while a rank is slow is that rank's cost. An effect seen before its cause is its own incident
+   until the cause opens: it then moves to the cause's incident and its own is removed (reported as ``None``).
 4. **Anything else** is its own incident.
 
 An anomaly's incident, once given, is kept (a later state of it or of another anomaly never moves it, except an
@@ -46,7 +46,8 @@ from typing import Any, TypedDict
 
 from trainhealth.anomaly import SEVERITIES, Anomaly, Kind, Severity, Status
 from trainhealth.recommendations import Recommendation
-from trainhealth.text import fmt_int, fmt_pct
+from trainhealth.text import fmt_bytes, fmt_int, fmt_pct, fmt_ranks
+from trainhealth.wire import Indices
 
 #: Kinds that describe the model's training signal: anomalies of these kinds whose onsets are close are one
 #: incident (rule 1).
@@ -55,14 +56,14 @@ INCIDENT_KINDS = frozenset({"loss_spike", "grad_norm_spike", "divergence", "grad
 #: Kinds of a stop of the job, one incident per stop (rule 2).
 JOB_KINDS = frozenset({"hang", "dead_rank", "restart", "collective_timeout"})
 #: A slow rank or node (rule 3), in the order an effect prefers them when several overlap it.
-CAUSE_KINDS = ("slow_node", "straggler", "rank_outlier")
+CAUSE_KINDS = ("slow_node", "straggler", "rank_outlier", "network_slow")
 #: What a slow rank costs the whole job (rule 3).
 EFFECT_KINDS = frozenset({"throughput_drop", "slow_step"})
 #: How far along a loss incident a kind is: its latest stage gives the incident's recommendation and title.
 STAGES = {"grad_norm_spike": 0, "skipped_steps": 1, "loss_spike": 2, "grad_norm_explosion": 3, "divergence": 4,
           "loss_collapse": 4, "nan_inf": 5}
 #: Kinds whose cost grows with every step while open (:meth:`IncidentGrouper.advance`).
-_GROWING = frozenset({"throughput_drop", "straggler", "slow_node"})
+_GROWING = frozenset({"throughput_drop", "straggler", "slow_node", "network_slow"})
 #: Seconds per hour: the badput rate of a stopped job.
 HOUR_S = 3600.0
 #: Recent causes and lone effects kept to match (rule 3): an overlap is between anomalies of the same few hours.
@@ -74,7 +75,8 @@ LABELS = {"loss_spike": "Loss spike", "grad_norm_spike": "Grad-norm spike", "div
           "loss_collapse": "Loss collapse", "plateau": "Loss plateau", "straggler": "Straggler",
           "slow_node": "Slow node", "rank_outlier": "Rank outlier", "hang": "Hang", "dead_rank": "Dead rank",
           "throughput_drop": "Throughput drop", "slow_step": "Slow step", "restart": "Restart",
-          "restart_storm": "Restart storm", "data_loss": "Data loss"}
+          "restart_storm": "Restart storm", "data_loss": "Data loss",
+          "network_slow": "Network", "memory_imbalance": "Memory imbalance"}
 #: The kind a loss incident became, after "that became".
 _BECAME = {"grad_norm_spike": "a grad-norm spike", "skipped_steps": "skipped steps", "loss_spike": "a loss spike",
            "grad_norm_explosion": "a grad-norm explosion", "divergence": "a divergence",
@@ -82,21 +84,31 @@ _BECAME = {"grad_norm_spike": "a grad-norm spike", "skipped_steps": "skipped ste
 
 
 class DataPosition(TypedDict):
-    """Where the data stream was when an incident's onset step began.
+    """Where the data stream was when an incident's onset step began, and what that step consumed.
 
     Attributes
     ----------
-    step : int
-        The last step before the onset whose data position the ranks logged.
+    step : int | None
+        The last step before the onset whose data position the ranks logged (null when none did).
     consumed_samples : int | None
         Global samples consumed after that step (``log_step(consumed_samples=)``).
     batch_index : int | None
         The data loader's batch index after that step (``log_step(batch_index=)``).
+    sample_indices : dict[str, list] | None
+        Rank -> the sample indices it consumed in the onset step (``log_step(sample_indices=)``), each a compact
+        list (an index, or ``[start, stop]`` / ``[start, stop, step]`` for a run of them); null when the onset step
+        logged none, or when they take more than ``defaults.INCIDENT_SAMPLE_INDICES_BYTES`` of JSON (then read the
+        entry ``samples_entry`` names).
+    samples_entry : str | None
+        The id of the ``th:{run}:samples`` entry holding every rank's indices of the onset step (``<gen + 1>-<step>``;
+        ``XRANGE th:{run}:samples ID ID``), null when the onset step logged none.
     """
 
-    step: int
+    step: int | None
     consumed_samples: int | None
     batch_index: int | None
+    sample_indices: dict[str, Indices] | None
+    samples_entry: str | None
 
 
 @dataclass(frozen=True)
@@ -136,8 +148,10 @@ class Incident:
     data_position : dict | None
         Where the data stream was when the onset step began: ``step`` (the last step before the onset whose
         position the ranks logged), ``consumed_samples`` and ``batch_index`` after it (``log_step``'s
-        ``consumed_samples``/``batch_index``); None when the job logs no data position. What a rollback's skip
-        range starts from, and what to look at in the data.
+        ``consumed_samples``/``batch_index``), and what the onset step consumed: each rank's ``sample_indices``
+        (``log_step(sample_indices=)``), or the ``samples_entry`` of ``th:{run}:samples`` holding them when large;
+        None when the job logs no data position and no sample indices. What a rollback's skip range starts from,
+        and what to look at in the data.
     """
 
     id: str
@@ -380,7 +394,9 @@ def badput(members: Iterable[Anomaly], step: int | None = None) -> tuple[float |
     ``skipped_steps`` its ``lost_s``. A ``straggler`` or ``slow_node`` whose incident has no throughput drop to
     say what it costs: what every other rank waits for it at the all-reduce, its median busy time above the
     typical rank's (``rank_median_s`` or ``node_median_s`` minus ``typical_median_s``) per step over its steps, at
-    that share of its step per hour (NVIDIA Resiliency Extension's straggler score is that share). The members of
+    that share of its step per hour (NVIDIA Resiliency Extension's straggler score is that share); a ``network_slow``
+    likewise, its ``node_comm_s`` above the other nodes' ``others_comm_s`` per step at ``excess_share`` x 3,600 s
+    per hour (every rank waits for the slowest collective). The members of
     a stop of the job are one stretch of time (the longest counts); the others add up. The rate is the highest
     member's.
 
@@ -440,6 +456,12 @@ def _member_badput(a: Anomaly, step: int | None = None) -> tuple[float | None, f
         if slow is None or typical is None or slow <= typical:
             return None, None
         return ((slow - typical) * steps if steps is not None else None), (slow - typical) / slow * HOUR_S
+    if a.kind == "network_slow":
+        extra, frac = _num(ev.get("node_comm_s")), _num(ev.get("excess_share"))
+        others, steps = _num(ev.get("others_comm_s")), _steps_of(a, step)
+        if extra is None or others is None or extra <= others:
+            return None, None
+        return ((extra - others) * steps if steps is not None else None), (frac * HOUR_S if frac else None)
     if a.kind in ("slow_step", "skipped_steps"):
         return _num(ev.get("lost_s")), None
     return None, None
@@ -468,6 +490,11 @@ def title(root: Anomaly, members: list[Anomaly], latest: Anomaly) -> str:
         became = (f" that became {_BECAME.get(latest.kind, latest.kind)}" if latest.kind != root.kind and
                   STAGES.get(latest.kind, 0) > STAGES.get(root.kind, 0) else "")
         return f"{LABELS[root.kind]} at step {step}{became}"
+    if root.kind == "network_slow":
+        node = ", ".join(root.hosts) or root.scope or "?"
+        who = f" (ranks {fmt_ranks(root.ranks)})" if root.ranks else ""
+        return f"Network slow on node {node}{who}" + (
+            ", costing throughput" if kinds & EFFECT_KINDS else "")
     if root.kind in CAUSE_KINDS:
         what = {"straggler": "is a straggler", "rank_outlier": "is an outlier"}.get(root.kind)
         who = f"{_ranks(root)} {what}" if what else f"Node {', '.join(root.hosts) or root.scope or '?'} is slow"
@@ -483,6 +510,11 @@ def title(root: Anomaly, members: list[Anomaly], latest: Anomaly) -> str:
         return f"Step {step} was slow" if end == root.step else f"Steps {step}-{fmt_int(end)} were slow"
     if root.kind == "plateau":
         return f"Loss plateau from step {step}"
+    if root.kind == "memory_imbalance":
+        ev = root.evidence
+        peak, mid = _num(ev.get("peak")), _num(ev.get("median_peak"))
+        if peak is not None and mid is not None:
+            return f"{_ranks(root)} peaks at {fmt_bytes(peak)} of memory, the other ranks at {fmt_bytes(mid)}"
     if root.kind == "data_loss":
         return f"History before step {step} lost from Redis"
     return f"{LABELS.get(root.kind, root.kind)} at step {step}"

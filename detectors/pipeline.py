@@ -7,10 +7,11 @@ is what lets the service rebuild its state by replaying the streams after a rest
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import repeat
@@ -18,6 +19,7 @@ from typing import Any
 
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
+from trainhealth.defaults import INCIDENT_SAMPLE_INDICES_BYTES
 from trainhealth.detectors.advisor import Checkpoint, RollbackAdvisor
 from trainhealth.detectors.aggregate import StepAggregate, StepAggregator
 from trainhealth.detectors.base import StepDetector
@@ -35,8 +37,10 @@ from trainhealth.detectors.ledger import GoodputLedger
 from trainhealth.detectors.loss_collapse import LossCollapseDetector
 from trainhealth.detectors.loss_spike import LossSpikeDetector
 from trainhealth.detectors.memory_growth import MemoryGrowthDetector
+from trainhealth.detectors.memory_imbalance import MemoryImbalanceDetector
 from trainhealth.detectors.memory_pressure import MemoryHistory, MemoryVerdict
 from trainhealth.detectors.nan_inf import NanInfDetector
+from trainhealth.detectors.network import NetworkDetector
 from trainhealth.detectors.plateau import PlateauDetector
 from trainhealth.detectors.rank_outlier import RankOutlierDetector
 from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
@@ -64,6 +68,10 @@ LOSS_MOVED_KINDS = frozenset({"loss_spike", "divergence", "loss_collapse"})
 #: Steps whose end time is kept (an incident's onset time, :class:`StepTimes`): an onset is found at most a few
 #: hundred steps back (a divergence's rise, a throughput drop's change point).
 STEP_TIMES = 4096
+#: Steps whose sample indices an incident can carry inline (at most ``defaults.INCIDENT_SAMPLE_INDICES_BYTES`` each):
+#: a loss incident's onset is found within a few hundred steps (a divergence's 100); older onsets name the
+#: ``th:{run}:samples`` entry instead.
+SAMPLE_BODIES_KEPT = 1024
 #: Events that declare a pause in training (a checkpoint save or load, an evaluation or other badput): the
 #: first step after the step they name is a pause step (:attr:`StepAggregate.pause`).
 PAUSE_EVENTS = ("checkpoint_save", "checkpoint_load", "badput")
@@ -84,9 +92,13 @@ class Output:
     #: Incidents that changed, by id (:mod:`trainhealth.detectors.incidents`); None for one removed (a throughput
     #: drop that moved into the incident of the slow rank that caused it).
     incidents: dict[str, Incident | None] = field(default_factory=dict)
+    #: The completed steps whose ranks logged sample indices, as ``th:{run}:samples`` stores them: ``(gen, step,
+    #: ranks that reported the step, JSON of rank -> compact indices)``.
+    samples: list[tuple[int, int, int, str]] = field(default_factory=list)
 
     def extend(self, other: Output) -> None:
         self.aggs += other.aggs
+        self.samples += other.samples
         self.anomalies += other.anomalies
         self.recommendations.update(other.recommendations)
         self.incidents.update(other.incidents)
@@ -155,6 +167,9 @@ class RunPipeline:
         self.straggler = StragglerDetector(exclude=self.slow_node.covered_ranks)
         self.rank_outlier = RankOutlierDetector(
             exclude=lambda: self.slow_node.covered_ranks() | self.straggler.open_ranks)
+        # A node whose ranks spend more of the step in their collective than the other nodes' (straggler wait left
+        # out: a slow rank is the straggler's, a rise on every node the throughput detector's).
+        self.network = NetworkDetector(self.hosts)
         self.throughput = ThroughputDropDetector()
         self.dead_rank = DeadRankDetector(self.hang.checkpoint_s, self.hang.heartbeat_interval,
                                           self.hang.missed_intervals)
@@ -164,6 +179,9 @@ class RunPipeline:
         self.gpu: dict[int, dict] = {}
         self.memory = MemoryHistory()
         self.memory_growth = MemoryGrowthDetector()
+        # One rank's peak far above the others' (rank -> (sample time, peak allocated bytes, device bytes)).
+        self.memory_imbalance = MemoryImbalanceDetector()
+        self._peaks: dict[int, tuple[float, float, float]] = {}
         self._death_memory: dict[int, MemoryVerdict] = {}
         # What the job's own logs report (events): a collective timeout is a hang, a launcher restart a restart.
         self.collective_timeout = CollectiveTimeoutDetector()
@@ -171,7 +189,7 @@ class RunPipeline:
         self.step_detectors: list[StepDetector] = [
             NanInfDetector(), RestartDetector(), LossSpikeDetector(), GradNormSpikeDetector(), DivergenceDetector(),
             GradNormExplosionDetector(), SkippedStepsDetector(), LossCollapseDetector(), PlateauDetector(),
-            self.slow_node, self.straggler, self.rank_outlier, RestartStormDetector(), self.throughput,
+            self.slow_node, self.straggler, self.rank_outlier, self.network, RestartStormDetector(), self.throughput,
             SlowStepDetector(), self.collective_timeout]  # a step completed after a collective timeout ends it
         self.ended_ranks: set[int] = set()
         self.run = run
@@ -182,6 +200,11 @@ class RunPipeline:
         self.checkpoints: dict[int, Checkpoint] = {}
         # step -> (consumed_samples, batch_index) after it; the newest 100,000 steps.
         self.positions: OrderedDict[int, tuple[int | None, int | None]] = OrderedDict()
+        # step -> (generation, JSON of its ranks' sample indices) for the newest STEP_TIMES steps that logged them:
+        # what an incident's onset step consumed. The JSON only for the newest SAMPLE_BODIES_KEPT of them and when
+        # small enough for an incident to carry (else None: the incident names the th:{run}:samples entry).
+        self.sample_steps: OrderedDict[int, tuple[int, str | None]] = OrderedDict()
+        self._sample_bodies: deque[int] = deque()
         self.current_step = 0
         #: The first step seen (None before any): a condition from there on had no healthy state before it.
         self.first_step: int | None = None
@@ -204,13 +227,20 @@ class RunPipeline:
         self.incidents = IncidentGrouper(self.step_times.get, self.position_before)
 
     def position_before(self, step: int) -> DataPosition | None:
-        """The data position when ``step`` began: the consumed samples and batch index after the last step before
-        it that logged one (``{"step", "consumed_samples", "batch_index"}``), None when none did."""
+        """The data position when ``step`` began — the consumed samples and batch index after the last step before
+        it that logged one — and the sample indices each rank consumed in ``step`` (inline when small, else the
+        ``th:{run}:samples`` entry holding them); None when neither was logged (:class:`DataPosition`)."""
+        where: tuple[int | None, int | None, int | None] = (None, None, None)
         for s in reversed(self.positions):
             if s < step:
-                cs, bi = self.positions[s]
-                return {"step": s, "consumed_samples": cs, "batch_index": bi}
-        return None
+                where = (s, *self.positions[s])
+                break
+        logged = self.sample_steps.get(step)
+        if where[0] is None and logged is None:
+            return None
+        return {"step": where[0], "consumed_samples": where[1], "batch_index": where[2],
+                "sample_indices": json.loads(logged[1]) if logged is not None and logged[1] is not None else None,
+                "samples_entry": f"{logged[0] + 1}-{step}" if logged is not None else None}
 
     @property
     def world_size(self) -> int:
@@ -401,9 +431,10 @@ class RunPipeline:
                 for b in self._incident(self._with_hosts(a)):
                     self.anomalies[b.id] = b
                     out.anomalies.append(b)
-        for a in self.memory_growth.finish(self.current_step):
+        for a in [*self.memory_growth.finish(self.current_step), *self.memory_imbalance.finish(self.current_step)]:
             self.anomalies[a.id] = a
             out.anomalies.append(a)
+        self._peaks.clear()
         return out
 
     def _incident(self, a: Anomaly) -> list[Anomaly]:
@@ -646,6 +677,21 @@ class RunPipeline:
                 self.positions[agg.step] = (agg.consumed_samples, agg.batch_index)
                 if len(self.positions) > 100_000:
                     self.positions.popitem(last=False)
+            if agg.sample_indices:
+                body = json.dumps({str(r): v for r, v in sorted(agg.sample_indices.items())}, separators=(",", ":"))
+                out.samples.append((agg.gen, agg.step, agg.n_ranks, body))
+                small = len(body) <= INCIDENT_SAMPLE_INDICES_BYTES
+                self.sample_steps[agg.step] = (agg.gen, body if small else None)
+                self.sample_steps.move_to_end(agg.step)
+                if len(self.sample_steps) > STEP_TIMES:
+                    self.sample_steps.popitem(last=False)
+                if small:
+                    self._sample_bodies.append(agg.step)
+                    if len(self._sample_bodies) > SAMPLE_BODIES_KEPT:  # at most ~4 MiB a run
+                        old = self._sample_bodies.popleft()
+                        kept = self.sample_steps.get(old)
+                        if kept is not None and kept[1] is not None and old not in self._sample_bodies:
+                            self.sample_steps[old] = (kept[0], None)
             changed = []
             for det in self.step_detectors:
                 try:
@@ -692,7 +738,8 @@ class RunPipeline:
             return None
 
     def _memory_samples(self, beats: Mapping[int, Mapping[str, Any]]) -> list[Anomaly]:
-        """Keep each rank's new memory sample (a heartbeat's ``mem``) and feed the growth detector with it."""
+        """Keep each rank's new memory sample (a heartbeat's ``mem``), feed the growth detector with it and judge the
+        ranks' peaks side by side (the imbalance detector)."""
         out: list[Anomaly] = []
         for r, hb in beats.items():
             gpu = hb.get("gpu")
@@ -708,6 +755,9 @@ class RunPipeline:
             try:
                 self.memory.add(r, float(t), mem, inc)
                 cuda = mem.get("cuda")
+                if isinstance(cuda, dict) and isinstance(cuda.get("alloc_peak"), (int, float)) and isinstance(
+                        cuda.get("total"), (int, float)):
+                    self._peaks[r] = (float(t), float(cuda["alloc_peak"]), float(cuda["total"]))
                 if isinstance(cuda, dict) and isinstance(cuda.get("alloc"), (int, float)):
                     out += self.memory_growth.update(r, host, float(t), step=step, inc=inc or 0.0, metric="cuda",
                                                      value=float(cuda["alloc"]), capacity=cuda.get("total"), gen=gen)
@@ -717,15 +767,23 @@ class RunPipeline:
                                                      gen=gen)
             except Exception:  # see detector_errors
                 self._failed(self.memory_growth, self.current_step)
+        if beats and self._peaks:
+            try:
+                out += self.memory_imbalance.update(self._peaks, step=self.current_step,
+                                                    gen=self.aggregator.generation, hosts=self.hosts)
+            except Exception:  # see detector_errors
+                self._failed(self.memory_imbalance, self.current_step)
         return out
 
     def _with_gpu(self, a: Anomaly) -> Anomaly:
-        """A straggler, slow node or rank outlier with what its GPUs show beside the others' (``evidence["gpu"]``,
-        :func:`~trainhealth.detectors.gpu_health.explain`), and the finding in its message when they show one."""
-        if a.kind not in ("straggler", "slow_node", "rank_outlier") or not a.active or not self.gpu or not a.ranks:
+        """A straggler, slow node, rank outlier or node with a slow network with what its GPUs show beside the
+        others' (``evidence["gpu"]``, :func:`~trainhealth.detectors.gpu_health.explain`), and the finding in its
+        message when they show one."""
+        if a.kind not in ("straggler", "slow_node", "rank_outlier", "network_slow") or not a.active or not self.gpu \
+                or not a.ranks:
             return a
         who = (f"rank {a.ranks[0]}" if len(a.ranks) == 1 else f"ranks {fmt_ranks(a.ranks)}")
-        if a.kind == "slow_node" and a.hosts:
+        if a.kind in ("slow_node", "network_slow") and a.hosts:
             who = f"{a.hosts[0]}'s {who}"
         found = explain_gpu(a.ranks, self.gpu, who)
         if found is None:
@@ -766,8 +824,6 @@ def _loss_moved(a: Anomaly, moved: bool) -> Anomaly:
 
 def agg_fields(agg: StepAggregate) -> dict[str, Any]:
     """Stream fields of a ``th:{run}:agg`` entry (see docs/architecture.md)."""
-    import json
-
     d: dict[str, Any] = {
         "step": agg.step, "gen": agg.gen, "t_end": repr(agg.t_end), "n_ranks": agg.n_ranks,
         "data_s": repr(agg.data_s),

@@ -43,7 +43,7 @@ from trainhealth.keys import RUNS, SERVICES, RunKeys, run_keys, run_of, service_
 from trainhealth.loop import LEASE_LUA, MEMBERS_LUA, RELEASE_LUA, RENEW_LUA, Backoff, stop_on_signals
 from trainhealth.recommendations import OPEN_STATUSES, Recommendation
 from trainhealth.warn_once import WarnOnce
-from trainhealth.wire import MAX_RANKS, ROW_FIELDS, Event, decode_event, decode_step_rows
+from trainhealth.wire import MAX_RANKS, ROW_FIELDS, Event, decode_event, decode_step_rows, memory_entry
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,10 @@ class _Run:
     #: Folds the aggregates into ``agg:rollup`` buckets; the newest bucket stored (its entry id).
     rollup: StepRollup = field(default_factory=StepRollup)
     last_rollup: tuple[int, int] = (0, 0)
+    #: The newest ``th:{run}:samples`` entry stored (its id).
+    last_samples: tuple[int, int] = (0, 0)
     last_snapshot: float = 0.0
+    last_memory: float = 0.0  # unix s of the newest th:{run}:mem entry written
     status: str = "running"
     meta_checked: float = 0.0
     dirty: bool = True
@@ -440,6 +443,9 @@ class DetectorService:
         last = self.client.xrevrange(keys.agg_rollup, count=1)
         if last:
             run.last_rollup = _sid(last[0][0])
+        last = self.client.xrevrange(keys.samples, count=1)
+        if last:
+            run.last_samples = _sid(last[0][0])
         delivered: dict[str, str] = {}
         for stream in keys.input_streams:
             try:
@@ -695,6 +701,16 @@ class DetectorService:
             pipe.xadd(keys.agg, agg_fields(agg), id=f"{aid[0]}-{aid[1]}",
                       maxlen=defaults.AGG_RETENTION_ENTRIES, approximate=True)
             run.last_agg = aid
+        for gen, step, n_ranks, body in out.samples:
+            sid = (gen + 1, step)
+            if step < 0 or sid <= run.last_samples:  # a rebuild's replay: stored already
+                continue
+            # Bounded in bytes as the collectors bound the step stream: the entries like this one that fit.
+            maxlen = max(1, min(defaults.SAMPLE_INDICES_RETENTION_ENTRIES,
+                                defaults.SAMPLE_INDICES_RETENTION_BYTES // len(body)))
+            pipe.xadd(keys.samples, {"step": step, "gen": gen, "n_ranks": n_ranks, "ranks": body},
+                      id=f"{sid[0]}-{sid[1]}", maxlen=maxlen, approximate=maxlen > 1000)
+            run.last_samples = sid
         if out.job is not None:
             self._write_job(run, out.job, pipe)
         for rec in out.recommendations.values():
@@ -914,6 +930,7 @@ class DetectorService:
             if hbs and now - newest < RUN_INACTIVE_S:
                 out = run.pipeline.check_heartbeats(now, hbs)
                 self._write(run, out, pipe)
+                self._write_memory(run, now, hbs, pipe)
                 if out.job is not None:
                     run.last_snapshot = 0.0  # the ledger follows the job's state now (a crash stops it)
         if run.status not in LIVE_STATUSES:
@@ -921,6 +938,16 @@ class DetectorService:
         if (run.dirty or run.status == "running") and now - run.last_snapshot >= self.snapshot_interval:
             self._snapshot(run, now, pipe)
         pipe.execute()
+
+    def _write_memory(self, run: _Run, now: float, hbs: dict[int, dict[str, Any]], pipe: Any) -> None:
+        """Every ``defaults.MEMORY_HISTORY_S`` seconds, the ranks' newest memory samples as one ``th:{run}:mem``
+        entry (the heartbeats hash keeps only the newest: the Ranks page draws memory over time from these)."""
+        if now - run.last_memory < defaults.MEMORY_HISTORY_S:
+            return
+        fields = memory_entry({r: hb for r, hb in hbs.items() if r not in run.pipeline.ended_ranks}, now)
+        if fields is not None:
+            pipe.xadd(run.keys.memory, fields, maxlen=defaults.MEMORY_HISTORY_ENTRIES, approximate=True)
+            run.last_memory = now
 
     def _write_job(self, run: _Run, job: JobState, pipe: Any) -> None:
         """Store the job's new state (``th:{run}:state``); a crash also shows in the run's ``status``, which

@@ -91,7 +91,7 @@ def test_defaults_are_alertmanagers(env: Path) -> None:
      "route.routes[0].matchers[0] = \"kind=\\\"stragler\\\"\": kind 'stragler' is unknown (kinds: nan_inf, "
      "skipped_steps, loss_spike, grad_norm_spike, divergence, grad_norm_explosion, straggler, slow_node, "
      "rank_outlier, hang, dead_rank, throughput_drop, slow_step, restart, restart_storm, loss_collapse, plateau, "
-     "memory_growth, data_loss, service_down)"),
+     "memory_growth, network_slow, memory_imbalance, data_loss, service_down)"),
     ('[route]\nreceivers = []\n[[route.routes]]\nmatchers = [\'severity="high"\']\n',
      "route.routes[0].matchers[0] = \"severity=\\\"high\\\"\": severity 'high' is unknown (severities: info, "
      "warning, critical)"),

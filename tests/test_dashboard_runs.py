@@ -284,8 +284,9 @@ def test_link_selects_rank_3_on_ranks_and_the_step_40_anomaly_on_anomalies(deep:
     assert steps == list(range(1, 61))  # steps 0-90 around step 40: all of this run's
     assert _arr(bars["y"])[39:45] == [0.25] * 6 and _arr(bars["y"])[38] == 0.13
     assert [(s["x0"], s["x1"]) for s in timeline["layout"]["shapes"]] == [(39.5, 40.5)]
-    assert at.main.caption[-1].value.endswith("steps 1–60 around the link's step 40. Select another row above to "
+    assert at.main.caption[-2].value.endswith("steps 1–60 around the link's step 40. Select another row above to "
                                               "see another rank.")
+    assert at.main.caption[-1].value.startswith("No memory samples for this run yet")  # the Memory section's
     # Nodes: n-a holds the straggler; no slow-node anomaly, so neither node is called slow.
     nodes = at.dataframe[0].value
     assert list(nodes["host"]) == ["n-a", "n-b"] and list(nodes["flagged_ranks"]) == [1, 0]

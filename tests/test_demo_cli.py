@@ -142,9 +142,13 @@ def test_dashboard_stops_the_embedded_redis_it_started_unless_someone_else_uses_
             "stop` stops it).") in out
     assert ping(url)
     other.close()
-    subprocess.run([sys.executable, "-m", "trainhealth", "redis", "stop"], check=True, capture_output=True,
-                   env={**os.environ, "TRAINHEALTH_HOME": str(home)})
+    stop = [sys.executable, "-m", "trainhealth", "redis", "stop"]
+    env = {**os.environ, "TRAINHEALTH_HOME": str(home)}
+    assert subprocess.run(stop, check=True, capture_output=True, text=True, env=env).stdout == "stopped\n"
     assert not ping(url)
+    # Nothing left to stop: said so, not "stopped".
+    assert subprocess.run(stop, check=True, capture_output=True, text=True, env=env).stdout == (
+        f"not running (nothing to stop in {home / 'redis'})\n")
 
 
 def test_demo_alert_routes_wait_a_minute_for_throughput_drops(monkeypatch) -> None:

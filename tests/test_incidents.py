@@ -66,7 +66,8 @@ LOSS_INCIDENT = {
     "ranks": [], "hosts": [], "anomalies": ["loss_spike:*:400:0", "grad_norm_spike:*:400:0", "divergence:*:400:0"],
     "recommendation": "rec:divergence:*:400:0", "badput_s": None, "badput_s_per_hour": None,
     # Where the data was when step 400 began: after step 399, 8 samples a step (the job logs consumed_samples).
-    "data_position": {"step": 399, "consumed_samples": 3200, "batch_index": None},
+    "data_position": {"step": 399, "consumed_samples": 3200, "batch_index": None, "sample_indices": None,
+                      "samples_entry": None},
     "first_seen": T0 + 1000, "last_seen": T0 + 1000,
 }
 

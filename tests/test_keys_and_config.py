@@ -16,8 +16,10 @@ def test_run_keys_literal_strings() -> None:
     assert k.events == "th:{llama-70b.v2_run}:events"
     assert k.heartbeats == "th:{llama-70b.v2_run}:hb"
     assert k.agg == "th:{llama-70b.v2_run}:agg"
+    assert k.memory == "th:{llama-70b.v2_run}:mem"
     assert k.agg_rollup == "th:{llama-70b.v2_run}:agg:rollup"
     assert k.checkpoints == "th:{llama-70b.v2_run}:checkpoints"
+    assert k.samples == "th:{llama-70b.v2_run}:samples"
     assert k.anomalies == "th:{llama-70b.v2_run}:anomalies"
     assert k.incidents == "th:{llama-70b.v2_run}:incidents"
     assert k.anomaly_log == "th:{llama-70b.v2_run}:anomaly_log"
@@ -37,8 +39,8 @@ def test_every_key_of_a_run_is_in_the_slot_of_its_hash_tag_and_the_alert_keys_sh
         names = [f.name for f in dataclasses.fields(k)]
         props = [n for n, v in vars(keys.RunKeys).items() if isinstance(v, property) and not n.startswith("_")]
         run_keys = [getattr(k, p) for p in props if p != "input_streams"] + list(k.input_streams)
-        # its 15 keys (th:{run}:checkpoints too), and the 2 input streams again
-        assert names == ["run"] and len(run_keys) == 17
+        # its 17 keys (th:{run}:checkpoints, th:{run}:mem and th:{run}:samples too), and the 2 input streams again
+        assert names == ["run"] and len(run_keys) == 19
         assert {key_slot(key.encode()) for key in run_keys} == {key_slot(run.encode())}
     alert_keys = [keys.ALERTS_OUTBOX, keys.ALERTS_DEAD, keys.ALERTS_SENT, keys.ALERTS_SILENCES, keys.ALERTS_GROUPS,
                   keys.ALERTS_STATE, keys.ALERTS_RETRY, keys.ALERTS_ATTEMPTS, keys.ALERTS_SINKS, keys.ALERTS_LEADER,

@@ -107,8 +107,10 @@ REC = Recommendation(id=f"rec:{SPIKE.id}", run="r", anomaly_id=SPIKE.id, kind="l
 
 
 def _incident() -> dict[str, Any]:
-    g = IncidentGrouper(lambda step: 1.8e9 + step, lambda step: {"step": step - 1, "consumed_samples": 100,
-                                                                 "batch_index": None})
+    g = IncidentGrouper(lambda step: 1.8e9 + step, lambda step: {
+        "step": step - 1, "consumed_samples": 100, "batch_index": None, "sample_indices": {"0": [[800, 804], 17],
+                                                                                          "1": [[804, 808]]},
+        "samples_entry": f"1-{step}"})
     inc = {"incident": SPIKE.id}
     (out,) = g.update([Anomaly("loss_spike", "warning", 400, "spike", evidence=inc)], [REC]).values()
     return {**out.to_dict(), "first_seen": 1.8e9, "last_seen": 1.8e9}

@@ -15,6 +15,7 @@ DetectorKind = Literal[
     "nan_inf", "skipped_steps", "loss_spike", "grad_norm_spike", "divergence", "grad_norm_explosion",
     "straggler", "slow_node", "rank_outlier", "hang", "dead_rank", "throughput_drop", "slow_step",
     "restart", "restart_storm", "loss_collapse", "plateau", "memory_growth",
+    "network_slow", "memory_imbalance",
 ]
 #: Kinds the detection pipeline itself records, not a detector: ``data_loss`` (records lost before the service read
 #: them, detectors/pipeline.py). Routable and silenceable like the detectors' kinds.

@@ -45,6 +45,21 @@ ROLLUP_RETENTION_ENTRIES = 1_000_000
 #: Checkpoint saves and loads kept per run in ``th:{run}:checkpoints`` (detectors/checkpoints.py), the newest by
 #: step: the whole-run charts' markers. One every 1,000 steps of a 1,000,000-step run, ~100 B each.
 CHECKPOINTS_KEPT = 2_000
+#: Sample indices a rank may log for one step (``log_step(sample_indices=)``); beyond it that step's indices of that
+#: rank are not recorded (one warning). Covers a per-rank batch of 16,384 samples per optimizer step (OLMo 2's
+#: 1,024-instance global batch is 128 per rank on 8 GPUs); a random permutation's indices cost ~8 bytes each on the
+#: wire (128 KiB a record at the cap), a contiguous or strided block one ``[start, stop, step]`` range.
+SAMPLE_INDICES_MAX = 16_384
+#: Bytes of per-rank sample indices (their JSON text) kept per run in ``th:{run}:samples``, about: the service trims
+#: the stream to the entries like the one it adds that fit (as the collectors bound the step stream). 256 MiB holds
+#: ~6,000 steps of a 1,024-rank job logging 4 shuffled indices a rank (~43 KB a step), ~30,000 steps of 8 ranks logging
+#: 128 shuffled ones each.
+SAMPLE_INDICES_RETENTION_BYTES = 256 * 2**20
+#: And at most this many steps (entries), as the per-step aggregate stream.
+SAMPLE_INDICES_RETENTION_ENTRIES = 200_000
+#: An incident's data position carries the onset step's sample indices themselves up to this many bytes of JSON (a
+#: few ranks' batches); beyond it only the entry of ``th:{run}:samples`` that holds them.
+INCIDENT_SAMPLE_INDICES_BYTES = 4_096
 #: Environment variable overriding ``STEPS_RETENTION_RECORDS``.
 RETENTION_ENV = "TRAINHEALTH_RETENTION"
 #: Environment variable overriding ``STEPS_RETENTION_BYTES``.
@@ -379,6 +394,17 @@ SLOW_STEP_MAX_RUN_STEPS = THROUGHPUT_MIN_STEPS - 1
 SLOW_NODE_FRACTION = 0.5
 SLOW_NODE_MIN_RANKS = 2
 SLOW_NODE_MIN_WINDOWS = 2
+#: Network on one node (detectors/network.py): per window of STRAGGLER_WINDOW_STEPS steps, a rank's communication
+#: share (seconds in its collective beyond the wait for the slowest rank, over the step's time) is high when it is
+#: NETWORK_RATIO x the other nodes' median share or more (1 / STRAGGLER_THRESHOLD: the straggler's relative score of
+#: 0.8 read on the collective instead of the sections) and NETWORK_MIN_EXCESS of the step above it (the throughput
+#: detector's 3 % floor, THROUGHPUT_MIN_REL_CHANGE: less cannot be told from a data centre's weather). A node is
+#: flagged when more than SLOW_NODE_FRACTION of its ranks (at least SLOW_NODE_MIN_RANKS) are high, for
+#: NETWORK_MIN_WINDOWS windows in a row (the slow node's persistence); a warning from THROUGHPUT_WARNING_LOSS of the
+#: job's time lost, else info.
+NETWORK_RATIO = 1.0 / STRAGGLER_THRESHOLD
+NETWORK_MIN_EXCESS = THROUGHPUT_MIN_REL_CHANGE
+NETWORK_MIN_WINDOWS = SLOW_NODE_MIN_WINDOWS
 #: Rank outlier (Isolation Forest, Liu, Ting & Zhou 2008, scikit-learn ``IsolationForest``) over
 #: per-rank window features. Needs this many ranks (a median/MAD and a forest over fewer are noise).
 RANK_OUTLIER_WINDOW_STEPS = 20
@@ -438,6 +464,22 @@ MEMORY_WARNING_WITHIN_S = 86400.0
 MEMORY_PRESSURE_FRAC = 0.9
 #: Seconds before the last sample in which new allocation retries or OOMs count as pressure at death.
 MEMORY_PRESSURE_RECENT_S = 60.0
+#: Memory imbalance (detectors/memory_imbalance.py): a rank's CUDA peak allocation is an outlier among the ranks'
+#: by the modified z-score (0.6745 x deviation / MAD, > 3.5: Iglewicz & Hoaglin 1993's cut-off for outliers) and at
+#: least MEMORY_IMBALANCE_FRAC of its device above the ranks' median: the headroom MEMORY_PRESSURE_FRAC leaves, so
+#: that rank runs out of memory while the others still have all of theirs. Judged with at least
+#: MEMORY_IMBALANCE_MIN_RANKS ranks reporting (a median and MAD of fewer say little), on MEMORY_IMBALANCE_MIN_SAMPLES
+#: heartbeats in a row (15 s: not one sample taken mid-allocation). A warning when the rank's peak is at least
+#: MEMORY_PRESSURE_FRAC of its device (it is near its limit), else info.
+MEMORY_IMBALANCE_Z = 3.5
+MEMORY_IMBALANCE_FRAC = 1.0 - MEMORY_PRESSURE_FRAC
+MEMORY_IMBALANCE_MIN_RANKS = 4
+MEMORY_IMBALANCE_MIN_SAMPLES = 3
+#: The per-rank memory history the service keeps for the dashboard (th:{run}:mem): one entry of every rank's newest
+#: heartbeat sample each MEMORY_HISTORY_S seconds, the newest MEMORY_HISTORY_ENTRIES kept (24 h). At 1,024 ranks an
+#: entry is ~20 kB (three lists of MiB): ~55 MB a run, a sixth of its steps stream (docs/architecture.md).
+MEMORY_HISTORY_S = 30.0
+MEMORY_HISTORY_ENTRIES = 2_880
 
 # --- Rollback advisor -------------------------------------------------------------------
 #: Restart from a checkpoint at least this many steps before the onset (PaLM: ~100 steps).

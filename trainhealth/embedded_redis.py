@@ -147,8 +147,8 @@ class EmbeddedRedis:
         log.info("started embedded redis-server %s at %s (data in %s)", binary, url, self.directory)
         return url
 
-    def stop(self) -> None:
-        """Shut the server down (saving its data) and forget ``server.json``."""
+    def stop(self) -> bool:
+        """Shut the server down (saving its data) and forget ``server.json``; False when none was running."""
         url = self.url or self.running_url()
         if url:
             try:
@@ -158,6 +158,7 @@ class EmbeddedRedis:
             except redis.RedisError as exc:
                 log.warning("embedded redis-server did not shut down: %s", exc)
         self._info_file().unlink(missing_ok=True)
+        return url is not None
 
 
 def resolve_url(explicit: str | None = None, *, start: bool = True) -> tuple[str, EmbeddedRedis | None]:

@@ -82,6 +82,13 @@ class RunKeys:
         return f"{self._p}:hb"
 
     @property
+    def memory(self) -> str:
+        """Stream: every rank's newest memory sample each ``defaults.MEMORY_HISTORY_S`` seconds (lists of MiB by
+        rank, :func:`trainhealth.wire.memory_entry`), the newest ``defaults.MEMORY_HISTORY_ENTRIES`` kept; written by
+        the service from the heartbeats (which keep only the newest), read by the dashboard's Ranks page."""
+        return f"{self._p}:mem"
+
+    @property
     def agg(self) -> str:
         """Stream: one entry per completed step across ranks, written by the service."""
         return f"{self._p}:agg"
@@ -97,6 +104,13 @@ class RunKeys:
         """Hash: ``<kind>:<step>`` -> JSON of one checkpoint save or load merged over the ranks that reported it
         (earliest time, longest block, how many ranks), written by the service (detectors/checkpoints.py)."""
         return f"{self._p}:checkpoints"
+
+    @property
+    def samples(self) -> str:
+        """Stream: one entry per step whose ranks logged sample indices (``log_step(sample_indices=)``), each rank's
+        as a compact list, written by the service and bounded in bytes (``defaults.SAMPLE_INDICES_RETENTION_BYTES``).
+        """
+        return f"{self._p}:samples"
 
     @property
     def anomalies(self) -> str:

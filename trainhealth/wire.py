@@ -11,12 +11,12 @@ import json
 import math
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, replace
-from itertools import repeat
+from itertools import islice, repeat
 from typing import Annotated, Any, Literal, TypedDict, get_args
 
-from trainhealth.defaults import COMM_SECTIONS
+from trainhealth.defaults import COMM_SECTIONS, SAMPLE_INDICES_MAX
 from trainhealth.text import show
 
 #: Event kinds written by collectors into ``th:{run}:events``.
@@ -74,6 +74,137 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+# -- sample indices: ints and ranges ----------------------------------------------------------------------
+#: A compact list of sample indices: each item one index, or a run of them as ``[start, stop]`` (every index from
+#: ``start`` to ``stop - 1``) or ``[start, stop, step]`` (Python's ``range(start, stop, step)``, ``step`` > 0).
+Indices = list[int | list[int]]
+#: The largest index: what a double, hence every JSON reader, holds exactly.
+MAX_INDEX = 2**53 - 1
+
+
+def encode_indices(values: Iterable[Any], limit: int = SAMPLE_INDICES_MAX,
+                   pause: Callable[[], None] = lambda: None) -> Indices:
+    """``values`` (sample indices, in the order consumed) as a compact list: each run of three or more equally spaced
+    increasing indices as one range, ``[start, stop]`` for consecutive ones, ``[start, stop, step]`` for a stride
+    (a sampler hands out contiguous or strided blocks: ``DistributedSampler`` without shuffling gives rank ``r``
+    indices ``r, r + W, r + 2W``...); other indices as they are.
+
+    The collector's sender thread calls it with its ``pause``, called between passes over the indices: each pass is
+    one C call (``map``, ``min``, ``list.index``; a Python step only per run), so the training thread waits for the
+    GIL at most one pass (over at most 16,384 indices: 0.5 ms measured on a loaded 2-core machine), not the whole
+    encoding.
+
+    Raises ``ValueError`` naming the position and value of one that is not an integer in 0..2**53-1 (numpy and torch
+    integers are taken, bools are not), or when there are more than ``limit``.
+
+    >>> encode_indices([0, 1, 2, 3, 7, 12, 20, 28, 36, 5])
+    [[0, 4], 7, [12, 44, 8], 5]
+    >>> encode_indices(range(1024, 2048))
+    [[1024, 2048]]
+    """
+    if type(values) is range and values.step > 0:  # a sampler's slice: O(1)
+        r = values
+        n = len(r)
+        if n > limit:
+            raise ValueError(f"{n:,} sample indices, more than the {limit:,} a rank logs per step")
+        if n and not (r.start >= 0 and r[-1] <= MAX_INDEX):
+            raise ValueError(f"sample indices {r} are not all in 0..{MAX_INDEX}")
+        if n >= 3:
+            return [[r.start, r.start + n * r.step] if r.step == 1 else [r.start, r.start + n * r.step, r.step]]
+        return list(r)
+    vals = values.tolist() if hasattr(values, "tolist") else values  # a numpy array or CPU tensor, at C speed
+    vals = list(islice(vals, limit + 1))
+    if len(vals) > limit:
+        raise ValueError(f"more than the {limit:,} sample indices a rank logs per step")
+    if not _ONLY_INT.issuperset(map(type, vals)):
+        vals = [_index(i, v) for i, v in enumerate(vals)]
+    pause()
+    n = len(vals)
+    if n and (min(vals) < 0 or max(vals) > MAX_INDEX):
+        i, v = next((i, v) for i, v in enumerate(vals) if not 0 <= v <= MAX_INDEX)
+        raise ValueError(f"sample index {i} is {show(v)}, not in 0..{MAX_INDEX}")
+    if n < 3:
+        return list(vals)
+    pause()
+    d = list(map(operator.sub, vals[1:], vals[:-1]))
+    pause()
+    # ok[m]: vals[m], vals[m + 1], vals[m + 2] are equally spaced and increasing (a run goes on through m + 2).
+    ok = list(map(operator.and_, map(operator.eq, d[1:], d[:-1]), map(operator.gt, d, repeat(0))))
+    out: Indices = []
+    i = 0
+    while True:
+        try:
+            j = ok.index(True, i)
+        except ValueError:
+            out.extend(vals[i:])
+            return out
+        out.extend(vals[i:j])
+        pause()
+        try:
+            k = ok.index(False, j)
+        except ValueError:
+            k = len(ok)
+        step, last = d[j], vals[k + 1]
+        out.append([vals[j], last + step] if step == 1 else [vals[j], last + step, step])
+        i = k + 2
+
+
+_ONLY_INT = frozenset({int})
+
+
+def _index(i: int, v: Any) -> int:
+    """``v``, the ``i``-th sample index, as an int (numpy and torch integers), else ``ValueError`` naming it."""
+    if type(v) is int:
+        return v
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        return v.__index__()
+    except Exception:
+        raise ValueError(f"sample index {i} is {show(v)}, not an integer") from None
+
+
+def count_indices(enc: Any) -> int:
+    """How many indices a compact list (:func:`encode_indices`) holds, without expanding it.
+
+    Raises ``ValueError`` naming the item of one that is not an index in 0..2**53-1 or a ``[start, stop(, step)]``
+    with ``start < stop`` and ``step > 0``.
+
+    >>> count_indices([[0, 4], 7, [12, 44, 8], 5])
+    10
+    """
+    if type(enc) is not list:
+        raise ValueError(f"sample indices {show(enc)} are not a list")
+    n = 0
+    for i, item in enumerate(enc):
+        if type(item) is int:
+            if not 0 <= item <= MAX_INDEX:
+                raise ValueError(f"sample indices item {i} is {show(item)}, not in 0..{MAX_INDEX}")
+            n += 1
+            continue
+        if (type(item) is not list or len(item) not in (2, 3) or any(type(x) is not int for x in item)
+                or not 0 <= item[0] < item[1] <= MAX_INDEX + 1 or (len(item) == 3 and item[2] < 1)):
+            raise ValueError(f"sample indices item {i} is {show(item)}, not an index or a [start, stop(, step)] "
+                             f"range with 0 <= start < stop <= {MAX_INDEX + 1} and step >= 1")
+        n += len(range(*item))
+    return n
+
+
+def expand_indices(enc: Indices) -> list[int]:
+    """Every index of a compact list (:func:`encode_indices`), in order.
+
+    >>> expand_indices([[0, 4], 7, [12, 44, 8], 5])
+    [0, 1, 2, 3, 7, 12, 20, 28, 36, 5]
+    """
+    out: list[int] = []
+    for item in enc:
+        if type(item) is int:
+            out.append(item)
+        else:
+            out.extend(range(*item))
+    return out
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One rank's record of one step (a record in a ``th:{run}:steps`` entry's ``recs`` list).
@@ -121,6 +252,10 @@ class StepRecord:
     loss_scale : float | None
         The fp16 loss scaler's scale after the step (DeepSpeed's, Megatron's, ``torch.amp.GradScaler.get_scale()``):
         it halves at each overflow, so a falling scale tells why steps are skipped.
+    sample_indices : list | None
+        The sample (document) indices this rank consumed in the step, in order (``log_step(sample_indices=)``), as a
+        compact list: each item an index, or a run of them as ``[start, stop]`` (``start`` to ``stop - 1``) or
+        ``[start, stop, step]`` (Python's ``range``); at most ``defaults.SAMPLE_INDICES_MAX`` indices.
     """
 
     rank: int
@@ -141,6 +276,7 @@ class StepRecord:
     step_s: float | None = None
     loss_missing: int | None = None
     loss_scale: float | None = None
+    sample_indices: Indices | None = None
 
     @property
     def busy_s(self) -> float | None:
@@ -188,7 +324,11 @@ def _plain_step_record(d: Mapping[str, Any]) -> StepRecord | None:
         if kind is None:
             if type(k) is not str:
                 return None
-            if k.startswith(SECTION_PREFIX):
+            if k == "sample_indices":
+                if type(v) is not list or not _indices_ok(v):
+                    return None  # the checked path says why
+                ns[k] = v
+            elif k.startswith(SECTION_PREFIX):
                 if type(v) is not float:
                     return None
                 sections[k[len(SECTION_PREFIX):]] = v
@@ -236,6 +376,8 @@ def step_record(d: Mapping[str, Any]) -> StepRecord:
             kw[name] = int(v)
     if not 0 <= kw["rank"] < MAX_RANKS:
         raise ValueError(f"field 'rank' is {show(kw['rank'])}, not in 0..{MAX_RANKS - 1}")
+    if d.get("sample_indices") is not None:
+        kw["sample_indices"] = _checked_indices(d["sample_indices"])
     sections: dict[str, float] = {}
     gpu: dict[str, float] = {}
     for k, v in d.items():
@@ -249,6 +391,25 @@ def step_record(d: Mapping[str, Any]) -> StepRecord:
     return StepRecord(sections=sections, gpu=gpu, **kw)
 
 
+
+
+def _checked_indices(v: Any) -> Indices:
+    """A record's ``sample_indices``, checked; ``ValueError`` naming the field and what is wrong."""
+    try:
+        n = count_indices(v)
+    except ValueError as exc:
+        raise ValueError(f"field 'sample_indices': {exc}") from None
+    if n > SAMPLE_INDICES_MAX:
+        raise ValueError(f"field 'sample_indices' holds {n:,} indices, more than {SAMPLE_INDICES_MAX:,}")
+    return v
+
+
+def _indices_ok(v: Any) -> bool:
+    try:
+        _checked_indices(v)
+    except ValueError:
+        return False
+    return True
 
 
 def _float(name: str, v: int | float) -> float:
@@ -443,6 +604,8 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
         if layout is False:
             half = len(key) // 2
             layout = layouts[key] = _layout(key[:half], key[half:], data_sections)
+        if layout is not None and "sample_indices" in d and not _indices_ok(d["sample_indices"]):
+            layout = None  # the checked path refuses the record, naming what is wrong
         if layout is None:
             try:
                 row = record_row(_checked(i, d), data_sections)
@@ -472,8 +635,9 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
             on_bad(i, exc)
             continue
         rows.append(row)
-    if first is not None and len(rows) == len(recs) and type(body) is bytes and body[:2] == b"[{":
-        _learn(first, data_sections, fields.get(b"rank"))
+    if type(body) is bytes and body[:2] == b"[{" and _fast_loads is not _none and (
+            first is None or len(rows) < len(recs) or not _learn(first, data_sections, fields.get(b"rank"))):
+        _TYPED_FOR[(data_sections, fields.get(b"rank"))] = _UNTYPED  # not the others' layout either
     return rows
 
 
@@ -487,7 +651,7 @@ def decode_step_rows(fields: Mapping[Any, Any], data_sections: tuple[str, ...],
 # such a record through record_row, whose busy differs where communication sections are subtracted: layouts with
 # those are not typed), and a Struct does not keep its keys' order, in which the busy sum adds the sections
 # (checked on the entry's bytes where three or more are added: two floats add the same in either order).
-_TYPED_FOR: dict[tuple[tuple[str, ...], Any], _Typed] = {}  # (data sections, the entry's rank field) -> decoder
+_TYPED_FOR: dict[tuple[tuple[str, ...], Any], _Typed | _Untyped] = {}  # (data sections, entry's rank) -> decoder
 _TYPED: dict[tuple, _Typed | None] = {}  # (data sections, section keys in order, other keys) -> decoder, or None
 _TYPED_LAST: dict[tuple[str, ...], _Typed] = {}  # data sections -> the decoder learnt last (tried for a new rank)
 #: A CPU or GPU section's key in a ``recs`` body, as JSON: in a body the typed decode took, every string is a key
@@ -536,26 +700,42 @@ class _Typed:
         return self._build(recs)
 
 
-def _learn(key: tuple, data_sections: tuple[str, ...], rank_field: Any) -> None:
+class _Untyped:
+    """A sender whose last entry the typed decode could not take: its next one takes the dict path at once."""
+
+    @staticmethod
+    def rows(body: bytes) -> None:
+        return None
+
+
+_UNTYPED = _Untyped()
+
+
+def _learn(key: tuple, data_sections: tuple[str, ...], rank_field: Any) -> bool:
     """Decode the sender's (``rank_field``'s) next entries with the typed decoder of layout ``key`` (every record of
-    its last entry had it; see :func:`decode_step_rows`), where msgspec is installed and the layout can be typed."""
+    its last entry had it; see :func:`decode_step_rows`), where msgspec is installed and the layout can be typed;
+    whether it can."""
     half = len(key) // 2
     keys, types = key[:half], key[half:]
     layout = _layout(keys, types, data_sections)
     if layout is None or _fast_loads is _none:
-        return
+        return False
     sections = tuple(k for k in keys if k.startswith((SECTION_PREFIX, GPU_PREFIX)))
     others = frozenset(k for k in keys if k not in _FAST_TYPES and k not in sections)
+    if any(t not in (_NONE, bool, int, float) for k, t in zip(keys, types, strict=True) if k in others):
+        return False  # e.g. sample_indices (a list): the typed records hold numbers only
     tkey = (data_sections, sections, others)
     typed = _TYPED.get(tkey, False)
     if typed is False:
         if len(_TYPED) > 1_000:  # bounded, whatever the senders do
             _TYPED.clear()
         typed = _TYPED[tkey] = _typed(layout, sections, others)
-    if typed is not None:
-        if len(_TYPED_FOR) > 100_000:
-            _TYPED_FOR.clear()
-        _TYPED_FOR[(data_sections, rank_field)] = _TYPED_LAST[data_sections] = typed
+    if len(_TYPED_FOR) > 100_000:
+        _TYPED_FOR.clear()
+    if typed is None:
+        return False
+    _TYPED_FOR[(data_sections, rank_field)] = _TYPED_LAST[data_sections] = typed
+    return True
 
 
 def _typed(layout: tuple, sections: tuple[str, ...], others: frozenset[str]) -> _Typed | None:
@@ -880,3 +1060,44 @@ class Heartbeat(TypedDict):
     inc: float
     mem: MemorySample | None
     gpu: GpuSample | None
+
+
+#: The per-rank lists of a ``th:{run}:mem`` entry (:func:`memory_entry`) and what each heartbeat value they hold.
+MEMORY_FIELDS = {"alloc": ("cuda", "alloc"), "reserved": ("cuda", "reserved"), "rss": (None, "rss")}
+
+
+def memory_entry(beats: Mapping[int, Mapping[str, Any]], t: float) -> dict[str, str] | None:
+    """The fields of one ``th:{run}:mem`` entry (docs/architecture.md): every rank's newest memory sample (the ``mem``
+    of its heartbeat, ``beats``: rank -> heartbeat) at unix time ``t``, None when no rank sent one.
+
+    ``t`` (unix s), ``step`` (the newest step a heartbeat names, or ``-1``), ``n`` (ranks with a sample) and, for each
+    of :data:`MEMORY_FIELDS`, a JSON list indexed by rank of MiB (integers: 1 MiB of 80 GiB is plenty to draw; a
+    third of the bytes' text), ``null`` where the rank sent none: ``alloc`` and ``reserved`` are the CUDA caching
+    allocator's, ``rss`` the host's resident set.
+
+    >>> GiB = 2**30
+    >>> beats = {0: {"step": 7, "mem": {"rss": 3 * GiB, "cuda": {"alloc": 71.2 * GiB, "reserved": 75 * GiB}}},
+    ...          2: {"step": 8, "mem": {"rss": 2 * GiB, "cuda_absent": "no CUDA device"}}}
+    >>> memory_entry(beats, 100.0)
+    {'t': '100.0', 'step': '8', 'n': '2', 'alloc': '[72909,null,null]', 'reserved': '[76800,null,null]', \
+'rss': '[3072,null,2048]'}
+    """
+    width = max(beats, default=-1) + 1
+    lists: dict[str, list[int | None]] = {name: [None] * width for name in MEMORY_FIELDS}
+    n, step = 0, -1
+    for r, hb in beats.items():
+        mem = hb.get("mem")
+        if not isinstance(mem, Mapping):
+            continue
+        n += 1
+        if isinstance(hb.get("step"), int):
+            step = max(step, hb["step"])
+        for name, (part, key) in MEMORY_FIELDS.items():
+            src = mem.get(part) if part else mem
+            v = src.get(key) if isinstance(src, Mapping) else None
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+                lists[name][r] = round(v / 2**20)
+    if not n:
+        return None
+    return {"t": repr(float(t)), "step": str(step), "n": str(n),
+            **{name: json.dumps(v, separators=(",", ":")) for name, v in lists.items()}}

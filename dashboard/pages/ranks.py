@@ -1,5 +1,7 @@
 """Ranks page: per-rank busy-time heatmap, the nodes and the ranks sorted by how slow they are, and one rank's
-section seconds per step.
+section seconds per step; then every rank's memory over time (CUDA allocated or reserved, or host RSS, from the
+service's ``th:{run}:mem``) and, in the drill-down, the chosen rank's memory beside the others' with its newest
+heartbeat's figures.
 
 "Flagged" means one thing here: the detectors' verdict, an active straggler, slow-node or rank-outlier anomaly
 naming the rank (:func:`trainhealth.dashboard.data.rank_verdicts`); the heatmap outlines those ranks and the tables
@@ -32,10 +34,11 @@ from trainhealth.dashboard.common import (
     select_table,
     set_focus,
     show_problems,
+    viewer_tz,
 )
 from trainhealth.dashboard.frame import page_run
-from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS, STRAGGLER_THRESHOLD
-from trainhealth.text import plural
+from trainhealth.defaults import DASHBOARD_REFRESH_S, DASHBOARD_STEPS, MEMORY_HISTORY_S, STRAGGLER_THRESHOLD
+from trainhealth.text import fmt_duration, plural
 
 #: Hosts change only when ranks restart: re-read at most this often (s).
 HOSTS_TTL_S = 30
@@ -52,7 +55,14 @@ WINDOW_VALUES = 131_072
 MODES = ("busy seconds", "ratio to step median")
 #: Anomaly kinds about particular ranks or nodes, each shown as a warning on top: the flagging ones
 #: (:data:`trainhealth.dashboard.data.FLAGGED_KINDS`) and a dead rank (its job is hung or crashed).
-RANK_KINDS = (*data.FLAGGED_KINDS, "dead_rank")
+RANK_KINDS = (*data.FLAGGED_KINDS, "dead_rank", "network_slow", "memory_imbalance")
+#: The memory lists of th:{run}:mem the page draws, in words; the session-state key of the one chosen.
+MEMORY_LABELS = {"alloc": "CUDA allocated", "reserved": "CUDA reserved", "rss": "host RSS"}
+MEMORY_KEY = "ranks_memory_metric"
+#: The memory window is re-read at most this often (s): the service adds an entry every MEMORY_HISTORY_S.
+MEMORY_TTL_S = MEMORY_HISTORY_S / 3
+NO_MEMORY = ("No memory samples for this run yet: the detector service keeps every rank's heartbeat memory every "
+             f"{MEMORY_HISTORY_S:.0f} s (CUDA allocator figures from ranks that use CUDA, host RSS from all).")
 #: Steps drawn either side of a linked step (range) in the drill-down.
 AROUND_STEPS = 50
 NO_TIMINGS = ("No per-rank section timings in this run (a replayed log / untimed steps), so ranks cannot be "
@@ -97,6 +107,12 @@ def _hosts(url: str, run: str) -> pd.DataFrame:
     return data.rank_hosts(get_client(url), run)
 
 
+@st.cache_data(ttl=MEMORY_TTL_S, show_spinner=False)
+def _memory(url: str, run: str, metric: str) -> tuple[pd.DataFrame, list[str]]:
+    problems: list[str] = []
+    return data.memory_matrix(get_client(url), run, metric, problems=problems), problems
+
+
 @st.cache_data(ttl=AROUND_TTL_S, show_spinner=False)
 def _around(url: str, run: str, lo: int, hi: int) -> tuple[pd.DataFrame, list[str]]:
     problems: list[str] = []  # cached with the matrix: the warnings must outlive the read
@@ -135,7 +151,7 @@ def rank_table(summary: pd.DataFrame, verdicts: pd.DataFrame, culprit_rank: int 
 def warnings(active: pd.DataFrame) -> None:
     """One warning per active anomaly about ranks or nodes: what, where, since when."""
     for a in active.itertuples(index=False):
-        if a.kind == "slow_node":
+        if a.kind in ("slow_node", "network_slow"):
             where = (", ".join(a.hosts) or "node ?") + (f" (ranks {data.rank_ranges(a.ranks)})" if a.ranks else "")
         else:
             where = (", ".join(f"rank {r}" for r in a.ranks) or "ranks ?") + (f" on {', '.join(a.hosts)}"
@@ -212,6 +228,35 @@ def drill_down(run: str, matrix: pd.DataFrame, rank: int, host: str | None, vers
     st.caption(f"Seconds rank {rank} spent in its timed sections (their sum: the service keeps one figure per rank "
                f"and step) against the step's median and fastest rank, steps {first:,}–{last:,}{around}. Select "
                "another row above to see another rank.")
+    rank_memory(run, rank)
+
+
+def memory_metric() -> str:
+    """The memory list chosen (the Memory section's control; CUDA allocated until one is chosen)."""
+    chosen = st.session_state.get(MEMORY_KEY)
+    return chosen if chosen in MEMORY_LABELS else "alloc"
+
+
+def rank_memory(run: str, rank: int) -> None:
+    """The drill-down's memory: the rank's chosen memory over time beside the median and highest other rank (the
+    Memory section's read, cached: nothing more is read for it), and its newest heartbeat's figures (one field)."""
+    metric = memory_metric()
+    try:
+        matrix, _ = _memory(st.session_state.get(URL_KEY, ""), run, metric)
+        beats = data.rank_heartbeats(client(), run, [rank])
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+    words = incidents.memory_words(beats[rank]) if rank in beats else None
+    gpu = incidents.gpu_words(beats[rank]) if rank in beats else None
+    if rank in matrix.index and matrix.loc[rank].notna().any():
+        label, tz = MEMORY_LABELS[metric], viewer_tz()
+        fig = reuse("rank_memory_figure", (run, rank, metric, matrix.shape, tuple(matrix.columns[-1:])),
+                    lambda: charts.rank_memory_figure(matrix, rank, label, tz).update_layout(
+                        uirevision=f"{run}:{rank}:mem"))
+        st.plotly_chart(fig, config={"displaylogo": False}, key="rank_memory")
+    if words or gpu:
+        st.caption(f"Rank {rank}'s newest heartbeat: " + "; GPU ".join(w for w in (words, gpu) if w) + ".")
 
 
 def rank_window(cl: Any, run: str, window: int, problems: list[str]) -> data.RankWindow:
@@ -306,6 +351,40 @@ def live(run: str, window: int, relative: bool) -> None:
     drill_down(run, matrix, rank, host if isinstance(host, str) else None, version)
 
 
+@st.fragment(run_every=MEMORY_TTL_S)
+def memory_section(run: str) -> None:
+    """Every rank's memory over time: a heatmap of the chosen list of th:{run}:mem (its newest 24 h, at most
+    ``data.MEMORY_COLUMNS`` samples, thinned in Redis), re-read every :data:`MEMORY_TTL_S` seconds."""
+    st.markdown("##### Memory per rank")
+    metric = st.segmented_control("Memory", list(MEMORY_LABELS), default="alloc", format_func=MEMORY_LABELS.get,
+                                  key=MEMORY_KEY) or "alloc"
+    try:
+        matrix, problems = _memory(st.session_state.get(URL_KEY, ""), run, metric)
+    except redis.RedisError as exc:
+        redis_trouble(exc)
+        return
+    show_problems(problems)
+    if matrix.shape[1] == 0:
+        st.caption(NO_MEMORY)
+        return
+    if not matrix.notna().to_numpy().any():
+        st.caption(f"No rank reported {MEMORY_LABELS[metric]} in the samples kept (e.g. no rank uses CUDA).")
+        return
+    tz = viewer_tz()
+    fig = reuse("memory_heatmap", (run, metric, matrix.shape, tuple(matrix.columns[-1:]), tz),
+                lambda: charts.memory_heatmap(matrix, MEMORY_LABELS[metric], tz).update_layout(uirevision=run))
+    st.plotly_chart(fig, config={"displaylogo": False}, key="memory_heatmap")
+    newest = matrix.iloc[:, -1]
+    top = int(newest.idxmax()) if newest.notna().any() else None
+    span = matrix.columns[-1] - matrix.columns[0]
+    label = MEMORY_LABELS[metric]
+    st.caption(f"{label[0].upper()}{label[1:]} in GiB of each rank, from the ranks' heartbeats: "
+               f"{plural(matrix.shape[1], 'sample')} over {fmt_duration(span) if span else 'one instant'} "
+               f"(every {MEMORY_HISTORY_S:.0f} s, thinned to at most {data.MEMORY_COLUMNS} columns). Newest: median "
+               f"{newest.median():.1f} GiB"
+               + (f", highest rank {top} at {newest[top]:.1f} GiB." if top is not None else "."))
+
+
 run = page_run()
 if run:
     st.subheader(f"{run} · ranks")
@@ -315,3 +394,4 @@ if run:
                                   key="ranks_window") or 500
     mode = c2.segmented_control("Colour", MODES, default=MODES[0], key="ranks_mode") or MODES[0]
     live(run, int(window), mode == MODES[1])
+    memory_section(run)
