@@ -37,12 +37,27 @@ Starts its own redis-server on a free port (no persistence). Two parts:
    ``anomaly_log`` entry's id (the Redis server's clock, ms). Split: log → ``XADD`` of the
    step's last entry (the collectors' flush interval; on this machine also the 1,024 simulated
    senders' share of its cores) and ``XADD`` → anomaly in Redis (the service).
+
+3. **Beside another version** (``--compare REV``: a git revision of this repository, e.g. ``main``, or a
+   checkout's directory). For each size of ``--compare-ranks`` the run is pre-loaded once (as in part 1,
+   ``--steps`` steps, ``--batch``'s first size) and kept aside in Redis (``COPY``); then, ``--repeat`` times,
+   alternately, each version's :class:`DetectorService` drains a fresh copy of it in its own process (the
+   version's code imported from its directory), with a clock that starts an hour before the records and
+   advances one second per ``run_once`` (every batch ticks: stale steps, ledger snapshots), the same for both.
+   Printed per pass: records/s, CPU µs per record of the service process (``time.process_time``) and of
+   redis-server (``INFO cpu``), and the load average; then each version's medians. After each pass every
+   key the service wrote (aggregates, rollups, anomalies and their log, recommendations, incidents,
+   checkpoints, ledger, job state; of the input streams, their length and consumer group state) is read
+   back: the pass fails unless all are byte-identical to the first pass's (stream ids included where the
+   service chose them: the aggregates'; the server's own ids of the anomaly log and ledger are left out, and
+   the run's lease, which expires in wall-clock time).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import importlib
 import json
 import math
@@ -256,6 +271,182 @@ def throughput(args: argparse.Namespace, rp: RedisProc, batch: int, profile: str
             "anomalies": anomalies}
 
 
+# -- part 3: beside another version --------------------------------------------------------------------
+#: Run in a new interpreter before the bench module: imports ``trainhealth`` from the directory in argv[1] (its
+#: pyproject.toml's package-dir), then runs one pass (``measure_pass``) with the arguments after it.
+_PASS = """
+import importlib.abc, importlib.util, json, os, runpy, sys
+try:
+    import tomllib
+except ImportError:
+    import tomli as tomllib
+root, bench = sys.argv[1], sys.argv[2]
+with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+    dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+class Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        d = dirs.get(name)
+        if d is None:
+            return None
+        d = os.path.join(root, d)
+        return importlib.util.spec_from_file_location(name, os.path.join(d, "__init__.py"),
+                                                      submodule_search_locations=[d])
+sys.meta_path.insert(0, Finder())
+mod = runpy.run_path(bench, run_name="service_pass")
+print(json.dumps(mod["measure_pass"](*sys.argv[3:])))
+"""
+PRISTINE = "pristine"  # the pre-loaded run's input keys are kept as th:{run}:pristine:<name>
+
+
+def measure_pass(url: str, run: str, entries: str, clock0: str) -> dict[str, Any]:
+    """One version's service drains the run (in its own process): wall s, CPU s (its own and redis-server's)."""
+    import trainhealth.detectors.service as service_module
+
+    client = redis.Redis.from_url(url)
+    now = [float(clock0)]
+    svc = DetectorService(client, consumer="bench-service", clock=lambda: now[0],
+                          hang_factory=lambda: HangDetector(floor_s=1e9))
+    for module in _LAZY_IMPORTS:
+        importlib.import_module(module)
+    info = client.info("cpu")
+    r0 = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    w0, c0 = time.perf_counter(), time.process_time()
+    while svc.processed < int(entries):
+        now[0] += 1.0
+        svc.run_once(block_ms=100)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    info = client.info("cpu")
+    redis_cpu = float(info["used_cpu_user"]) + float(info["used_cpu_sys"]) - r0
+    now[0] += 1.0
+    svc.run_once(block_ms=1)  # the tick after the last batch: its ledger snapshot
+    return {"wall_s": wall, "cpu_s": cpu, "redis_cpu_s": redis_cpu, "code": service_module.__file__}
+
+
+def _restore(client: redis.Redis, run: str) -> None:
+    """Every key but the kept input deleted, the input copied back: the run as pre-loaded, never read."""
+    keys = run_keys(run)
+    keep = f"th:{{{run}}}:{PRISTINE}:"
+    for key in list(client.scan_iter(count=1000)):
+        if not key.decode().startswith(keep):
+            client.delete(key)
+    for name in (keys.meta, keys.steps, keys.events):
+        client.copy(keep + name.rsplit(":", 1)[1], name)
+    client.zadd(RUNS, {run: T0})
+
+
+def _written(client: redis.Redis, run: str) -> dict[str, str]:
+    """Every key but the kept input, as text: the input streams' length and consumer groups, everything else
+    whole (the ids of streams the server numbers left out)."""
+    keys = run_keys(run)
+    server_ids = (keys.anomaly_log, keys.ledger)
+    out = {}
+    for raw in sorted(client.scan_iter(count=1000)):
+        key = raw.decode()
+        if key.startswith(f"th:{{{run}}}:{PRISTINE}:") or key == keys.owner:
+            continue  # the kept input; the lease, which expires in wall-clock time
+        kind = client.type(key).decode()
+        if key in keys.input_streams:
+            groups = [{k: v for k, v in g.items() if k != "lag"} for g in client.xinfo_groups(key)]
+            consumers = [[{k: v for k, v in c.items() if k not in ("idle", "inactive")}
+                          for c in client.xinfo_consumers(key, g["name"])] for g in groups]
+            value: Any = [client.xlen(key), groups, consumers]
+        elif kind == "stream":
+            value = [(None if key in server_ids else i, f) for i, f in client.xrange(key)]
+        elif kind == "hash":
+            value = sorted(client.hgetall(key).items())
+        elif kind == "string":
+            value = client.get(key)
+        elif kind == "zset":
+            value = client.zrange(key, 0, -1, withscores=True)
+        elif kind == "set":
+            value = sorted(client.smembers(key))
+        else:
+            value = client.lrange(key, 0, -1)
+        out[key] = repr((kind, value))
+    return out
+
+
+def _checkout(rev: str) -> tuple[str, str]:
+    """(directory, description) of the code of ``rev``: a directory as is, else the git revision of this
+    repository extracted (``git archive``) into a temporary directory."""
+    if Path(rev, "pyproject.toml").is_file():
+        head = subprocess.run(["git", "-C", rev, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return str(Path(rev).resolve()), f"{rev} (checkout at {head.stdout.strip() or '?'})"
+    repo = Path(__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", rev], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    out = tempfile.mkdtemp(prefix=f"th-bench-{commit}-")
+    archive = subprocess.run(["git", "-C", str(repo), "archive", commit], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+    return out, f"{rev} ({commit})"
+
+
+def compare(args: argparse.Namespace, rp: RedisProc) -> dict[str, Any]:
+    """Part 3: the service of ``--compare``'s version and this checkout's on the same entries, alternately."""
+    base_dir, base_name = _checkout(args.compare)
+    here = str(Path(__file__).resolve().parent.parent)
+    versions = [(f"before: {base_name}", base_dir), ("after: this checkout", here)]
+    client = redis.Redis.from_url(rp.url)
+    run, batch = "bench-svc", int(args.batch.split(",")[0])
+    result: dict[str, Any] = {"baseline": base_name, "sizes": []}
+    try:
+        for ranks in (int(x) for x in args.compare_ranks.split(",")):
+            client.flushall()
+            records, _ = preload(client, run, ranks, args.steps, batch)
+            keys = run_keys(run)
+            entries = sum(client.xlen(s) for s in keys.input_streams)
+            for name in (keys.meta, keys.steps, keys.events):
+                client.rename(name, f"th:{{{run}}}:{PRISTINE}:{name.rsplit(':', 1)[1]}")
+            print(f"\ncompare: {records:,} records ({ranks} ranks x {args.steps} steps, {batch} records/entry) in "
+                  f"{entries:,} entries; {args.repeat} passes of each version, alternately", flush=True)
+            print(f"{'version':<34} {'pass':>4} {'records/s':>10} {'wall s':>7} {'CPU µs/rec':>10} "
+                  f"{'redis µs/rec':>12} {'load 1m':>7}  outputs")
+            first: dict[str, str] | None = None
+            rows: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in versions}
+            for i in range(args.repeat):
+                for name, code in versions:
+                    _restore(client, run)
+                    load = os.getloadavg()[0]
+                    proc = subprocess.run([sys.executable, "-c", _PASS, code, str(Path(__file__).resolve()), rp.url,
+                                           run, str(entries), repr(T0 - 3600.0)],
+                                          capture_output=True, text=True, check=False)
+                    if proc.returncode:
+                        raise RuntimeError(f"{name}: pass failed:\n{proc.stderr[-3000:]}")
+                    res = json.loads(proc.stdout.strip().splitlines()[-1])
+                    if not res["code"].startswith(code):
+                        raise RuntimeError(f"{name}: ran the code of {res['code']}, not of {code}")
+                    written = _written(client, run)
+                    if first is None:
+                        first, same = written, "reference"
+                    else:
+                        diff = sorted(k for k in set(first) | set(written) if first.get(k) != written.get(k))
+                        if diff:
+                            k = diff[0]
+                            raise RuntimeError(f"{name}, pass {i + 1}: keys differ from the first pass's: {diff}; "
+                                               f"{k} was {first.get(k, '')[:2000]}\nand is {written.get(k, '')[:2000]}"
+                                               f"\n(the pass's log: {proc.stderr[-3000:]})")
+                        same = "identical"
+                    digest = hashlib.sha256("".join(f"{k}={v}" for k, v in written.items()).encode()).hexdigest()
+                    row = {"records_s": records / res["wall_s"], "cpu_us": 1e6 * res["cpu_s"] / records,
+                           "redis_us": 1e6 * res["redis_cpu_s"] / records, "wall_s": res["wall_s"], "load": load,
+                           "keys": len(written), "sha256": digest}
+                    rows[name].append(row)
+                    print(f"{name:<34} {i + 1:>4} {row['records_s']:>10,.0f} {row['wall_s']:>7.2f} "
+                          f"{row['cpu_us']:>10.2f} {row['redis_us']:>12.2f} {load:>7.2f}  {same} "
+                          f"({len(written)} keys, sha256 {digest[:12]})", flush=True)
+            size: dict[str, Any] = {"ranks": ranks, "records": records, "entries": entries}
+            for name, _ in versions:
+                med = {k: statistics.median(r[k] for r in rows[name]) for k in ("records_s", "cpu_us", "redis_us")}
+                size[name] = {"passes": rows[name], "median": med}
+                print(f"{name:<34} {'med':>4} {med['records_s']:>10,.0f} {'':>7} {med['cpu_us']:>10.2f} "
+                      f"{med['redis_us']:>12.2f}")
+            result["sizes"].append(size)
+    finally:
+        if base_dir != args.compare:
+            shutil.rmtree(base_dir, ignore_errors=True)
+    return result
+
+
 # -- part 2: latency -----------------------------------------------------------------------------------
 def _ranks(url: str, run: str, ranks: list[int], world: int, steps: int, step_s: float, every: int, warmup: int,
            t0_box, ready, go, done) -> None:
@@ -394,6 +585,10 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=2, help="inject an anomaly every N steps")
     ap.add_argument("--warmup", type=int, default=30, help="steps before the first injection")
     ap.add_argument("--lat-procs", type=int, default=8, help="processes hosting the live run's Monitors")
+    ap.add_argument("--compare", metavar="REV", help="measure the service of this git revision (or checkout "
+                    "directory) beside this checkout's on the same entries (part 3 only)")
+    ap.add_argument("--compare-ranks", default="1024,4096", help="world sizes of --compare, comma-separated")
+    ap.add_argument("--repeat", type=int, default=3, help="passes of each version (--compare)")
     args = ap.parse_args()
     rp = RedisProc()
     result: dict[str, Any] = {}
@@ -401,10 +596,12 @@ def main() -> None:
         client = redis.Redis.from_url(rp.url)
         print(f"redis-server {client.info('server')['redis_version']} on port {rp.port}; {os.cpu_count()} CPUs; "
               f"load average {os.getloadavg()[0]:.2f}; JSON decoder: {decoder_name()}")
-        if not args.skip_throughput:
+        if args.compare:
+            result["compare"] = compare(args, rp)
+        elif not args.skip_throughput:
             result["throughput"] = [throughput(args, rp, int(b), args.profile if i == 0 else None)
                                     for i, b in enumerate(args.batch.split(","))]
-        if not args.skip_latency:
+        if not args.skip_latency and not args.compare:
             result["latency"] = latency(args, rp)
         print(json.dumps(result))
     finally:

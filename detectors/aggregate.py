@@ -9,11 +9,12 @@ aggregate from the first attempt, as the goodput ledger needs.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainhealth import defaults
-from trainhealth.wire import ROW_SOURCE, StepRecord, record_row, step_record
+from trainhealth.wire import ROW_SOURCE, StepRecord, record_row, row_record
 
 
 @dataclass(frozen=True)
@@ -123,11 +124,23 @@ def _merge(a: StepRecord, b: StepRecord) -> StepRecord:
                       sections={**a.sections, **b.sections}, gpu={**a.gpu, **b.gpu}, **kw)
 
 
+def _present(column: tuple) -> tuple | list:
+    """The values of a column of ranks' values that are not None, in rank order (the column itself when it has no
+    None: a step of 4,096 ranks is filtered at C speed)."""
+    missing = column.count(None)
+    if not missing:
+        return column
+    if missing == len(column):
+        return ()
+    return [x for x in column if x is not None]
+
+
 def _indices(order: list[int], sources: tuple) -> dict[int, list] | None:
-    """Rank -> ``sample_indices`` of the ranks whose record (a decoded dict or a StepRecord) has them, else None."""
+    """Rank -> ``sample_indices`` of the ranks whose record (a decoded dict, a StepRecord or a typed record) has them,
+    else None (a typed record never has them: see trainhealth.wire._typed)."""
     out = None
     for r, src in zip(order, sources, strict=True):
-        v = src.get("sample_indices") if type(src) is dict else src.sample_indices
+        v = src.get("sample_indices") if type(src) is dict else getattr(src, "sample_indices", None)
         if v is not None:
             if out is None:
                 out = {}
@@ -136,8 +149,7 @@ def _indices(order: list[int], sources: tuple) -> dict[int, list] | None:
 
 
 def _source(row: tuple) -> StepRecord:
-    src = row[ROW_SOURCE]
-    return src if isinstance(src, StepRecord) else step_record(src)
+    return row_record(row[ROW_SOURCE])
 
 
 class StepAggregator:
@@ -294,8 +306,8 @@ class StepAggregator:
         # comment beside it says, from the ranks' records r.
         (loss_c, gn_c, t_c, dur_c, tokens_c, samples_c, inc_c, lr_c, consumed_c, batch_c, skipped_c, step_s_c,
          _rank_c, _step_c, missing_c, scale_c, busy_c, data_c, comm_c, _src_c) = zip(*rs, strict=True)
-        losses = [x for x in loss_c if x is not None]  # r.loss
-        norms = [x for x in gn_c if x is not None]  # r.grad_norm
+        losses = _present(loss_c)  # r.loss
+        norms = _present(gn_c)  # r.grad_norm
         try:
             # A NaN/Inf loss or grad norm makes its sum non-finite: then find the bad ranks.
             finite = math.isfinite(sum(losses)) and math.isfinite(sum(norms))
@@ -314,9 +326,12 @@ class StepAggregator:
             gn = next((x for x in norms if not math.isfinite(x)), None)
             if gn is None and norms:
                 gn = max(norms)
-        starts = [t - d for t, d in zip(t_c, dur_c, strict=True) if d is not None]  # r.t - r.dur
-        tokens = [x for x in tokens_c if x is not None]
-        samples = [x for x in samples_c if x is not None]
+        if None in dur_c:
+            starts = [t - d for t, d in zip(t_c, dur_c, strict=True) if d is not None]  # r.t - r.dur
+        else:
+            starts = list(map(operator.sub, t_c, dur_c))
+        tokens = _present(tokens_c)
+        samples = _present(samples_c)
         width = max(self.world_size, order[-1] + 1)
         if order[0] == 0 and len(rs) == width:  # ranks 0..width-1, all present
             busy: list[float | None] | tuple[float | None, ...] = busy_c  # busy[r.rank] = r.busy_s
@@ -331,11 +346,11 @@ class StepAggregator:
             tokens=sum(tokens) if tokens else None, samples=sum(samples) if samples else None,
             n_ranks=len(rs), busy=tuple(busy), data_s=max((0.0, *data_c)), bad_ranks=bad,
             comm=_by_rank(order, comm_c, width) if any(comm_c) else (),
-            loss_scale=min([x for x in scale_c if x is not None], default=None),
-            consumed_samples=max([x for x in consumed_c if x is not None], default=None),
-            batch_index=max([x for x in batch_c if x is not None], default=None),
+            loss_scale=min(_present(scale_c), default=None),
+            consumed_samples=max(_present(consumed_c), default=None),
+            batch_index=max(_present(batch_c), default=None),
             skipped=any(skipped_c),
-            step_s=max([x for x in step_s_c if x is not None], default=None),
+            step_s=max(_present(step_s_c), default=None),
             loss_missing=any(missing_c),
             sample_indices=_indices(order, _src_c),
         )

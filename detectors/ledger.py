@@ -527,7 +527,7 @@ class GoodputLedger:
         reference, for naming a slow rank). Order statistics: the expected range of N normal samples (Tippett, 1925).
         """
         data = min(max(agg.data_s, 0.0), dur)
-        busy = sorted(b for b in agg.busy if b is not None)
+        busy = sorted(agg.busy) if None not in agg.busy else sorted(b for b in agg.busy if b is not None)
         wait = 0.0
         if len(busy) >= 2:
             # Synchronous step: everyone waits at the collective for the slowest rank's sections.

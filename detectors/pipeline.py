@@ -14,6 +14,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Any
 
 from trainhealth import defaults
@@ -55,7 +56,7 @@ from trainhealth.detectors.worker_restart import WorkerRestartDetector
 from trainhealth.job import Culprit, JobState
 from trainhealth.recommendations import Recommendation
 from trainhealth.text import fmt_ranks
-from trainhealth.wire import ROW_DATA, ROW_SOURCE, ROW_STEP, Event, StepRecord, step_record
+from trainhealth.wire import ROW_DATA, ROW_SOURCE, ROW_STEP, Event, StepRecord, row_record
 
 log = logging.getLogger(__name__)
 
@@ -292,11 +293,11 @@ class RunPipeline:
             if rank >= agg.world_size:
                 self.set_world_size(rank + 1)
             src = rec[ROW_SOURCE]
-            if type(src) is dict and self.rank_outlier.data_sections is agg.data_sections:
-                # A plain record's row holds the data-loading sum observe() would compute.
+            if type(src) is not StepRecord and self.rank_outlier.data_sections is agg.data_sections:
+                # A plain (or typed) record's row holds the data-loading sum observe() would compute.
                 self.rank_outlier.observe_data(rank, rec[ROW_DATA], rec[ROW_STEP])
             else:
-                self.rank_outlier.observe(src if isinstance(src, StepRecord) else step_record(src))
+                self.rank_outlier.observe(row_record(src))
             out = agg.add_row(rec)
             if agg.first_rows:
                 self._first_rows()
@@ -879,7 +880,8 @@ def agg_fields(agg: StepAggregate) -> dict[str, Any]:
     d: dict[str, Any] = {
         "step": agg.step, "gen": agg.gen, "t_end": repr(agg.t_end), "n_ranks": agg.n_ranks,
         "data_s": repr(agg.data_s),
-        "busy": json.dumps([None if b is None else round(b, 6) for b in agg.busy]),
+        "busy": json.dumps([None if b is None else round(b, 6) for b in agg.busy] if None in agg.busy else
+                           list(map(round, agg.busy, repeat(6)))),
     }
     if agg.t_start is not None:
         d["t_start"] = repr(agg.t_start)

@@ -7,6 +7,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import replace
+from itertools import repeat
 
 from trainhealth import defaults
 from trainhealth.anomaly import RESOLVED, Anomaly
@@ -97,10 +98,14 @@ class StragglerDetector(StepDetector):
             self._busy += [deque(maxlen=self.window) for _ in range(more)]
             self._at += [deque(maxlen=self.window) for _ in range(more)]
             self._prev += [[] for _ in range(more)]
-        for r, b in enumerate(agg.busy):
-            if b is not None:
-                self._busy[r].append(b)
-                self._at[r].append(agg.step)
+        if None in agg.busy:
+            for r, b in enumerate(agg.busy):
+                if b is not None:
+                    self._busy[r].append(b)
+                    self._at[r].append(agg.step)
+        else:  # every rank's (4,096 appends a step): the loop in C
+            deque(map(deque.append, self._busy, agg.busy), maxlen=0)
+            deque(map(deque.append, self._at, repeat(agg.step, len(agg.busy))), maxlen=0)
         self._steps.append(agg.step)
         self._n += 1
         if self._n % self.window:

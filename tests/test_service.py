@@ -684,3 +684,93 @@ def test_rollup_levels_of_10_100_and_1000_steps_through_the_service(r: redis.Red
     # The ranks' busy seconds a step: 0.11 and 0.21 (rank 1): median 0.16, 99th percentile 0.209, max rank 1's.
     for b in (whole, levels[100][4], levels[10][0]):
         assert (b["busy_p50"], b["busy_p99"], b["busy_max"], b["busy_max_rank"]) == ("0.16", "0.209", "0.21", "1")
+
+
+def test_typed_decode_gives_the_rows_of_the_dict_path() -> None:
+    """Once a rank's whole entry decoded with one layout, its next entries are decoded into typed records
+    (msgspec): their rows equal the dict path's, and every entry the typed decode cannot take exactly — sections
+    in another order (three added: another last bit), an int in a float field beside a communication section, a
+    NaN, a missing or unknown field, a rank out of range — gets the dict path's rows and errors."""
+    from trainhealth import wire
+    from trainhealth.wire import ROW_SOURCE, decode_step_rows, decode_steps, record_row, row_record
+
+    ds = ("data",)
+
+    def rec(step: int, **kw) -> dict:
+        return {"rank": 4, "step": step, "inc": T0, "t": T0 + step, "dur": 0.5, "sec.data": 0.1,
+                "sec.forward_backward": 0.2, "sec.optimizer": 0.3, "loss": 2.5, "grad_norm": 1.0, "lr": 1e-4,
+                "tokens": 100, "samples": 2, "skipped": None, **kw}
+
+    def entry(recs: list[dict]) -> dict[bytes, bytes]:
+        return {b"rank": b"4", b"n": str(len(recs)).encode(), b"recs": json.dumps(recs).encode()}
+
+    def dict_path(fields: dict[bytes, bytes]) -> tuple[list[tuple], list[str]]:
+        saved = dict(wire._TYPED_FOR), dict(wire._TYPED_LAST)
+        forget()
+        try:
+            return decode(fields)
+        finally:
+            forget()
+            wire._TYPED_FOR.update(saved[0])
+            wire._TYPED_LAST.update(saved[1])
+
+    def forget() -> None:
+        wire._TYPED_FOR.clear()
+        wire._TYPED_LAST.clear()
+
+    def decode(fields: dict[bytes, bytes]) -> tuple[list[tuple], list[str]]:
+        bad: list[str] = []
+        rows = decode_step_rows(fields, ds, lambda i, exc: bad.append(f"{i}: {exc}"))
+        return rows, bad
+
+    forget()
+    first = entry([rec(s) for s in range(3)])
+    rows, _ = decode(first)
+    assert all(type(r[ROW_SOURCE]) is dict for r in rows)  # the dict path, which learns the layout
+    typed, _ = decode(entry([rec(s) for s in range(3, 6)]))
+    assert [type(r[ROW_SOURCE]).__name__ for r in typed] == ["TypedStepRecord"] * 3
+    want = [record_row(s, ds) for s in decode_steps(entry([rec(s) for s in range(3, 6)]))]
+    assert [r[:ROW_SOURCE] for r in typed] == [w[:ROW_SOURCE] for w in want]
+    assert [row_record(r[ROW_SOURCE]) for r in typed] == [w[ROW_SOURCE] for w in want]
+    assert typed[0][16] == 0 + 0.1 + 0.2 + 0.3 == 0.6000000000000001  # busy: the sections in the record's order
+    other_rank = decode({**entry([rec(s) for s in range(3)]), b"rank": b"5"})[0]  # the layout the others send
+    assert [type(r[ROW_SOURCE]).__name__ for r in other_rank] == ["TypedStepRecord"] * 3
+
+    permuted = {k: v for k, v in rec(7).items() if k != "sec.data"} | {"sec.data": 0.1}  # adds to 0.6
+    cases = {
+        "sections in another order": [rec(6), permuted],
+        "an int in a float field": [rec(6), rec(7, loss=3)],
+        "a NaN loss": [rec(6), rec(7, loss=float("nan"))],
+        "a missing section": [rec(6), {k: v for k, v in rec(7).items() if k != "sec.optimizer"}],
+        "an unknown section": [rec(6), rec(7, **{"sec.eval": 0.5})],
+        "a string where a number goes": [rec(6), rec(7, tokens="100")],
+        "a rank out of range": [rec(6), rec(7, rank=2**20)],
+        "a step out of range": [rec(6), {**rec(7), "step": 2**53}],
+        "a boolean rank": [rec(6), rec(7, rank=True)],
+    }
+    for what, recs in cases.items():
+        decode(first)  # learnt again: the odd entry before left the dict path to the rank's next one
+        got, want_rows = decode(entry(recs)), dict_path(entry(recs))
+        assert [r[:ROW_SOURCE] for r in got[0]] == [r[:ROW_SOURCE] for r in want_rows[0]], what
+        assert got[1] == want_rows[1], what
+    decode(first)
+    assert decode(entry([rec(6), permuted]))[0][1][16] == 0.6
+    decode(first)
+    assert decode(entry([rec(6), rec(7, rank=2**20)]))[1] == ["1: record 1: field 'rank' is 1048576, not in 0..1048575"]
+
+    # Other layouts (each rank's own): GPU-timed sections, no sections (an untimed step), four sections.
+    for rank, extra, drop in ((b"6", {"gpu.forward_backward": 0.15, "gpu.optimizer": 0.25}, ()),
+                              (b"7", {}, ("dur", "sec.data", "sec.forward_backward", "sec.optimizer")),
+                              (b"8", {"sec.data_loading": 0.07}, ())):
+        recs = [{k: v for k, v in rec(s, **extra).items() if k not in drop} for s in range(3)]
+        decode({**entry(recs), b"rank": rank})
+        got = decode({**entry(recs), b"rank": rank})[0]
+        assert {type(r[ROW_SOURCE]).__name__ for r in got} == {"TypedStepRecord"}, rank
+        assert [r[:ROW_SOURCE] for r in got] == [r[:ROW_SOURCE] for r in dict_path({**entry(recs), b"rank": rank})[0]]
+    assert got[0][16:18] == (0 + 0.1 + 0.2 + 0.3 + 0.07, 0.1)  # rank 8: four sections, one of them data
+
+    # A communication section is subtracted from the busy time: such a layout keeps the dict path.
+    comm = [rec(s, **{"sec.allreduce": 0.05}) for s in range(8, 10)]
+    decode(entry(comm))
+    rows, _ = decode(entry(comm))
+    assert all(type(r[ROW_SOURCE]) is dict for r in rows)
