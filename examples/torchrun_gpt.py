@@ -35,9 +35,10 @@ Faults you can inject, and what trainhealth should say:
   every second.
 - ``--slow-comm-node N``: the ranks of node N (``--ranks-per-node`` ranks each: torchrun's nodes, or nodes simulated
   on one machine, named ``<host>-node<N>``) spend ``--slow-comm-ms`` more in the gradient all-reduce for steps
-  ``[--slow-comm-from, --slow-comm-to)``, as behind a slow link. The all-reduce is then done after backward, timed as
-  the ``allreduce`` section (DDP's overlap is switched off with ``no_sync``): every rank waits inside it for node N,
-  so no rank is a straggler; the job's steps are slower (a throughput drop).
+  ``[--slow-comm-from, --slow-comm-to)``, as behind a slow link. The all-reduce is then done after backward
+  (DDP's overlap is switched off with ``no_sync``) in two stages, as a hierarchical all-reduce: within each node,
+  timed as the ``allreduce`` section, then across nodes, untimed (every rank waits there for node N) →
+  ``network_slow`` on node N, no straggler; the job's steps are slower too (a throughput drop).
 - ``--plateau-from S``: from step S the parameters stop being updated (as when every layer is frozen by mistake),
   with the learning rate held at its peak after warm-up (a constant schedule) → ``plateau`` (settings: a stretch of
   half the steps after S, judged against a 5 % gain: the frozen model's loss still moves with each batch).
@@ -265,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         host=f"{socket.gethostname()}-node{node}" if simulated else None,
         heartbeat_interval=1.0 if args.leak_rank >= 0 else defaults.HEARTBEAT_INTERVAL_S)
     explicit_allreduce = args.slow_comm_node >= 0
+    # Every rank creates every node's group (torch.distributed requires it), in the same order.
+    node_groups = [dist.new_group(list(range(n * per_node, min((n + 1) * per_node, world))))
+                   for n in range(-(-world // per_node))] if explicit_allreduce else []
     kept: list[torch.Tensor] = []  # --leak-rank: what a cache that never evicts keeps
 
     torch.manual_seed(args.seed)
@@ -309,13 +313,20 @@ def main(argv: list[str] | None = None) -> int:
                     # Not a section: DDP's all-reduce overlaps backward, so this includes waiting for the slowest rank.
                     loss.backward()
             if explicit_allreduce:
-                with mon.section("allreduce"):  # a collective: each rank's time in it includes waiting for the others
+                # A hierarchical all-reduce, as NCCL does across nodes: first within the node (its own links), timed
+                # as the collective; a slow link there makes only this node's ranks spend longer in it.
+                with mon.section("allreduce"):
                     if node == args.slow_comm_node and args.slow_comm_from <= step < args.slow_comm_to:
                         time.sleep(args.slow_comm_ms / 1000.0)  # a slow link: this node's transfers take longer
                     for prm in model.parameters():
                         if prm.grad is not None:
-                            dist.all_reduce(prm.grad)
-                            prm.grad.div_(world)
+                            dist.all_reduce(prm.grad, group=node_groups[node])
+                # Then across nodes, untimed (as DDP's bucketed all-reduce inside backward): every rank waits here for
+                # the slowest node. Each node's sum arrives once per rank of the node: divide by both.
+                for prm in model.parameters():
+                    if prm.grad is not None:
+                        dist.all_reduce(prm.grad)
+                        prm.grad.div_(world * per_node)
             with mon.section("optimizer"):
                 # Gradients are all-reduced by now: the norm is global and the same on every rank.
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)

@@ -113,3 +113,20 @@ def test_a_frozen_model_at_a_held_learning_rate_is_a_plateau(r: redis.Redis, red
         "active", 149, 199, 51)
     assert (ev["lr_min"], ev["lr_max"], ev["lr_peak"], ev["gpus"]) == (3e-3, 3e-3, 3e-3, 4)
     assert abs(ev["gain"]) < 0.05 < ev["median_before"]
+
+
+def test_a_slow_link_within_one_node_is_a_network_anomaly_on_that_node(r: redis.Redis, redis_url: str,
+                                                                        serve: subprocess.Popen, wait_for) -> None:
+    # 4 ranks as 2 simulated nodes of 2; node 1's all-reduce within the node 40 ms slower for steps 40-99 of 140:
+    # the other node's ranks wait for it in the untimed all-reduce across nodes.
+    torchrun(redis_url, "--run-id", "gpt-net", "--steps", "140", "--slow-comm-node", "1", "--ranks-per-node", "2",
+             "--slow-comm-ms", "40", "--slow-comm-from", "40", "--slow-comm-to", "100", "--ckpt-every", "0")
+    wait_for(ledger_with(r, "gpt-net", 140), 30, "the service to process the 140 steps")
+    anomalies = anomalies_of(r, "gpt-net")
+    assert not {a["kind"] for a in anomalies.values()} & {"straggler", "slow_node", "rank_outlier"}, anomalies
+    [net] = [a for a in anomalies.values() if a["kind"] == "network_slow"]
+    assert (net["ranks"], net["hosts"], net["status"]) == ([2, 3], [f"{socket.gethostname()}-node1"], "resolved")
+    # Judged on 20-step windows: the stretch's own, 40-99, exactly.
+    assert (net["id"], net["step"], net["end_step"]) == ("network_slow:" + net["hosts"][0] + ":40:0", 40, 99)
+    assert net["message"].startswith(f"{net['hosts'][0]}'s ranks spent more of the step in communication than the "
+                                     "other nodes' from step 40 to 99")
