@@ -44,7 +44,9 @@ def test_every_rank_of_a_torchrun_job_names_the_same_run(r: redis.Redis, redis_u
     out = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script)], env=env,
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
-    said = sorted(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("RUN "))
+    # A worker's line may come with torchrun's "[rankN]:" prefix (its log-line prefix template).
+    said = sorted(line.partition("RUN ")[2].split() for line in out.stdout.splitlines() if "RUN " in line)
+    assert len(said) == 2, f"stdout: {out.stdout[-2000:]!r}\nstderr: {out.stderr[-3000:]}"
     [run] = {s[0] for s in said}  # torchrun --standalone gives both ranks one fresh UUID
     assert [s[1:] for s in said] == [["0", "2"], ["1", "2"]]
     meta = {k.decode(): v.decode() for k, v in r.hgetall(f"th:{{{run}}}:meta").items()}
