@@ -130,3 +130,21 @@ def test_a_slow_link_within_one_node_is_a_network_anomaly_on_that_node(r: redis.
     assert (net["id"], net["step"], net["end_step"]) == ("network_slow:" + net["hosts"][0] + ":40:0", 40, 99)
     assert net["message"].startswith(f"{net['hosts'][0]}'s ranks spent more of the step in communication than the "
                                      "other nodes' from step 40 to 99")
+
+
+def test_a_rank_whose_memory_grows_is_a_memory_growth_anomaly_on_it(r: redis.Redis, redis_url: str,
+                                                                   serve: subprocess.Popen, wait_for) -> None:
+    # Rank 1 keeps 512 KiB of tensors more every step (bounded at 384 MiB); the run's own settings judge the trend on
+    # 30 s of 1-s heartbeats and open at 48 MiB of growth: 700 steps last ~45 s here.
+    torchrun(redis_url, "--run-id", "gpt-leak", "--steps", "700", "--leak-rank", "1", "--leak-kib", "512",
+             "--ckpt-every", "0", timeout=300)
+    wait_for(ledger_with(r, "gpt-leak", 700), 30, "the service to process the 700 steps")
+    leaks = [a for a in anomalies_of(r, "gpt-leak").values() if a["kind"] == "memory_growth"]
+    assert len(leaks) == 1, leaks
+    [leak] = leaks
+    ev = leak["evidence"]
+    assert (leak["ranks"], ev["metric"], leak["status"], ev["run_ended"], leak["end_step"]) == (
+        [1], "host", "resolved", True, 699)
+    # Opened once 30 s of samples showed it, after at least 48 MiB of growth along a steady trend.
+    assert ev["span_s"] >= 30.0 and ev["last"] - ev["first"] >= 48 * 2**20 and ev["rho"] >= 0.9
+    assert leak["message"].startswith(f"rank 1 ({leak['hosts'][0]}): host memory (RSS) grows ")
