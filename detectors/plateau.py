@@ -257,7 +257,7 @@ class PlateauDetector(StepDetector):
         change = ev["median_after"] / ev["median_before"] - 1.0
         text = (f"loss has not improved over steps {ev['first_step']}-{ev['last_step']} "
                 f"({plural(ev['points'], 'logged point')}): median {ev['median_before']:.4g} -> "
-                f"{ev['median_after']:.4g} ({change * 100:+.2f} %; {ev['gain_lower'] * 100:+.2f} to "
+                f"{ev['median_after']:.4g} ({change * 100:+.2f} %, {ev['gain_lower'] * 100:+.2f} to "
                 f"{ev['gain_upper'] * 100:+.2f} % gained at {self.z:g} SEs, inside the +-{self.min_gain * 100:g} % "
                 f"that is progress or a rise) at {held} (not a decaying schedule)")
         if ev["hours"] is None:

@@ -557,6 +557,10 @@ def test_plateau_at_a_held_learning_rate_with_its_cost_per_gpu_hour() -> None:
     assert ev["cost_usd"] == pytest.approx(ev["gpu_hours"] * 2.5)
     assert ("at a learning rate held at 0.0003 (not a decaying schedule), the stalled stretch cost 4.43 GPU-hours "
             "($11.08) (1.11 h on 4 GPUs) for a gain of -0.00226 per GPU-hour" in last.message)
+    # Closed, its finding is kept whole before the reason (the message's own parts carry no ';').
+    closed = pipe.plateau._close(last, 6100, "improving again")
+    assert closed.message == last.message.split("; the run is spending")[0] + "; improving again"
+    assert " % gained at " in closed.message and "the stalled stretch cost 4.43 GPU-hours" in closed.message
     # Without a price: GPU-hours only.
     pipe.set_gpu_hour_usd(None)
     ev_free = pipe.plateau._evidence([(4000, 0.0, 3e-4, None), (5995, 0.0, 3e-4, 2.0)], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
