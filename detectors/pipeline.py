@@ -12,7 +12,7 @@ import logging
 import math
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Any
@@ -474,16 +474,7 @@ class RunPipeline:
         # active they would keep firing for a job that is gone. Loss findings (divergence, NaN) stay: they describe
         # the model.
         out = self._unsaid()
-        for det in self.step_detectors:
-            try:
-                found = det.finish(self.current_step)
-            except Exception:
-                self._failed(det, self.current_step)
-                continue
-            for a in found:
-                for b in self._incident(self._with_hosts(a)):
-                    self.anomalies[b.id] = b
-                    out.anomalies.append(b)
+        out.extend(self._from_each(lambda det: det.finish(self.current_step)))
         for a in [*self.memory_growth.finish(self.current_step), *self.memory_imbalance.finish(self.current_step)]:
             self.anomalies[a.id] = a
             out.anomalies.append(a)
@@ -546,10 +537,15 @@ class RunPipeline:
         return self._with_incidents(out)
 
     def _unsaid(self) -> Output:
+        return self._from_each(lambda det: det.unsaid())
+
+    def _from_each(self, call: Callable[[StepDetector], list[Anomaly]]) -> Output:
+        """What ``call`` returns for each step detector, with hosts and incidents, stored; a detector that raises is
+        set aside (``_failed``) and the others go on."""
         out = Output()
         for det in self.step_detectors:
             try:
-                found = det.unsaid()
+                found = call(det)
             except Exception:
                 self._failed(det, self.current_step)
                 continue
