@@ -7,6 +7,7 @@ test itself) while the follower reads; every step the file holds must arrive onc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,13 +16,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import redis
 
 from trainhealth.collectors.importers import read, read_items
 from trainhealth.collectors.importers.tail import Follow, following, line_start
+from trainhealth.collectors.monitor import Monitor
+from trainhealth.commands import follow as follow_cmd
 from trainhealth.logpoint import LogEvent, LogPoint
 
 MEGATRON = "megatron_deepspeed_104b_overflow_excerpt.log"
@@ -176,6 +180,23 @@ def test_follow_command_sends_each_step_live_and_marks_the_run_stopped(r: redis.
     assert (meta["status"], meta["source"], meta["world_size"]) == ("stopped", "follow:train.log", "1")
 
 
+
+@contextlib.contextmanager
+def followed(monkeypatch: pytest.MonkeyPatch, path: Path, fmt: str, mon: Monitor) -> Iterator[None]:
+    """``trainhealth follow``'s Follower on ``path`` in a thread, into ``mon``, re-reading every 0.05 s; stopped,
+    and ``mon`` closed as the command does, on the way out."""
+    monkeypatch.setattr(follow_cmd, "REREAD_EVERY_S", 0.05)
+    stop = threading.Event()
+    fol = follow_cmd.Follower(path, fmt, mon, poll_s=0.05, stop=stop.is_set)
+    t = threading.Thread(target=fol.run, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(10)
+        mon.close("stopped")
+
 def steps(r: redis.Redis, run: str) -> list[int]:
     out = []
     for _, f in r.xrange(f"th:{{{run}}}:steps"):
@@ -238,7 +259,6 @@ def test_hf_stdout_bars_and_overflows_are_followed(real_logs: Path, tmp_path: Pa
 
 def test_a_followed_restart_and_watchdog_timeout_reach_the_events_stream(r: redis.Redis, real_logs: Path,
                                                                          tmp_path: Path) -> None:
-    from trainhealth.collectors.monitor import Monitor
     from trainhealth.commands.follow import Follower
 
     for name, fmt, kind in (("torchelastic_worker_group_restart.log", "torchelastic", "worker_restart"),
@@ -260,11 +280,10 @@ def test_a_followed_restart_and_watchdog_timeout_reach_the_events_stream(r: redi
 
 
 def test_a_trainer_state_rewritten_at_each_save_sends_only_its_new_steps(r: redis.Redis, real_logs: Path,
-                                                                         tmp_path: Path) -> None:
+                                                                         tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """HF's trainer_state.json is written whole at each save: the follow re-reads it when it changes and sends the
     steps beyond the last it sent; a job resumed from an earlier checkpoint writes it back to that step, then on."""
-    from trainhealth.collectors.monitor import Monitor
-    from trainhealth.commands import follow as follow_cmd
 
     state = json.loads((real_logs / "hf_tinyllama_sft_healthy.trainer_state.json").read_text())
     train = [e for e in state["log_history"] if "loss" in e]
@@ -277,12 +296,7 @@ def test_a_trainer_state_rewritten_at_each_save_sends_only_its_new_steps(r: redi
 
     save(train[:10])
     mon = Monitor("fol-state", client=r, rank=0, world_size=1, flush_interval=0.01)
-    stop = threading.Event()
-    fol = follow_cmd.Follower(path, "hf_trainer_state", mon, poll_s=0.05, stop=stop.is_set)
-    follow_cmd.REREAD_EVERY_S, every = 0.05, follow_cmd.REREAD_EVERY_S
-    t = threading.Thread(target=fol.run, daemon=True)
-    t.start()
-    try:
+    with followed(monkeypatch, path, "hf_trainer_state", mon):
         time.sleep(0.5)
         save(train[:25])            # a save: steps 11-25 are new
         time.sleep(0.5)
@@ -293,11 +307,6 @@ def test_a_trainer_state_rewritten_at_each_save_sends_only_its_new_steps(r: redi
         want = [e["step"] for e in train[10:25]] + [train[19]["step"]] + [e["step"] for e in train[20:30]]
         while steps(r, "fol-state") != want and time.monotonic() < deadline:
             time.sleep(0.05)
-    finally:
-        stop.set()
-        t.join(10)
-        follow_cmd.REREAD_EVERY_S = every
-        mon.close("stopped")
     assert steps(r, "fol-state") == want
     # The step the file went back to is a resume of the same process (the Monitor says so), not a new run.
     resumes = [f for _, f in r.xrange("th:{fol-state}:events") if f[b"kind"] == b"resume"]
@@ -305,11 +314,10 @@ def test_a_trainer_state_rewritten_at_each_save_sends_only_its_new_steps(r: redi
 
 
 def test_a_lightning_csv_growing_and_rewritten_with_a_new_column_is_followed(r: redis.Redis, real_logs: Path,
-                                                                            tmp_path: Path) -> None:
+                                                                            tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's CSVLogger appends rows, and writes the file whole again when a metric appears: both are
     followed, the steps beyond the last sent go out once."""
-    from trainhealth.collectors.monitor import Monitor
-    from trainhealth.commands import follow as follow_cmd
 
     lines = (real_logs / "lightning_slm_wikitext103.metrics.csv").read_text().splitlines(keepends=True)
     path = tmp_path / "metrics.csv"
@@ -321,12 +329,7 @@ def test_a_lightning_csv_growing_and_rewritten_with_a_new_column_is_followed(r: 
 
     path.write_text("".join(lines[:40]))
     mon = Monitor("fol-csv", client=r, rank=0, world_size=1, flush_interval=0.01)
-    stop = threading.Event()
-    fol = follow_cmd.Follower(path, "lightning_csv", mon, poll_s=0.05, stop=stop.is_set)
-    follow_cmd.REREAD_EVERY_S, every = 0.05, follow_cmd.REREAD_EVERY_S
-    t = threading.Thread(target=fol.run, daemon=True)
-    t.start()
-    try:
+    with followed(monkeypatch, path, "lightning_csv", mon):
         time.sleep(0.5)
         with open(path, "a") as f:
             f.write("".join(lines[40:120]))  # appended rows
@@ -342,21 +345,15 @@ def test_a_lightning_csv_growing_and_rewritten_with_a_new_column_is_followed(r: 
         deadline = time.monotonic() + 10
         while steps(r, "fol-csv") != want and time.monotonic() < deadline:
             time.sleep(0.05)
-    finally:
-        stop.set()
-        t.join(10)
-        follow_cmd.REREAD_EVERY_S = every
-        mon.close("stopped")
     assert steps(r, "fol-csv") == want and len(want) > 20
 
 
-def test_a_tensorboard_run_directory_is_followed_as_it_grows(r: redis.Redis, real_logs: Path, tmp_path: Path) -> None:
+def test_a_tensorboard_run_directory_is_followed_as_it_grows(r: redis.Redis, real_logs: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """An event file written record by record (TensorBoard's own writer) in a run directory: each re-read sends
     the steps beyond the last sent."""
     import shutil
 
-    from trainhealth.collectors.monitor import Monitor
-    from trainhealth.commands import follow as follow_cmd
 
     src = next((real_logs / "tensorboard_t5_summarization").iterdir())
     data = src.read_bytes()
@@ -374,12 +371,7 @@ def test_a_tensorboard_run_directory_is_followed_as_it_grows(r: redis.Redis, rea
     target.write_bytes(data[:cut])
     half = [p.step for p in read(run_dir)]
     mon = Monitor("fol-tb", client=r, rank=0, world_size=1, flush_interval=0.01)
-    stop = threading.Event()
-    fol = follow_cmd.Follower(run_dir, "tensorboard", mon, poll_s=0.05, stop=stop.is_set)
-    follow_cmd.REREAD_EVERY_S, every = 0.05, follow_cmd.REREAD_EVERY_S
-    t = threading.Thread(target=fol.run, daemon=True)
-    t.start()
-    try:
+    with followed(monkeypatch, run_dir, "tensorboard", mon):
         time.sleep(0.5)
         with open(target, "ab") as f:
             f.write(data[cut:])
@@ -387,12 +379,7 @@ def test_a_tensorboard_run_directory_is_followed_as_it_grows(r: redis.Redis, rea
         deadline = time.monotonic() + 15
         while steps(r, "fol-tb") != want and time.monotonic() < deadline:
             time.sleep(0.05)
-    finally:
-        stop.set()
-        t.join(10)
-        follow_cmd.REREAD_EVERY_S = every
-        mon.close("stopped")
-        shutil.rmtree(run_dir)
+    shutil.rmtree(run_dir)
     assert steps(r, "fol-tb") == want and len(want) > 100
 
 
@@ -414,8 +401,6 @@ def test_follow_started_before_the_log_exists_waits_and_detects_it(r: redis.Redi
 
 
 def test_an_evaluation_followed_sends_its_badput_and_its_losses(r: redis.Redis) -> None:
-    from trainhealth.collectors.monitor import Monitor
-    from trainhealth.commands import follow as follow_cmd
     from trainhealth.logpoint import LogPoint
 
     mon = Monitor("fol-eval", client=r, rank=0, world_size=1, flush_interval=0.01)
