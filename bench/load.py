@@ -67,10 +67,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import redis  # noqa: E402
+from service_throughput import RedisProc  # noqa: E402
 
 from trainhealth import defaults  # noqa: E402
 from trainhealth.connection import connect  # noqa: E402
-from trainhealth.embedded_redis import find_redis_server, free_port, ping  # noqa: E402
 from trainhealth.keys import run_keys  # noqa: E402
 
 SECTIONS = ("data", "forward_backward", "optimizer")
@@ -157,30 +157,14 @@ def _pcts(xs: list[float]) -> dict[str, float]:
     return {"n": len(xs), "p50": q[49], "p99": q[98], "max": xs[-1]}
 
 
-class SingleRedis:
-    """A redis-server of the bench's own on a free port."""
-
-    def __init__(self, directory: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen([find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no",
-                                      "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while not ping(self.url, timeout=0.2):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on {self.url}")
-            time.sleep(0.05)
+class SingleRedis(RedisProc):
+    """A redis-server of the bench's own on a free port (bench/service_throughput.py's)."""
 
     def nodes(self) -> list[redis.Redis]:
         return [redis.Redis(port=self.port)]
 
     def pids(self) -> list[int]:
         return [self.proc.pid]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 class ClusterRedis:
@@ -308,7 +292,7 @@ def main() -> None:
     procs: list[Any] = []
     server: Any = None
     try:
-        server = SingleRedis(tmp) if args.redis == "single" else ClusterRedis(tmp)
+        server = SingleRedis(prefix="th-load-") if args.redis == "single" else ClusterRedis(tmp)
         client = connect(server.url)
         mem0 = used_memory(server)
         env = {**os.environ, "TRAINHEALTH_REDIS_URL": server.url,
