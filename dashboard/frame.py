@@ -267,14 +267,19 @@ def sync_focus(run: str, link_run: str | None) -> Focus:
     """The deep link's focus (``step``/``step_from``/``step_to``, ``rank``) for ``run``, kept in the session.
 
     The session's first page takes it from the URL (each value that is not a step or rank is ignored with a
-    warning; a link whose run is not the one shown points nowhere), in canonical form
+    warning; a link whose run is not the one shown points nowhere), and so does a later page whose URL's ``step``
+    names another focus for the same run (a link inside the app: an incident's "Evidence"), in canonical form
     (:meth:`trainhealth.dashboard.common.Focus.params`); every later full run writes it back so (a page switch
     clears the query string; the Overview then replaces it by its own step range, which its link opens). Another
     run drops it.
     """
     stored = st.session_state.get(FOCUS_KEY)
-    if stored is None:
-        focus, problems = parse_focus({k: st.query_params[k] for k in FOCUS_PARAMS if k in st.query_params})
+    given = {k: st.query_params[k] for k in FOCUS_PARAMS if k in st.query_params}
+    if stored is None or ("step" in given and stored[0] == run and given != stored[1].params()):
+        # The session's first page, or a link inside the app (an incident's "Evidence", in a link's ``step=``
+        # form) that names another focus: the URL's is taken. Else the URL and the session agree, a page switch
+        # cleared the URL, or it holds the Overview's own chart range (``step_from``/``step_to``).
+        focus, problems = parse_focus(given)
         for text in problems:
             st.warning(text, icon=":material/link_off:")
         set_focus(run, focus if not link_run or link_run == run else Focus())

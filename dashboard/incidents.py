@@ -41,7 +41,6 @@ from trainhealth.dashboard.common import (
     client,
     get_client,
     kind_words,
-    set_focus,
     show_problems,
     to_datetime,
     viewer_tz,
@@ -59,8 +58,6 @@ CARD_SEVERITIES = ("critical", "warning")
 #: Titles named in the state line before "and N more".
 LINE_TITLES = 2
 NOUNS = {"incident": "incidents", "anomaly": "anomalies"}
-#: Session-state key of the page an "Evidence" click opens (:func:`_show_evidence`).
-_GOTO = "th_incident_goto"
 #: Job states the detector service judges over the ranks' own ``status`` (trainhealth/job.py).
 JUDGED = ("hung", "crashed", "restarted")
 #: Ranks of an incident whose memory and GPU a card shows (its first ones; "and N more"): a bounded read (``HMGET`` of
@@ -263,13 +260,16 @@ def _decided(rec: Mapping[str, Any], tz: str) -> str:
     return f"Advice: {title} — {rec.get('status')}{who}{at}{note}"
 
 
-def _show_evidence(run: str, inc: Mapping[str, Any]) -> None:
-    """Button callback: focus the incident's onset and ranks, and have :func:`header` open the Anomalies page (its
-    root anomaly is selected there). The switch is made in the script, not here: a callback cannot switch pages."""
+def evidence_focus(inc: Mapping[str, Any]) -> Focus:
+    """The focus an incident's "Evidence" link opens: its onset step and its ranks (none beyond
+    :data:`~trainhealth.dashboard.common.FOCUS_MAX_RANKS`); the Anomalies page selects its root anomaly there.
+
+    >>> evidence_focus({"onset_step": 40, "ranks": [2]}).params()
+    {'step': '40', 'rank': '2'}
+    """
     ranks = tuple(inc.get("ranks") or ())
     step = inc.get("onset_step")
-    set_focus(run, Focus(step_from=step, step_to=step, ranks=ranks if len(ranks) <= FOCUS_MAX_RANKS else ()))
-    st.session_state[_GOTO] = "pages/anomalies.py"
+    return Focus(step_from=step, step_to=step, ranks=ranks if len(ranks) <= FOCUS_MAX_RANKS else ())
 
 
 def _number(v: Any) -> float | None:
@@ -401,9 +401,11 @@ def card(inc: Mapping[str, Any], recs: Mapping[str, Mapping[str, Any]], run: str
             st.markdown("**Memory and GPUs** (newest heartbeats)  \n" + "  \n".join(evidence))
         members = list(inc.get("anomalies") or [])
         row = st.container(horizontal=True, gap="small", vertical_alignment="center")
-        row.button("Evidence", key=f"inc-{where}-evidence-{iid}", icon=":material/manage_search:", type="tertiary",
-                   help="Open the Anomalies page on this incident's onset and ranks.", on_click=_show_evidence,
-                   args=(run, dict(inc)))
+        # A link, not a button that switches pages from this fragment: a switch from inside a live fragment
+        # raced the page's other fragments and could leave the browser on a blank page under load.
+        row.page_link("pages/anomalies.py", label="Evidence", icon=":material/manage_search:",
+                      help="Open the Anomalies page on this incident's onset and ranks.",
+                      query_params={"run": run, **evidence_focus(inc).params()})
         row.caption(f"{plural(len(members), 'anomaly', 'anomalies')} grouped as one root cause · `{iid}`")
         rid = inc.get("recommendation")
         rec = recs.get(rid) if rid else None
@@ -472,9 +474,6 @@ def header(run: str, where: str) -> None:
     """The run's state line and incident cards, live (a fragment of their own, four small reads per refresh:
     the incidents and recommendations hashes, the job state, the meta). ``where`` names the page: widget keys
     must differ between pages showing the same card."""
-    goto = st.session_state.pop(_GOTO, None)
-    if goto:
-        st.switch_page(goto)
     problems: list[str] = []
     try:
         cl = client()

@@ -89,6 +89,12 @@ def test_incident_card_deep_link_zoom_and_evidence_on_a_live_demo_job(r: redis.R
                 page.set_default_timeout(_BROWSER["UI_TIMEOUT_MS"])
                 # Nothing is fetched from outside: the dashboard works where the browser has no internet.
                 outside: list[str] = []
+                # The frontend's own errors (a delta for an element that is gone blanks the whole app).
+                broken: list[str] = []
+                errors: list[str] = []  # printed when the test fails
+                page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                page.on("console", lambda m: broken.append(m.text) if m.type == "error" and "delta" in m.text
+                        else None)
                 page.on("request", lambda req: None if req.url.startswith((base, "data:", "blob:"))
                         else outside.append(req.url))
 
@@ -147,12 +153,16 @@ def test_incident_card_deep_link_zoom_and_evidence_on_a_live_demo_job(r: redis.R
                 # Evidence: the Anomalies page on the straggler's onset and rank.
                 page.goto(f"{base}/?run={RUN}")
                 card = page.locator('[class*="st-key-inc-card-overview-inc_straggler_2_40_0-"]')
-                card.get_by_role("button", name="Evidence").click()
+                card.get_by_role("link", name="Evidence").click()
                 page.wait_for_url(re.compile(r"/anomalies\?.*step=40.*rank=2|/anomalies\?.*rank=2.*step=40"))
                 expect(page.get_by_role("heading", name="Straggler")).to_be_visible()
                 page.wait_for_timeout(800)
                 page.screenshot(path=str(_BROWSER["ARTIFACTS"] / "dashboard_demo_evidence.png"), full_page=True)
                 assert outside == []
+                assert broken == []
+            except BaseException:
+                print("the browser's console errors:", *errors[:20], sep="\n")
+                raise
             finally:
                 browser.close()
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -184,7 +185,14 @@ def test_acknowledge_then_dismiss_inside_the_incident_card(seeded: dict, r: redi
 
 def test_evidence_opens_the_anomalies_page_on_the_onset_and_rank(seeded: dict) -> None:
     at = page("overview")
-    at.button(key=f"inc-overview-evidence-{STRAGGLER}").click().run()
+    # The card's "Evidence" is a page link carrying the incident's focus (the browser follows it; AppTest cannot, so
+    # the session opens the page it names with the query it carries, as the browser does).
+    links = {e.proto.query_string: e.proto for e in at.main.get("page_link") if e.proto.label == "Evidence"}
+    link = links[f"run={RUN}&step=240&rank=5"]  # the straggler's card's
+    assert (link.page, len(links)) == ("anomalies", 2)  # one link per card (the critical and warning incidents)
+    at.query_params.clear()
+    at.query_params.update(dict(urllib.parse.parse_qsl(link.query_string)))
+    at.switch_page(PAGES["anomalies"]).run()
     assert not at.exception
     assert at.query_params["step"] == "240" and at.query_params["rank"] == "5"
     assert "#### Straggler" in main_markdown(at)  # the Anomalies page, its root anomaly selected

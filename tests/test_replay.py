@@ -24,6 +24,7 @@ from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.service import DetectorService
 from trainhealth.exceptions import ConfigError, InputFormatError
 from trainhealth.logpoint import LogPoint
+from trainhealth.wire import decode_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 TROCR = "hf_trocr_large_gradnorm.trainer_state.json"
@@ -263,7 +264,11 @@ def test_a_paced_replay_waiting_between_pushes_is_not_charged_as_a_hang(tmp_path
 
     def sleep(s: float) -> None:
         if now[0] > 1_000.25 and not seen:
-            time.sleep(0.6)  # the sender's 0.25 s flush: the first records reach Redis
+            # The sender flushes every 0.25 s; on a loaded machine later: wait for the three records sent so far.
+            deadline = time.monotonic() + 30
+            while sum(len(decode_steps(f)) for _, f in r.xrange("th:{paced2}:steps")) < 3:
+                assert time.monotonic() < deadline, "the replay's first three records never reached Redis"
+                time.sleep(0.05)
             svc = drain(r)
             svc._tick(time.time() + 600)
             seen.append(json.loads(r.get("th:{paced2}:ledger:latest")))
