@@ -65,6 +65,11 @@ def default_run_id(path: Path) -> str:
     return "follow-" + log_stem(path)
 
 
+def _eval_sets(p: LogPoint) -> tuple[str, ...]:
+    """The eval sets an evaluation entry reports (their loss names): one HF log entry per set at the same step."""
+    return tuple(name for name, _ in p.eval_losses)
+
+
 class Follower:
     """Push what a growing log reports through one :class:`~trainhealth.collectors.Monitor` (rank 0 of 1).
 
@@ -132,7 +137,8 @@ class Follower:
         """A whole-file format: read it again each time it changes (size, time or inode), send what is new."""
         seen: tuple[int, int, int] | None = None
         last: int | None = None  # the newest train step sent
-        last_eval: int | None = None
+        last_eval: int | None = None  # the newest evaluation step sent,
+        sent_at_last: set[tuple[str, ...]] = set()  # and the eval sets sent at it (one entry per set in HF's file)
         first = True
         while not self.stop():
             ident = _identity(self.path)
@@ -152,15 +158,21 @@ class Follower:
                         last = newest  # from the end: what the file holds already is not sent
                         last_eval = max((p.step for p in items if isinstance(p, LogPoint) and p.is_eval),
                                         default=None)
+                        sent_at_last = {_eval_sets(p) for p in items
+                                        if isinstance(p, LogPoint) and p.is_eval and p.step == last_eval}
                     else:
                         if newest is not None and last is not None and newest < last:
                             last = max((p.step for p in points if p.step < newest), default=None)  # went back
                         for item in items:
                             step = getattr(item, "step", None)
                             if isinstance(item, LogPoint) and item.is_eval:
+                                sets = _eval_sets(item)
                                 if last_eval is None or (step is not None and step > last_eval):
                                     self._push(item)
-                                    last_eval = step
+                                    last_eval, sent_at_last = step, {sets}
+                                elif step == last_eval and sets not in sent_at_last:
+                                    self._push(item)  # another eval set of the same evaluation
+                                    sent_at_last.add(sets)
                             elif last is None or (step is not None and step > last):
                                 self._push(item)
                                 if isinstance(item, LogPoint):

@@ -400,6 +400,36 @@ def test_follow_started_before_the_log_exists_waits_and_detects_it(r: redis.Redi
     assert f"waiting for {path} to be written" in out and "following" in out and "(megatron)" in out
 
 
+def test_a_trainer_state_s_evaluation_of_two_sets_sends_both_losses(r: redis.Redis, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``eval_dataset`` a dict, HF's Trainer logs one entry per eval set at the same step: each set's loss
+    goes out once, also when the file is saved again with both."""
+    path = tmp_path / "trainer_state.json"
+
+    def save(entries: list[dict]) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"global_step": entries[-1]["step"], "log_history": entries}))
+        os.replace(tmp, path)
+
+    train = [{"step": s, "loss": 3.0 - s / 100, "learning_rate": 1e-4, "epoch": s / 100} for s in range(1, 21)]
+    evals = [{"step": 10, "epoch": 0.1, f"eval_{name}_loss": loss, f"eval_{name}_runtime": 1.5}
+             for name, loss in (("wiki", 2.5), ("code", 1.75))]
+    save(train[:5])
+    mon = Monitor("fol-sets", client=r, rank=0, world_size=1, flush_interval=0.01)
+    with followed(monkeypatch, path, "hf_trainer_state", mon):
+        time.sleep(0.3)
+        save(train[:10] + evals[:1])  # a save written between the two sets' entries
+        time.sleep(0.3)
+        save(train[:10] + evals + train[10:15])
+        time.sleep(0.3)
+        save(train[:10] + evals + train[10:20])  # and the next save has both again
+        deadline = time.monotonic() + 10
+        while steps(r, "fol-sets") != list(range(6, 21)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    got = [(f[b"name"], f[b"loss"], f[b"step"]) for _, f in r.xrange("th:{fol-sets}:events") if f[b"kind"] == b"eval"]
+    assert got == [(b"eval_wiki", b"2.5", b"10"), (b"eval_code", b"1.75", b"10")]
+
+
 def test_an_evaluation_followed_sends_its_badput_and_its_losses(r: redis.Redis) -> None:
     from trainhealth.logpoint import LogPoint
 
