@@ -31,11 +31,14 @@ def test_every_rank_of_a_torchrun_job_names_the_same_run(r: redis.Redis, redis_u
     pytest.importorskip("torch")
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
+        import os
         import trainhealth
         mon = trainhealth.init()
         for step in range(3):
             mon.log_step(step, loss=2.0 - step / 10, tokens=128)
-        print("RUN", mon.run, mon.rank, mon.world_size, flush=True)
+        # One write of a line under PIPE_BUF: the two workers share torchrun's stdout, and print()'s pieces
+        # interleaved there: "RUNRUN <id> 1 2", then " <id> 0 2".
+        os.write(1, f"RUN {mon.run} {mon.rank} {mon.world_size}\\n".encode())
         mon.close()
     """))
     torchrun = Path(sys.executable).with_name("torchrun")
