@@ -22,16 +22,17 @@ from trainhealth.job import Culprit
 from trainhealth.recommendations import Recommendation
 from trainhealth.text import fmt_cost, fmt_duration, fmt_gpu_hours, fmt_pct, fmt_usd, plural
 
-#: Kinds of a failed job (a stall, a rank gone) and of a slow one (a rank or a node slower than the others).
+#: Kinds of a failed job (a stall, a rank gone) and of a slow one (a rank or a node slower than the others, or a
+#: node whose collectives are: its network).
 FAILURE_KINDS = ("hang", "dead_rank")
-SLOW_KINDS = ("straggler", "slow_node")
+SLOW_KINDS = ("straggler", "slow_node", "network_slow")
 
 #: Every training process of the user on a host, when the culprit's pid is not known.
 _ALL_PIDS = 'for p in $(pgrep -u "$USER" python); do py-spy dump --pid "$p"; done'
 
 
 class RecoveryAdvisor:
-    """Turns a hang, a dead rank, a straggler or a slow node into a costed recommendation.
+    """Turns a hang, a dead rank, a straggler, a slow node or a node's slow network into a costed recommendation.
 
     * **hang** → ``dump_stacks``: ``py-spy dump --pid P`` of the culprit on its host (of every training
       process without a pid), then restart from the newest checkpoint if nothing moved ``restart_after_s``
@@ -47,6 +48,9 @@ class RecoveryAdvisor:
       ``break_even_h`` hours of the time it costs, else ``keep``. The time it costs is the part of each
       step the job waits for it: (its median section time − a typical rank's) / the step time (/ its
       section time when the step time is unknown: an upper bound; ``1 − score`` without medians).
+    * **network_slow** → the same choice for the node whose ranks' collectives take longer than the other
+      nodes': every rank waits for the slowest collective, so the job loses (its collective's median seconds −
+      the other nodes') / the step time.
 
     Parameters
     ----------
@@ -118,8 +122,8 @@ class RecoveryAdvisor:
 
     @staticmethod
     def concerns(a: Anomaly) -> bool:
-        """Whether the advisor has something to say about ``a``: an active hang, dead rank, straggler or
-        slow node.
+        """Whether the advisor has something to say about ``a``: an active hang, dead rank, straggler, slow node
+        or a node's slow network.
 
         ``rank_outlier`` is left out: it flags a rank unlike the others in several ways (variability, data
         loading, missing steps), not a slowdown of the job that a replacement would buy back; once such a rank
@@ -336,14 +340,18 @@ class RecoveryAdvisor:
 
     def _slow(self, ctx: _Context) -> Recommendation:
         a, ev = ctx.anomaly, ctx.anomaly.evidence
-        node = a.kind == "slow_node"
+        net = a.kind == "network_slow"
+        node = a.kind == "slow_node" or net
         host = (a.scope or None) if node else None
         host = host or (a.hosts[0] if len(a.hosts) == 1 else None)
-        mine = _num(ev.get("node_median_s" if node else "rank_median_s"))
-        best = _num(ev.get("best_median_s"))
-        ref = _num(ev.get("typical_median_s"))
-        ref = ref if ref is not None else best
-        score = _num(ev.get("node_score" if node else "score"))
+        if net:  # its collectives against the other nodes' (detectors/network.py's evidence)
+            mine, best, ref, score = _num(ev.get("node_comm_s")), None, _num(ev.get("others_comm_s")), None
+        else:
+            mine = _num(ev.get("node_median_s" if node else "rank_median_s"))
+            best = _num(ev.get("best_median_s"))
+            ref = _num(ev.get("typical_median_s"))
+            ref = ref if ref is not None else best
+            score = _num(ev.get("node_score" if node else "score"))
         if node:
             subject = f"node {host}" if host else "the slow node"
             subject += f" ({plural(len(a.ranks), 'rank')})" if a.ranks else ""
@@ -352,15 +360,19 @@ class RecoveryAdvisor:
             subject = f"rank {r}" + (f" on {host}" if host else "")
         reasoning = [f"{a.kind} since step {a.step} (now step {ctx.current_step}): {a.message}"]
         fraction: float | None = None
+        step_s = ctx.step_s or (_num(ev.get("step_s")) if net else None)  # the detector's window's median step
         if mine and ref is not None and mine > 0:
             saved = max(0.0, mine - ref)
-            denom = max(ctx.step_s, mine) if ctx.step_s else mine
+            denom = max(step_s, mine) if step_s else mine
             fraction = min(saved / denom, 1.0)
             reasoning.append(
-                f"{subject}: sections take {_ms(mine)} (median) vs {_ms(ref)} on a typical rank"
+                (f"{subject}: its ranks' collectives take {_ms(mine)} (median) vs {_ms(ref)} on the other nodes; "
+                 "every rank waits for the slowest collective" if net else
+                 f"{subject}: sections take {_ms(mine)} (median) vs {_ms(ref)} on a typical rank")
                 + (f" (fastest {_ms(best)})" if best is not None else "") + (f", score {score:.2f}" if score else "")
-                + f"; a node as fast as a typical one saves {_ms(saved)} of each "
-                + (f"{_ms(denom)} step" if ctx.step_s else f"{_ms(denom)} of sections (step time unknown: the "
+                + "; a node " + ("whose network is as fast as the others'" if net else "as fast as a typical one")
+                + f" saves {_ms(saved)} of each "
+                + (f"{_ms(denom)} step" if step_s else f"{_ms(denom)} of sections (step time unknown: the "
                    "share of the step is at most this)")
                 + f" = {fmt_pct(fraction * 100)} of the job's time")
         elif score is not None and 0 < score <= 1:
@@ -375,7 +387,7 @@ class RecoveryAdvisor:
         if fraction < defaults.SLOW_RANK_MIN_LOSS:
             return None  # keeping it is the obvious answer: a card saying so is noise
         per_h = fraction * ctx.world
-        elapsed_h = (ctx.current_step - a.step) * ctx.step_s / 3600.0 if ctx.step_s else None
+        elapsed_h = (ctx.current_step - a.step) * step_s / 3600.0 if step_s else None
         lost_h = fraction * elapsed_h if elapsed_h is not None else None
         continue_cost = {
             "lost_fraction": fraction,

@@ -117,6 +117,12 @@ def test_one_nodes_slow_collective_is_a_network_anomaly_on_that_node(r: redis.Re
     assert (inc["title"], inc["severity"], inc["status"], inc["anomalies"], inc["badput_s"]) == (
         "Network slow on node node-b (ranks 8–15), costing throughput", "warning", "resolved",
         ["network_slow:node-b:40:0", "throughput_drop:*:40:0"], 24.0)
+    # Its advice: replace node-b (a restart without it pays back in at least 0.35 h), dismissed once it recovered.
+    rec = stored(r, "net", "recommendations")[inc["recommendation"]]
+    assert (inc["recommendation"], rec["action"], rec["exclude_hosts"], rec["cost"]["break_even_h"],
+            rec["status"], rec["history"][-1]["note"]) == (
+        "rec:network_slow:node-b:40:0", "replace_node", ["node-b"], 0.35, "dismissed",
+        "the network_slow is over (step 119)")
     valid_run(r, "net")
 
 

@@ -229,6 +229,30 @@ def test_slow_node_without_checkpoint_step_time_or_price() -> None:
     assert "$" not in rec.summary
 
 
+def test_a_nodes_slow_network_is_costed_by_its_collective() -> None:
+    # node-b's collectives take 0.402 s vs 0.102 s on node-a (tests/test_network.py's run): every rank waits for
+    # them, 0.3 s of each 1.258 s step (the detector's window median; the run's step time unknown) = 23.8 % of 16
+    # GPUs = 3.82 GPU-hours per hour; the relaunch alone: 300 s / 0.2385 = at least 0.35 h to break even.
+    ev = {"node_share": 0.3196, "others_share": 0.0811, "excess_share": 0.2385, "node_comm_s": 0.402,
+          "others_comm_s": 0.102, "step_s": 1.258, "high_ranks": 8, "n_ranks": 8, "timed_ranks": 8}
+    a = Anomaly("network_slow", "warning", 40, "node-b: 32.0% of step time in communication", scope="node-b",
+                ranks=tuple(range(8, 16)), hosts=("node-b",), evidence=ev)
+    rec = advise(a, checkpoints=[], current=100, step_s=None, world=16, price=None)
+    assert (rec.id, rec.action, rec.exclude_hosts) == ("rec:network_slow:node-b:40:0", "replace_node", ["node-b"])
+    assert rec.continue_cost == pytest.approx({"lost_fraction": 0.3 / 1.258, "wall_hours": 60 * 1.258 / 3600 * (
+        0.3 / 1.258), "gpu_hours": 60 * 0.3 / 3600 * 16, "usd": None, "gpu_hours_per_hour": 16 * 0.3 / 1.258,
+                                               "usd_per_hour": None})
+    assert rec.cost["break_even_h"] == 0.35
+    assert rec.reasoning[1] == (
+        "node node-b (8 ranks): its ranks' collectives take 402.0 ms (median) vs 102.0 ms on the other nodes; every "
+        "rank waits for the slowest collective; a node whose network is as fast as the others' saves 300.0 ms of each "
+        "1.26 s step = 23.8% of the job's time")
+    assert rec.commands == [
+        'scontrol update nodename=node-b state=drain reason="trainhealth: network_slow"  # Slurm (operator rights)',
+        "sbatch --exclude=node-b <job script>  # Slurm: relaunch"]
+    assert RecoveryAdvisor.concerns(a) and not RecoveryAdvisor.concerns(replace(a, status=RESOLVED))
+
+
 def test_no_checkpoint_keeps_the_other_figures() -> None:
     rec = advise(hang(), checkpoints=[])
     assert (rec.action, rec.checkpoint_step, rec.recompute_steps) == ("dump_stacks", None, None)
