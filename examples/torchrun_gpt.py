@@ -42,6 +42,9 @@ Faults you can inject, and what trainhealth should say:
 - ``--plateau-from S``: from step S the parameters stop being updated (as when every layer is frozen by mistake),
   with the learning rate held at its peak after warm-up (a constant schedule) → ``plateau`` (settings: a stretch of
   half the steps after S, judged against a 5 % gain: the frozen model's loss still moves with each batch).
+- ``--min-step-ms MS``: every step lasts at least MS ms (the rank waits out the rest in its optimizer section, on
+  every rank alike), as a real model's step would: a fault judged over time (``--leak-rank``) then has the same
+  seconds to show on a fast machine as on a slow one.
 
 Sections are the work a rank does on its own, never waiting for another rank: ``data`` and
 ``forward`` before the gradient all-reduce, ``optimizer`` after it. Backward is deliberately
@@ -219,6 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-comm-ms", type=float, default=30.0, help="milliseconds the slow node adds per step")
     p.add_argument("--slow-comm-from", type=int, default=0, help="first step of the slow all-reduce")
     p.add_argument("--slow-comm-to", type=int, default=10**9, help="first step after it")
+    p.add_argument("--min-step-ms", type=float, default=0.0,
+                   help="every step lasts at least this long (milliseconds; 0: as fast as it runs)")
     p.add_argument("--plateau-from", type=int, default=-1, help="step from which the parameters stop being updated")
     p.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoints (and resume) directory")
     p.add_argument("--ckpt-every", type=int, default=50, help="save after every N steps (0: never)")
@@ -297,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         lr = lr_at(step, args)
         for group in opt.param_groups:
             group["lr"] = lr
+        t_step = time.perf_counter()
         with mon.step(step):
             with mon.section("data"):
                 x, y = get_batch(data, step, rank, args.batch_size, args.seq_len, args.seed)
@@ -332,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 if args.plateau_from < 0 or step < args.plateau_from:
                     opt.step()  # from --plateau-from on, nothing is updated: a frozen model
+                if args.min_step_ms > 0:  # the rest of a step of --min-step-ms: own work, on every rank alike
+                    time.sleep(max(0.0, t_step + args.min_step_ms / 1000.0 - time.perf_counter()))
             if rank == args.leak_rank and len(kept) * args.leak_kib < args.leak_max_mib * 1024:
                 kept.append(torch.full((args.leak_kib * 256,), float(step)))  # float32: leak_kib KiB, written
         # .item() after the optimizer step: one sync at the end of the step (on a GPU it waits for the queue).
