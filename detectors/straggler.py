@@ -137,8 +137,12 @@ class StragglerDetector(StepDetector):
         """Every rank ended at ``step``: resolve the open stragglers (:func:`trainhealth.anomaly.run_ended`)
         and start afresh."""
         out = self._persist.finish(step)
-        for d in self._busy:
+        # Each value and its step go together (a relaunch's first window zips them), and its windows start afresh.
+        for d, at in zip(self._busy, self._at, strict=True):
             d.clear()
+            at.clear()
+        self._steps.clear()
+        self._n = 0
         return out
 
     @property

@@ -168,6 +168,19 @@ def test_straggler_flags_the_slow_rank_only_while_slow() -> None:
         ("straggler", "active", 100, None, "warning"), ("straggler", "resolved", 100, 199, "warning")]
 
 
+def test_straggler_judges_a_relaunch_after_every_rank_ended_mid_window() -> None:
+    # Every rank ended 10 steps into a 20-step window (a crash, a clean end before a relaunch); the relaunch's rank 11
+    # is slow from its first step: judged on the relaunch's own windows (finish() left the step of each busy value
+    # behind: the relaunch's first window failed on the mismatch, and the detector with it).
+    det = StragglerDetector()
+    rows = busy_rows(130, 16, {})
+    assert run(det, [agg(s, busy=b) for s, b in enumerate(rows)]) == []
+    assert det.finish(129) == []
+    rows = busy_rows(100, 16, {11: (0, 100, 1.8)}, seed=6)
+    assert run(det, [agg(120 + s, busy=b) for s, b in enumerate(rows)]) == [("straggler", "active", 120, None,
+                                                                             "warning")]
+
+
 def test_straggler_ignores_jitter_and_a_single_slow_window() -> None:
     det = StragglerDetector()
     rows = busy_rows(400, 8, {3: (120, 140, 3.0)})  # one window only: not persistent
