@@ -256,11 +256,12 @@ class Monitor:
     heartbeat_interval : float
         Seconds between heartbeats (sent by the background thread).
     retention : int
-        Step records kept in the run's step stream, about (``XADD MAXLEN`` of this many records divided by the
-        records in each entry added; ``$TRAINHEALTH_RETENTION``, default 1,000,000).
+        Step records kept in the run's step stream (``$TRAINHEALTH_RETENTION``, default 1,000,000), registered in
+        the run's meta: the detector service trims the entries it has read to it (or to its own, when smaller).
+        The collectors' own ``XADD MAXLEN`` is a backstop for when no service reads: as many entries as records.
     retention_bytes : int
         And at most about this many bytes of records (their JSON text; ``$TRAINHEALTH_RETENTION_BYTES``, default
-        512 MiB): the trim keeps the fewer entries of the two bounds.
+        512 MiB): the trim keeps the fewer records of the two bounds.
     started_at : float, optional
         Unix time this process started (default now); for replaying old logs.
     spill_dir : path or False, optional
@@ -393,8 +394,13 @@ class Monitor:
                 raise redis.ConnectionError("no Redis URL configured")
             return connection.connect(url, socket_timeout=5, socket_connect_timeout=2)
 
+        retention = retention or config.retention_records()
+        retention_bytes = retention_bytes or config.retention_bytes()
+        # The bound is the run's: the service trims the raw stream to it once it has read the entries (the
+        # collectors' own trim is only a backstop, see collectors/sender.py).
         registry: dict[str, Any] = {"_rank": self.rank, "_inc": repr(self.inc), "status": "running",
-                                    "world_size": self.world_size, "updated_at": repr(self.inc)}
+                                    "world_size": self.world_size, "updated_at": repr(self.inc),
+                                    "retention_records": retention, "retention_bytes": retention_bytes}
         if tuned:
             # Every rank's (a job gives them all the same): the rank that registers the run first carries them, so
             # the service builds the run's detectors with them from the start. A dict: stored as its JSON text.
@@ -414,8 +420,7 @@ class Monitor:
         self._sender = Sender(
             connect, self.keys, buffer_records, self._heartbeat_body, registry,
             batch=batch_records, flush_interval=flush_interval, heartbeat_interval=heartbeat_interval,
-            retention=retention or config.retention_records(),
-            retention_bytes=retention_bytes or config.retention_bytes(), spill=spill,
+            retention=retention, retention_bytes=retention_bytes, spill=spill,
         )
         self._put = self._sender.put  # events
         self._put_rec = self._sender.put_step  # the hot path's one call: bound once, no lookup per record

@@ -631,10 +631,14 @@ class Sender(threading.Thread):
 
     def _xadd_steps(self, pipe: Any, steps: list[str]) -> None:
         body = "[" + ",".join(steps) + "]"  # the records' JSON texts: what json.dumps(list) would give
-        # The retention is in records: this entry's share of it in entries. Approximate trimming (whole radix-tree
-        # nodes of 100 entries) overshoots by up to a node: exact up to 10 nodes, where that would be 10 % or more.
-        # And in bytes: the entries like this one that fit the byte bound, when fewer.
-        maxlen = max(1, min(self._maxlen["steps"] // len(steps), self._max_bytes // len(body)))
+        # A backstop for when no detector service reads the stream; the service trims it to the bound exactly once
+        # it has read the entries (detectors/retention.py, RawWindow). The stream is shared by every rank, and an
+        # entry holds one record or a backlog of a thousand, so this trim counts each entry as one record of this
+        # entry's mean size: it never removes a record the bound keeps (a MAXLEN of the bound over this entry's
+        # records would remove the other ranks' small entries by the thousand), and keeps up to k times the bound
+        # where entries hold k records. Approximate trimming (whole radix-tree nodes of 100 entries) overshoots by
+        # up to a node: exact up to 10 nodes, where that would be 10 % or more.
+        maxlen = max(1, min(self._maxlen["steps"], self._max_bytes * len(steps) // len(body)))
         pipe.execute_command("XADD", self._keys.steps, "MAXLEN", "~" if maxlen > 1000 else "=", maxlen, "*",
                              "rank", self._registry["_rank"], "n", len(steps), "seq", self._seq_build, "recs", body)
         self._seq_build += len(steps)

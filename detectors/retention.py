@@ -1,4 +1,5 @@
-"""Byte bounds of the streams the detector service writes: the ``MAXLEN`` of each ``XADD``.
+"""Bounds of the streams the detector service keeps: the ``MAXLEN`` of each ``XADD`` it writes, and the trim of the
+raw step stream it reads once it has processed its entries.
 
 A stream whose entries grow with the job (``th:{run}:agg`` carries every rank's busy seconds: ~10 B a rank, 40 kB
 an entry at 4,096 ranks) cannot be bounded by a count of entries alone: 200,000 of them would be 8 GB. Each writer
@@ -15,6 +16,7 @@ larger of the newest entry's size and the mean of the entries this writer added 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,3 +80,104 @@ class StreamBound:
         per = max(size, self._total / self._count)
         n = max(1, min(self.max_entries, int(self.max_bytes // per)))
         return n, n > EXACT_TRIM_ENTRIES
+
+
+class RawWindow:
+    """The newest processed entries of a run's raw step stream (``th:{run}:steps``) within ``max_records`` records
+    and about ``max_bytes`` bytes: the ``MINID`` of the trim that drops the rest.
+
+    The stream is shared by every rank's collector, and an entry holds one record or a backlog of a thousand, so no
+    collector can size the stream from its own entries (a ``MAXLEN`` of the bound over one rank's 1,000-record
+    entry removed the other ranks' one-record entries by the thousand). The service, which reads every entry in
+    order, counts them here as it processes them and trims the oldest once the records or bytes it processed exceed
+    the bound: what it has not read yet is never trimmed (``XTRIM … MINID`` removes only entries older than an id it
+    processed), and a rank's records are kept as long as anyone's of the same age.
+
+    Processed entries are counted in chunks of consecutive entries (``max_records // 1000`` records and
+    ``max_bytes // 1000`` bytes at least), so the trim is exact to a thousandth of the bound while the count takes
+    a few thousand chunks per run whatever the entries (a million one-record entries would be ~100 MB of tuples).
+
+    Parameters
+    ----------
+    max_records : int
+        Records kept at most (>= 1): ``$TRAINHEALTH_RETENTION``, or the run's own (``Monitor(retention=)``).
+    max_bytes : int
+        Bytes of entries kept, about (>= 1): :func:`entry_bytes` of each, ``$TRAINHEALTH_RETENTION_BYTES``.
+
+    Raises
+    ------
+    ValueError
+        When a bound is below 1.
+
+    Examples
+    --------
+    Five records a rank-step in entries of one record, then a 1,000-record backlog of one rank, under a bound of
+    10,000 records: nothing is trimmed until the records processed pass 10,000, then the oldest go, to the entry.
+
+    >>> w = RawWindow(max_records=10_000, max_bytes=2**30)
+    >>> for ms in range(5_000):
+    ...     w.add((ms, 0), records=1, nbytes=300)
+    >>> w.add((5_000, 0), records=1_000, nbytes=300_000)
+    >>> w.trim(), w.records
+    (None, 6000)
+    >>> for ms in range(5_001, 10_001):
+    ...     w.add((ms, 0), records=1, nbytes=300)
+    >>> w.trim(), w.records
+    (('1000-0', True), 10000)
+
+    References
+    ----------
+    Redis ``XTRIM`` with ``MINID`` (Redis 6.2): https://redis.io/docs/latest/commands/xtrim/
+    """
+
+    __slots__ = ("_bytes", "_chunk_bytes", "_chunk_records", "_chunks", "_entries", "max_bytes", "max_records",
+                 "records")
+
+    def __init__(self, max_records: int, max_bytes: int) -> None:
+        if max_records < 1 or max_bytes < 1:
+            raise ValueError(f"a raw step window needs max_records >= 1 and max_bytes >= 1, not {max_records}, "
+                             f"{max_bytes}")
+        self.max_records, self.max_bytes = max_records, max_bytes
+        self._chunk_records, self._chunk_bytes = max(1, max_records // 1000), max(1, max_bytes // 1000)
+        #: [first entry id (ms, seq), records, bytes, entries] of each chunk, oldest first.
+        self._chunks: deque[list[Any]] = deque()
+        #: Records (and bytes) of the entries counted and not trimmed.
+        self.records = 0
+        self._bytes = 0
+        self._entries = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the entries counted and not trimmed (:func:`entry_bytes` of each)."""
+        return self._bytes
+
+    def add(self, entry_id: tuple[int, int], records: int, nbytes: int) -> None:
+        """Count one processed entry: its id ``(ms, seq)`` (newer than every one counted before), its records and
+        its bytes."""
+        last = self._chunks[-1] if self._chunks else None
+        if last is not None and last[1] < self._chunk_records and last[2] < self._chunk_bytes:
+            last[1] += records
+            last[2] += nbytes
+            last[3] += 1
+        else:
+            self._chunks.append([entry_id, records, nbytes, 1])
+        self.records += records
+        self._bytes += nbytes
+        self._entries += 1
+
+    def trim(self) -> tuple[str, bool] | None:
+        """Drop the oldest chunks while the records or bytes counted exceed the bound (the newest chunk is always
+        kept); return ``(MINID, approximate)`` for ``XTRIM`` — the id of the oldest entry kept, and whether the
+        entries kept are many enough (over :data:`EXACT_TRIM_ENTRIES`) for Redis' trim of whole radix-tree nodes —
+        or None when nothing is to be trimmed."""
+        dropped = False
+        while len(self._chunks) > 1 and (self.records > self.max_records or self._bytes > self.max_bytes):
+            _, records, nbytes, entries = self._chunks.popleft()
+            self.records -= records
+            self._bytes -= nbytes
+            self._entries -= entries
+            dropped = True
+        if not dropped:
+            return None
+        ms, seq = self._chunks[0][0]
+        return f"{ms}-{seq}", self._entries > EXACT_TRIM_ENTRIES

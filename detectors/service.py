@@ -37,7 +37,7 @@ from trainhealth.detectors.hang import HangDetector
 from trainhealth.detectors.incidents import LABELS, Incident
 from trainhealth.detectors.pipeline import Output, RunPipeline, agg_fields
 from trainhealth.detectors.recovery_advisor import RecoveryAdvisor
-from trainhealth.detectors.retention import StreamBound
+from trainhealth.detectors.retention import RawWindow, StreamBound, entry_bytes
 from trainhealth.detectors.rollup import Rollups
 from trainhealth.exceptions import ConfigError
 from trainhealth.job import JobState
@@ -158,6 +158,9 @@ class _Run:
     last_rollup: dict[int, tuple[int, int]] = field(default_factory=dict)
     #: The byte bounds of the streams the service writes (``agg``, ``ledger``, ``anomaly_log``; detectors/retention.py).
     bounds: dict[str, StreamBound] = field(default_factory=dict)
+    #: The processed entries of the raw step stream it keeps, and the trim of the older ones (detectors/retention.py).
+    raw: RawWindow = field(default_factory=lambda: RawWindow(defaults.STEPS_RETENTION_RECORDS,
+                                                             defaults.STEPS_RETENTION_BYTES))
     last_snapshot: float = 0.0
     last_memory: float = 0.0  # unix s of the newest th:{run}:mem entry written
     status: str = "running"
@@ -226,6 +229,15 @@ class DetectorService:
         on one Redis share the runs evenly (:func:`fair_share`): each counts the services heard
         from in ``th:services``, takes runs while it holds fewer than its share and hands over
         the excess when a service joins.
+    retention_bytes : dict, optional
+        Bytes kept per run in the streams the service writes, by name (``agg``, ``ledger``, ``anomaly_log``); the
+        others from :func:`trainhealth.config.service_retention_bytes`.
+    raw_retention : (int, int), optional
+        The raw step stream's bound, ``(records, bytes)``: once the service has processed a run's entries it trims
+        the older ones to it (:class:`~trainhealth.detectors.retention.RawWindow`), or to the run's own bound when
+        that is smaller (``retention_records``/``retention_bytes`` in its meta, from its collectors'
+        ``Monitor(retention=, retention_bytes=)`` or environment). Default: ``$TRAINHEALTH_RETENTION`` and
+        ``$TRAINHEALTH_RETENTION_BYTES``, else ``defaults``.
     """
 
     def __init__(
@@ -241,8 +253,12 @@ class DetectorService:
         clock: Callable[[], float] = time.time,
         lease_s: int = defaults.RUN_LEASE_S,
         retention_bytes: dict[str, int] | None = None,
+        raw_retention: tuple[int, int] | None = None,
     ) -> None:
         self.client = client
+        #: The raw step stream's bound (records, bytes), by default :func:`trainhealth.config.retention_records` and
+        #: :func:`~trainhealth.config.retention_bytes`.
+        self.raw_retention = raw_retention or (config.retention_records(), config.retention_bytes())
         #: Bytes kept per run in the streams it writes (``agg``, ``ledger``, ``anomaly_log``); by default
         #: :func:`trainhealth.config.service_retention_bytes` (the environment, else ``defaults``).
         self.retention_bytes = {**config.service_retention_bytes(), **(retention_bytes or {})}
@@ -462,6 +478,10 @@ class DetectorService:
         run.bounds = {name: StreamBound(entries, self.retention_bytes[name]) for name, entries in (
             ("agg", defaults.AGG_RETENTION_ENTRIES), ("ledger", defaults.LEDGER_RETENTION_ENTRIES),
             ("anomaly_log", defaults.EVENTS_RETENTION_ENTRIES))}
+        records, nbytes = self.raw_retention
+        own = (self._meta_num(keys.run, meta, "retention_records", int, lambda v: v >= 1),
+               self._meta_num(keys.run, meta, "retention_bytes", int, lambda v: v >= 1))
+        run.raw = RawWindow(min(records, own[0] or records), min(nbytes, own[1] or nbytes))
         started = self._meta_num(keys.run, meta, "started_at", float, math.isfinite)
         if started is not None:
             pipeline.ledger.note_start(started)
@@ -606,6 +626,10 @@ class DetectorService:
                 self._process_chunk(run, entries[i:j], pipe, collect)
                 i = j
         run.dirty = True
+        # Processed: the raw step stream's older entries beyond its bound go, in the transaction that acknowledges.
+        trim = run.raw.trim()
+        if trim is not None:
+            pipe.xtrim(run.keys.steps, minid=trim[0], approximate=trim[1])
 
     def _process_chunk(self, run: _Run, chunk: list[tuple[tuple[int, int], str, dict]], pipe: Any,
                        collect: Output | None) -> None:
@@ -635,6 +659,7 @@ class DetectorService:
             if stream == keys.steps:
                 step_entries += 1
                 step_records += len(recs)
+                run.raw.add(sid, len(recs), entry_bytes(fields))
                 if recs and not self._note_seq(run, fields, recs, pipe, collect is None):
                     continue  # a batch written twice: its records were read already
             if group and sid[0] != group_ms:

@@ -20,16 +20,16 @@ EMBEDDED_PORT = 6390
 EMBEDDED_START_TIMEOUT_S = 10.0
 
 # --- Streams and retention -----------------------------------------------------
-#: Step records kept per run in the step stream, about: each collector trims it (``XADD MAXLEN``) to this many
-#: records divided by the records in the entry it adds (an entry holds up to COLLECTOR_BATCH_RECORDS), so the bound
-#: holds in records whatever the batching. Measured 306 B of Redis memory a timed record (3 sections, 6 metrics) in
-#: 1,000-record entries, 366 B at one record an entry (``bench/stream_memory.py``, BENCHMARKS.md): 1,000,000 records
-#: ≈ 300-370 MB per run.
+#: Step records kept per run in the step stream: the detector service trims the entries it has read to this many
+#: records (``XTRIM MINID``, detectors/retention.py), whatever the batching; each collector's ``XADD MAXLEN`` of as
+#: many entries is a backstop for when no service reads. Measured 306 B of Redis memory a timed record (3 sections,
+#: 6 metrics) in 1,000-record entries, 366 B at one record an entry (``bench/stream_memory.py``, BENCHMARKS.md):
+#: 1,000,000 records ≈ 300-370 MB per run.
 STEPS_RETENTION_RECORDS = 1_000_000
-#: And in bytes of records (their JSON text, which is what Redis stores, plus its ~5-20 % of overhead): each
-#: collector's trim also keeps at most this many bytes of entries like the one it adds, so fat records (many
-#: sections or metrics) cannot take the stream past it whatever their count. 512 MiB binds only above ~540 B a
-#: record; the measured timed record is 250-300 B of JSON.
+#: And in bytes of entries (their fields' text, which is what Redis stores, plus its ~5-20 % of overhead): the
+#: service's trim also keeps at most this many, so fat records (many sections or metrics) cannot take the stream
+#: past it whatever their count. 512 MiB binds only above ~540 B a record; the measured timed record is 250-300 B
+#: of JSON.
 STEPS_RETENTION_BYTES = 512 * 2**20
 #: Approximate maximum entries kept in the events (and anomaly_log), per-step aggregate and ledger streams.
 EVENTS_RETENTION_ENTRIES = 100_000
