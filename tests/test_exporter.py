@@ -337,14 +337,21 @@ def final_ledger(r: redis.Redis, run: str, wait_for) -> dict:
     """The run's ledger once the service has processed the finished run and stopped rewriting it."""
     k = run_keys(run)
 
+    seen: dict = {}
+
     def settled() -> dict | None:
-        if r.hget(k.meta, "status") != b"finished" or r.xlen(k.agg) < 60:
+        seen.update(status=r.hget(k.meta, "status"), aggs=r.xlen(k.agg), service=r.get("th:service:tests"))
+        if seen["status"] != b"finished" or seen["aggs"] < 60:
             return None
         first = r.get(k.ledger_latest)
         time.sleep(2.5)  # the service snapshots every 2 s while a run changes
-        return json.loads(first) if first is not None and first == r.get(k.ledger_latest) else None
+        seen.update(first=first, then=r.get(k.ledger_latest))
+        return json.loads(first) if first is not None and first == seen["then"] else None
 
-    return wait_for(settled, 60, "the finished run's final ledger")
+    try:
+        return wait_for(settled, 60, "the finished run's final ledger")
+    except AssertionError as exc:  # what was last seen: the run's status, its aggregates, the ledger moving or not
+        raise AssertionError(f"{exc}; last seen: {seen}") from None
 
 
 def test_serve_metrics_port_exports_what_the_service_wrote(r: redis.Redis, redis_url: str, wait_for) -> None:
