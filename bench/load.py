@@ -144,6 +144,99 @@ def _producer(url: str, pairs: list[tuple[int, int]], ranks: int, steps: int, st
     done.put({"logged": logged, "closed": all(closed), "dropped": sum(m.dropped_total for _, m in mons)})
 
 
+def _lite_producer(url: str, pairs: list[tuple[int, int]], ranks: int, steps: int, step_s: float, faults: Faults,
+                   flush_s: float, ready: Any, go: Any, t0_box: Any, done: Any) -> None:
+    """``--collectors lite``: a producer process writing for every ``(run, rank)`` of ``pairs`` what its Monitor
+    would, through the collectors' own :class:`~trainhealth.collectors.sender.Sender` (its registration, encoder,
+    ``seq`` numbering and ``XADD`` trims), one Sender object per rank **not started as a thread**: the process
+    itself writes each rank's step record as its own entry (what a rank's 0.25-s flush sends when a step takes
+    longer), spread over the 0.25 s after the step as the ranks' flushes would be; a heartbeat per rank every
+    ``HEARTBEAT_INTERVAL_S`` (the hang included: a hung job's heartbeat threads go on); ``run_start`` and
+    ``run_end`` events. The record's fields and shapes are a Monitor's (``step()`` with three sections and
+    ``log_step()``); its memory and GPU samples are absent (``null``), as on a machine without CUDA where the
+    sample fails. The shortcut lets 4,096 ranks (and 32 x 256) be simulated on a few cores: 4,096 real Monitors'
+    sender threads could not be scheduled here (the load average reached 670, see BENCHMARKS.md)."""
+    from trainhealth.collectors.sender import Sender
+
+    os.nice(19)
+    client = connect(url)
+    inc = time.time()
+    pid = os.getpid()
+    senders = []
+    for run, rank in pairs:
+        registry: dict[str, Any] = {"_rank": rank, "_inc": repr(inc), "status": "running", "world_size": ranks,
+                                    "updated_at": repr(inc), "retention_records": defaults.STEPS_RETENTION_RECORDS,
+                                    "retention_bytes": defaults.STEPS_RETENTION_BYTES}
+        if rank == 0:
+            registry.update(name=run_name(run), started_at=inc)
+        snd = Sender(lambda: client, run_keys(run_name(run)), 1, lambda: (0, "{}"), registry)
+        snd._register(client)
+        senders.append((run, rank, f"node-{rank // 8:03d}", snd))
+    pipe = client.pipeline(transaction=False)
+
+    def event(snd: Sender, rank: int, kind: str, **extra: Any) -> None:
+        snd._add_batch(pipe, [("events", {"kind": kind, "rank": rank, "t": time.time(), "inc": inc, **extra})],
+                       clean=True)
+
+    for _run, rank, host, snd in senders:
+        event(snd, rank, "run_start", host=host, pid=pid, world_size=ranks, local_rank=rank % 8, config="{}")
+    pipe.execute()
+    last = {key: (-1, inc) for key in range(len(senders))}  # each rank's last step and its time
+    has_run0 = any(run == 0 for run, *_ in senders)
+    next_hb = [0.0]
+
+    def heartbeats(now: float) -> None:
+        if now < next_hb[0]:
+            return
+        next_hb[0] = now + defaults.HEARTBEAT_INTERVAL_S
+        for i, (_run, rank, host, snd) in enumerate(senders):
+            step, step_t = last[i]
+            pipe.hset(snd._keys.heartbeats, str(rank), json.dumps(
+                {"t": now, "step": step, "step_t": step_t, "phase": "train", "host": host, "pid": pid, "inc": inc,
+                 "mem": None, "gpu": None}))
+        pipe.execute()
+
+    ready.wait()
+    go.wait()
+    t0 = t0_box.value
+    logged = 0
+    parent = os.getppid()
+    chunks = 5  # the ranks' flushes over the 0.25 s after a step, in 5 bursts of this process's ranks
+    for s in range(steps):
+        if os.getppid() != parent:
+            os._exit(1)
+        rng = random.Random(s)
+        base = 2.0 + 1.5 * math.exp(-s / 300) + rng.gauss(0, 0.01)
+        st = faults.straggler
+        # Run 0's hang holds every rank of this process, as in _producer (its Monitors step one after another).
+        due = t0 + s * step_s + (faults.delay(0, s) if has_run0 else 0.0)
+        while time.time() < due:  # a hang: the steps stop, the heartbeats go on
+            heartbeats(time.time())
+            time.sleep(min(0.05, max(0.0, due - time.time())))
+        for c in range(chunks):
+            time.sleep(max(0.0, due + c * defaults.COLLECTOR_FLUSH_INTERVAL_S / chunks - time.time()))
+            for i in range(c, len(senders), chunks):
+                run, rank, host, snd = senders[i]
+                slow = 2.5 if run == 0 and st is not None and rank == st[0] and st[1] <= s < st[2] else 1.0
+                now = time.time()
+                rec: dict[str, Any] = {"rank": rank, "step": s, "inc": inc, "t": now, "dur": step_s * 0.8}
+                for name, share in zip(SECTIONS, SHARES, strict=True):
+                    rec["sec." + name] = step_s * (share + 0.01 * rng.random()) * (slow if name != "data" else 1.0)
+                rec.update(loss=base * (3.0 if run == 0 and s == faults.spike else 1.0),
+                           grad_norm=0.8 + rng.uniform(0, 0.05), lr=3e-4, tokens=8192, samples=4)
+                snd._add_batch(pipe, [("steps", rec)], clean=True)
+                last[i] = (s, now)
+                logged += 1
+            pipe.execute()
+        heartbeats(time.time())
+    for _run, rank, _host, snd in senders:
+        event(snd, rank, "run_end", status="finished")
+        if rank == 0:
+            pipe.hset(snd._keys.meta, mapping={"status": "finished", "ended_at": repr(time.time())})
+    pipe.execute()
+    done.put({"logged": logged, "closed": True, "dropped": 0})
+
+
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -279,6 +372,10 @@ def main() -> None:
     ap.add_argument("--hang-s", type=float, default=90.0, help="the hang's pause (s)")
     ap.add_argument("--dashboard", action="store_true", help="AppTest times of Runs and Overview after the load")
     ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--collectors", choices=("monitor", "lite"), default="monitor",
+                    help="monitor: a real Monitor (and its sender thread) per rank; lite: the collectors' Sender "
+                         "objects written by each producer process itself (see _lite_producer), for 4,096 ranks")
+    ap.add_argument("--linger", type=float, help="the services' --linger (default: theirs); 0 reads again at once")
     ap.add_argument("--profile", help="run the first service under cProfile, its profile written to this file")
     args = ap.parse_args()
     steps = max(10, int(args.duration / args.step_s))
@@ -298,14 +395,16 @@ def main() -> None:
         env = {**os.environ, "TRAINHEALTH_REDIS_URL": server.url,
                "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
         prof = ["-m", "cProfile", "-o", args.profile] if args.profile else []
-        services = [subprocess.Popen([sys.executable, *(prof if i == 0 else []), "-m", "trainhealth", "serve"],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        linger = [] if args.linger is None else ["--linger", str(args.linger)]
+        services = [subprocess.Popen([sys.executable, *(prof if i == 0 else []), "-m", "trainhealth", "serve",
+                                      *linger], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     for i in range(args.services)]
         ctx = mp.get_context("spawn")
         pairs = [(r, k) for r in range(args.runs) for k in range(args.ranks)]
         flush_s = flush_interval(len(pairs))
         ready, go, done, t0_box = ctx.Barrier(args.procs + 1), ctx.Event(), ctx.Queue(), ctx.Value("d", 0.0)
-        procs = [ctx.Process(target=_producer, args=(server.url, pairs[i::args.procs], args.ranks, steps, args.step_s,
+        target = _lite_producer if args.collectors == "lite" else _producer
+        procs = [ctx.Process(target=target, args=(server.url, pairs[i::args.procs], args.ranks, steps, args.step_s,
                                                      faults, flush_s, ready, go, t0_box, done))
                  for i in range(args.procs)]
         for p in procs:
@@ -355,7 +454,7 @@ def main() -> None:
     stored = got["records_processed"]
     figures = {
         "config": {k: getattr(args, k) for k in ("ranks", "runs", "step_s", "duration", "procs", "services", "redis",
-                                                  "faults", "hang_s")},
+                                                  "faults", "hang_s", "collectors", "linger")},
         "steps": steps, "logged": logged, "stored": stored, "in_stream": got["records_stored"],
         "all_delivered": all(r["closed"] for r in results),
         "dropped": sum(r["dropped"] for r in results),

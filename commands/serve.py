@@ -17,6 +17,9 @@ def register(sub: Any) -> None:
     s.add_argument("--consumer", help="consumer name in the group (default: <host>-<pid>)")
     s.add_argument("--hang-floor", type=float, default=defaults.HANG_FLOOR_S,
                    help=f"minimum seconds without progress before a hang (default {defaults.HANG_FLOOR_S:.0f})")
+    s.add_argument("--linger", type=float, default=defaults.READ_LINGER_S, metavar="SECONDS",
+                   help="seconds to wait after catching up before reading again, so the next read takes the "
+                        f"records written meanwhile in one batch (default {defaults.READ_LINGER_S}; 0: at once)")
     s.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="also serve the Prometheus metrics (docs/metrics.md) on this port, as `trainhealth "
                         "exporter` does (default: not served)")
@@ -36,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     url, embedded = resolve(args)
     floor = args.hang_floor
     client = connect(url)
-    service = DetectorService(client, consumer=args.consumer, hang_factory=lambda: HangDetector(floor_s=floor))
+    service = DetectorService(client, consumer=args.consumer, hang_factory=lambda: HangDetector(floor_s=floor),
+                              linger_s=args.linger)
     metrics = None
     try:
         if args.metrics_port is not None:

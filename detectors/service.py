@@ -232,6 +232,9 @@ class DetectorService:
     retention_bytes : dict, optional
         Bytes kept per run in the streams the service writes, by name (``agg``, ``ledger``, ``anomaly_log``); the
         others from :func:`trainhealth.config.service_retention_bytes`.
+    linger_s : float
+        Seconds :meth:`run_forever` waits after a read that caught up before the next (``defaults.READ_LINGER_S``):
+        batches at a live job's pace hold the records of that time instead of a few; 0 reads again at once.
     raw_retention : (int, int), optional
         The raw step stream's bound, ``(records, bytes)``: once the service has processed a run's entries it trims
         the older ones to it (:class:`~trainhealth.detectors.retention.RawWindow`), or to the run's own bound when
@@ -254,8 +257,14 @@ class DetectorService:
         lease_s: int = defaults.RUN_LEASE_S,
         retention_bytes: dict[str, int] | None = None,
         raw_retention: tuple[int, int] | None = None,
+        linger_s: float = defaults.READ_LINGER_S,
     ) -> None:
         self.client = client
+        if isinstance(linger_s, bool) or not (isinstance(linger_s, (int, float)) and 0 <= linger_s <= 10):
+            raise ConfigError(f"linger_s={linger_s!r} must be seconds between 0 and 10")
+        self.linger_s = float(linger_s)
+        #: The newest read got fewer entries than it asked for from every stream: nothing was left behind.
+        self.caught_up = True
         #: The raw step stream's bound (records, bytes), by default :func:`trainhealth.config.retention_records` and
         #: :func:`~trainhealth.config.retention_bytes`.
         self.raw_retention = raw_retention or (config.retention_records(), config.retention_bytes())
@@ -322,7 +331,8 @@ class DetectorService:
         try:
             while not self._stop.is_set():
                 try:
-                    self.run_once()
+                    if self.run_once() and self.caught_up and self.linger_s:
+                        self._stop.wait(self.linger_s)  # let the next read take what comes meanwhile at once
                     backoff.reset()
                 except (*_REDIS_DOWN, OSError) as exc:
                     wait = backoff.failed()
@@ -582,6 +592,7 @@ class DetectorService:
         for run in self.runs.values():
             # The events stream caught up when this read got fewer of its entries than asked for.
             run.events_caught_up = len(ids.get(run.keys.events, ())) < count
+        self.caught_up = all(len(v) < count for v in ids.values())
         for run_id, batch in by_run.items():
             run = self.runs[run_id]
             pipe = self.client.pipeline(transaction=True)

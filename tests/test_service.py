@@ -528,6 +528,54 @@ def test_a_cold_stop_mid_batch_leaves_no_live_looking_heartbeat(r: redis.Redis, 
     assert beating.is_set() and r.exists("th:service:cold") == 0
 
 
+def _reads(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))
+
+
+def test_a_caught_up_service_lingers_so_a_read_takes_what_came_meanwhile(r: redis.Redis, redis_url: str) -> None:
+    """At a live job's pace every flush arrives on its own; a read that caught up is followed by the linger, not by
+    the next read at once, so each read (and its fixed costs) takes the records of the linger, not one flush's."""
+    import threading
+
+    svc = DetectorService(r, consumer="linger", linger_s=0.1, snapshot_interval=0.0,
+                          hang_factory=lambda: HangDetector(floor_s=1e9))
+    mon = Monitor("paced", redis_url=redis_url, rank=0, world_size=1, flush_interval=0.005, spill_dir=False)
+    mon.log_step(0, loss=2.0, tokens=10)
+    assert mon.flush(10)
+    loop = threading.Thread(target=svc.run_forever)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not r.exists("th:{paced}:ledger:latest") and time.monotonic() < deadline:  # the run is attached
+            time.sleep(0.05)
+        before, t0 = _reads(r), time.monotonic()
+        for s in range(1, 300):  # 299 steps of ~5 ms, each flushed on its own: ~1.5 s
+            mon.log_step(s, loss=2.0, tokens=10)
+            time.sleep(0.005)
+        assert mon.close() is True
+        reads, elapsed = _reads(r) - before, time.monotonic() - t0
+        while time.monotonic() < deadline:
+            snap = r.get("th:{paced}:ledger:latest")
+            if snap and json.loads(snap)["steps_done"] == 300:
+                break
+            time.sleep(0.05)
+    finally:
+        svc.stop()
+        loop.join(15)
+    assert json.loads(r.get("th:{paced}:ledger:latest"))["steps_done"] == 300
+    entries = r.xlen("th:{paced}:steps")
+    # At most one read per linger while the steps came (a read returns as soon as an entry is there), against one
+    # per flush without it (~300 here): each read took ~20 entries.
+    assert entries >= 100 and reads <= elapsed / 0.1 + 2, (reads, entries, elapsed)
+
+
+def test_the_linger_is_checked() -> None:
+    from trainhealth.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match=r"linger_s=-1 must be seconds between 0 and 10"):
+        DetectorService(redis.Redis(), linger_s=-1)
+
+
 def rollups(r: redis.Redis, run: str) -> list[dict[str, str]]:
     return [{k.decode(): v.decode() for k, v in f.items()} | {"id": i.decode()}
             for i, f in r.xrange(f"th:{{{run}}}:agg:rollup")]

@@ -122,6 +122,13 @@ COMM_SECTIONS = ("allreduce", "all_reduce", "comm", "communication", "collective
 CONSUMER_GROUP = "th-detectors"
 #: Milliseconds one ``XREADGROUP`` blocks waiting for new entries.
 READ_BLOCK_MS = 1_000
+#: Seconds the service waits after a read that caught up with every stream before it reads again, so that the next
+#: read takes what the collectors wrote meanwhile in one batch: at a live job's pace every rank's 0.25-s flush
+#: arrives on its own and a blocking read returns at each, so each loop's fixed costs (the read, the run registry,
+#: the write-back transaction) were paid for a few records (bench/load.py: ~240 loops/s and ~450 µs of CPU a
+#: record at 1,024 ranks stepping once a second). What it adds to a detection's latency, at most; a read that did
+#: not catch up (a backlog) is followed by the next at once. As Kafka's producer ``linger.ms``.
+READ_LINGER_S = 0.1
 #: On Redis Cluster, where one blocking read cannot span the runs' slots: seconds between the non-blocking reads
 #: of every run's streams while nothing comes (trainhealth.connection.read_groups); the latency it adds, at most.
 CLUSTER_POLL_S = 0.05
