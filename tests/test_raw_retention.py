@@ -63,6 +63,15 @@ def _log(mon: Monitor, steps: range, sections: list[str] = ()) -> None:
         mon.log_step(s, loss=1.0)
 
 
+def _backlog(run: str, redis_url: str, steps: range, sections: list[str] = (), **kw) -> None:
+    """One rank's records of ``steps`` sent as a backlog: entries of up to 100 records (its sender waits 60 s
+    between flushes, and ``close()`` flushes it all)."""
+    mon = Monitor(run, redis_url=redis_url, rank=0, world_size=1, batch_records=100, flush_interval=60.0,
+                  spill_dir=False, **kw)
+    _log(mon, steps, sections)
+    assert mon.close() is True
+
+
 def test_one_ranks_backlog_does_not_trim_the_other_ranks_records(r: redis.Redis, redis_url: str) -> None:
     # No service reads: the collectors' backstop alone. Rank 0 flushes every record as its own entry; rank 1 then
     # sends a 100-record backlog in one entry. A bound of 1,000 records holds all 600 (the trim of the bound over
@@ -89,10 +98,7 @@ def test_one_ranks_backlog_does_not_trim_the_other_ranks_records(r: redis.Redis,
 def test_the_service_trims_what_it_read_to_the_runs_record_bound(r: redis.Redis, redis_url: str) -> None:
     # 100-record entries under a bound of 1,000 records: the backstop keeps all 30 entries (3,000 records), the
     # service the newest 10 once it has read them.
-    mon = Monitor("by-records", redis_url=redis_url, rank=0, world_size=1, retention=1_000, batch_records=100,
-                  flush_interval=60.0, spill_dir=False)
-    _log(mon, range(3_000))
-    assert mon.close() is True
+    _backlog("by-records", redis_url, range(3_000), retention=1_000)
     written = r.xrange("th:{by-records}:steps")
     assert sum(int(f[b"n"]) for _, f in written) == 3_000 and len(written) >= 30
     assert r.hmget("th:{by-records}:meta", "retention_records", "retention_bytes") == [b"1000", b"536870912"]
@@ -105,10 +111,7 @@ def test_the_service_trims_what_it_read_to_the_runs_record_bound(r: redis.Redis,
 
     # A restarted service rebuilds the window from the entries it replays: new entries trim the oldest again.
     svc2 = _service(r)
-    mon = Monitor("by-records", redis_url=redis_url, rank=0, world_size=1, retention=1_000, batch_records=100,
-                  flush_interval=60.0, spill_dir=False)
-    _log(mon, range(3_000, 3_500))
-    assert mon.close() is True
+    _backlog("by-records", redis_url, range(3_000, 3_500), retention=1_000)
     written = r.xrange("th:{by-records}:steps")
     _drain(svc2, r, "by-records")
     assert r.xrange("th:{by-records}:steps") == _newest_within(written, 1_000)
@@ -116,10 +119,7 @@ def test_the_service_trims_what_it_read_to_the_runs_record_bound(r: redis.Redis,
 
 
 def test_the_service_keeps_the_smaller_of_its_bound_and_the_runs(r: redis.Redis, redis_url: str) -> None:
-    mon = Monitor("smaller", redis_url=redis_url, rank=0, world_size=1, retention=1_000, batch_records=100,
-                  flush_interval=60.0, spill_dir=False)
-    _log(mon, range(1_000))
-    assert mon.close() is True
+    _backlog("smaller", redis_url, range(1_000), retention=1_000)
     written = r.xrange("th:{smaller}:steps")
     _drain(_service(r, raw_retention=(500, 2**30)), r, "smaller")
     assert r.xrange("th:{smaller}:steps") == _newest_within(written, 500)
@@ -130,10 +130,8 @@ def test_the_service_trims_what_it_read_to_the_runs_byte_bound(r: redis.Redis, r
     # does not bind, the byte bound of 1 MiB does (8.5 MB are logged). The backstop keeps every entry (a record
     # bound of entries: 50 entries of ~170 kB hold 100 times as many records as it counts).
     names = [f"section_{i:02d}" for i in range(40)]
-    mon = Monitor("by-bytes", redis_url=redis_url, rank=0, world_size=1, retention_bytes=2**20, batch_records=100,
-                  flush_interval=60.0, buffer_records=20_000, spill_dir=False, close_timeout=60.0)
-    _log(mon, range(5_000), names)
-    assert mon.close() is True
+    _backlog("by-bytes", redis_url, range(5_000), names, retention_bytes=2**20, buffer_records=20_000,
+             close_timeout=60.0)
     written = r.xrange("th:{by-bytes}:steps")
     assert sum(int(f[b"n"]) for _, f in written) == 5_000 and len(written) >= 50
     _drain(_service(r), r, "by-bytes")
