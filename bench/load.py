@@ -106,6 +106,19 @@ def flush_interval(monitors: int) -> float:
     return max(defaults.COLLECTOR_FLUSH_INTERVAL_S, monitors / 1_000)
 
 
+def step_values(faults: Faults, run: int, rank: int, step: int, step_s: float, rng: random.Random,
+                base: float) -> tuple[dict[str, float], dict[str, float]]:
+    """What rank ``rank`` of run ``run`` logs for ``step``: its sections' seconds (as a ``step_s``-second step
+    measures them, the straggler's forward/backward slower) and its metrics (the spike's loss 3x)."""
+    st = faults.straggler
+    slow = 2.5 if run == 0 and st is not None and rank == st[0] and st[1] <= step < st[2] else 1.0
+    sections = {name: step_s * (share + 0.01 * rng.random()) * (slow if name != "data" else 1.0)
+                for name, share in zip(SECTIONS, SHARES, strict=True)}
+    metrics = {"loss": base * (3.0 if run == 0 and step == faults.spike else 1.0),
+               "grad_norm": 0.8 + rng.uniform(0, 0.05), "lr": 3e-4, "tokens": 8192, "samples": 4}
+    return sections, metrics
+
+
 def _producer(url: str, pairs: list[tuple[int, int]], ranks: int, steps: int, step_s: float, faults: Faults,
               flush_s: float, ready: Any, go: Any, t0_box: Any, done: Any) -> None:
     """A producer process: a real Monitor per ``(run, rank)`` of ``pairs``, one step every ``step_s`` seconds."""
@@ -127,18 +140,16 @@ def _producer(url: str, pairs: list[tuple[int, int]], ranks: int, steps: int, st
             os._exit(1)
         rng = random.Random(s)
         base = 2.0 + 1.5 * math.exp(-s / 300) + rng.gauss(0, 0.01)
-        st = faults.straggler
         for run, mon in mons:
             due = t0 + s * step_s + faults.delay(run, s)
             time.sleep(max(0.0, due - time.time()))
-            slow = 2.5 if run == 0 and st is not None and mon.rank == st[0] and st[1] <= s < st[2] else 1.0
+            sections, metrics = step_values(faults, run, mon.rank, s, step_s, rng, base)
             with mon.step(s):
                 # What the sections of a step_s-second step measure: timing the real work of hundreds of ranks on
                 # one machine would take hundreds of steps' time.
-                for name, share in zip(SECTIONS, SHARES, strict=True):
-                    mon.add_section(name, step_s * (share + 0.01 * rng.random()) * (slow if name != "data" else 1.0))
-            loss = base * (3.0 if run == 0 and s == faults.spike else 1.0)
-            mon.log_step(s, loss=loss, grad_norm=0.8 + rng.uniform(0, 0.05), lr=3e-4, tokens=8192, samples=4)
+                for name, seconds in sections.items():
+                    mon.add_section(name, seconds)
+            mon.log_step(s, **metrics)
             logged += 1
     closed = [m.close() for _, m in mons]
     done.put({"logged": logged, "closed": all(closed), "dropped": sum(m.dropped_total for _, m in mons)})
@@ -207,7 +218,6 @@ def _lite_producer(url: str, pairs: list[tuple[int, int]], ranks: int, steps: in
             os._exit(1)
         rng = random.Random(s)
         base = 2.0 + 1.5 * math.exp(-s / 300) + rng.gauss(0, 0.01)
-        st = faults.straggler
         # Run 0's hang holds every rank of this process, as in _producer (its Monitors step one after another).
         due = t0 + s * step_s + (faults.delay(0, s) if has_run0 else 0.0)
         while time.time() < due:  # a hang: the steps stop, the heartbeats go on
@@ -217,13 +227,10 @@ def _lite_producer(url: str, pairs: list[tuple[int, int]], ranks: int, steps: in
             time.sleep(max(0.0, due + c * defaults.COLLECTOR_FLUSH_INTERVAL_S / chunks - time.time()))
             for i in range(c, len(senders), chunks):
                 run, rank, host, snd = senders[i]
-                slow = 2.5 if run == 0 and st is not None and rank == st[0] and st[1] <= s < st[2] else 1.0
+                sections, metrics = step_values(faults, run, rank, s, step_s, rng, base)
                 now = time.time()
-                rec: dict[str, Any] = {"rank": rank, "step": s, "inc": inc, "t": now, "dur": step_s * 0.8}
-                for name, share in zip(SECTIONS, SHARES, strict=True):
-                    rec["sec." + name] = step_s * (share + 0.01 * rng.random()) * (slow if name != "data" else 1.0)
-                rec.update(loss=base * (3.0 if run == 0 and s == faults.spike else 1.0),
-                           grad_norm=0.8 + rng.uniform(0, 0.05), lr=3e-4, tokens=8192, samples=4)
+                rec: dict[str, Any] = {"rank": rank, "step": s, "inc": inc, "t": now, "dur": step_s * 0.8,
+                                       **{"sec." + name: v for name, v in sections.items()}, **metrics}
                 snd._add_batch(pipe, [("steps", rec)], clean=True)
                 last[i] = (s, now)
                 logged += 1
