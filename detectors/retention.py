@@ -130,7 +130,7 @@ class RawWindow:
     Redis ``XTRIM`` with ``MINID`` (Redis 6.2): https://redis.io/docs/latest/commands/xtrim/
     """
 
-    __slots__ = ("_bytes", "_chunk_bytes", "_chunk_records", "_chunks", "_entries", "max_bytes", "max_records",
+    __slots__ = ("_chunk_bytes", "_chunk_records", "_chunks", "_entries", "max_bytes", "max_records", "nbytes",
                  "records")
 
     def __init__(self, max_records: int, max_bytes: int) -> None:
@@ -141,15 +141,10 @@ class RawWindow:
         self._chunk_records, self._chunk_bytes = max(1, max_records // 1000), max(1, max_bytes // 1000)
         #: [first entry id (ms, seq), records, bytes, entries] of each chunk, oldest first.
         self._chunks: deque[list[Any]] = deque()
-        #: Records (and bytes) of the entries counted and not trimmed.
+        #: Records and bytes (:func:`entry_bytes`) of the entries counted and not trimmed.
         self.records = 0
-        self._bytes = 0
+        self.nbytes = 0
         self._entries = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the entries counted and not trimmed (:func:`entry_bytes` of each)."""
-        return self._bytes
 
     def add(self, entry_id: tuple[int, int], records: int, nbytes: int) -> None:
         """Count one processed entry: its id ``(ms, seq)`` (newer than every one counted before), its records and
@@ -162,7 +157,7 @@ class RawWindow:
         else:
             self._chunks.append([entry_id, records, nbytes, 1])
         self.records += records
-        self._bytes += nbytes
+        self.nbytes += nbytes
         self._entries += 1
 
     def trim(self) -> tuple[str, bool] | None:
@@ -171,10 +166,10 @@ class RawWindow:
         entries kept are many enough (over :data:`EXACT_TRIM_ENTRIES`) for Redis' trim of whole radix-tree nodes —
         or None when nothing is to be trimmed."""
         dropped = False
-        while len(self._chunks) > 1 and (self.records > self.max_records or self._bytes > self.max_bytes):
+        while len(self._chunks) > 1 and (self.records > self.max_records or self.nbytes > self.max_bytes):
             _, records, nbytes, entries = self._chunks.popleft()
             self.records -= records
-            self._bytes -= nbytes
+            self.nbytes -= nbytes
             self._entries -= entries
             dropped = True
         if not dropped:
