@@ -17,9 +17,9 @@ def register(sub: Any) -> None:
     s.add_argument("--consumer", help="consumer name in the group (default: <host>-<pid>)")
     s.add_argument("--hang-floor", type=float, default=defaults.HANG_FLOOR_S,
                    help=f"minimum seconds without progress before a hang (default {defaults.HANG_FLOOR_S:.0f})")
-    s.add_argument("--linger", type=float, default=defaults.READ_LINGER_S, metavar="SECONDS",
-                   help="seconds to wait after catching up before reading again, so the next read takes the "
-                        f"records written meanwhile in one batch (default {defaults.READ_LINGER_S}; 0: at once)")
+    s.add_argument("--linger", type=_linger, default=defaults.READ_LINGER_S, metavar="SECONDS",
+                   help="seconds (0 to 10) to wait after catching up before reading again, so the next read takes "
+                        f"the records written meanwhile in one batch (default {defaults.READ_LINGER_S}; 0: at once)")
     s.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="also serve the Prometheus metrics (docs/metrics.md) on this port, as `trainhealth "
                         "exporter` does (default: not served)")
@@ -28,6 +28,17 @@ def register(sub: Any) -> None:
                         "Prometheus on another machine scrape it)")
     add_exporter_options(s, prefix="metrics-")
     s.set_defaults(func=run, extra="server")
+
+
+def _linger(text: str) -> float:
+    """``--linger``'s value: seconds from 0 to 10 (argparse names the flag and exits 2 otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= 10:
+        raise argparse.ArgumentTypeError(f"{text} must be seconds between 0 and 10")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -574,6 +574,14 @@ def test_the_linger_is_checked() -> None:
 
     with pytest.raises(ConfigError, match=r"linger_s=-1 must be seconds between 0 and 10"):
         DetectorService(redis.Redis(), linger_s=-1)
+    # The command names its flag, before it connects anywhere.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "trainhealth", "serve", "--linger", "-1", "--redis-url",
+                          "redis://127.0.0.1:1/0"], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout, out.stderr.splitlines()[-1]) == (
+        2, "", "trainhealth serve: error: argument --linger: -1 must be seconds between 0 and 10")
 
 
 def rollups(r: redis.Redis, run: str) -> list[dict[str, str]]:
