@@ -47,7 +47,7 @@ from trainhealth.dashboard.common import (
 )
 from trainhealth.defaults import DASHBOARD_REFRESH_S, MEMORY_HISTORY_S
 from trainhealth.job import JobState
-from trainhealth.text import fmt_bytes, fmt_cost, fmt_duration, fmt_int, plural
+from trainhealth.text import fmt_bytes, fmt_cost, fmt_duration, fmt_gpu_hours, fmt_int, plural
 
 #: Run states, their badge colour and icon.
 LEVELS = {"critical": ("red", ":material/error:"), "degraded": ("orange", ":material/warning:"),
@@ -418,26 +418,45 @@ def card(inc: Mapping[str, Any], recs: Mapping[str, Mapping[str, Any]], run: str
             st.caption(_decided(rec, tz))
 
 
+#: Rows of the "Other incidents" table; the rest are counted under it (the Anomalies page lists every anomaly).
+OTHERS_ROWS = 50
+OTHERS_COLUMNS = ("status", "severity", "incident", "where", "steps", "badput", "GPU-h", "advice", "onset")
+
+
+def _cell(text: Any) -> str:
+    """One markdown table cell: pipes escaped, line breaks flattened."""
+    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
 def others_table(incidents: Sequence[Mapping[str, Any]], recs: Mapping[str, Mapping[str, Any]],
-                 world_size: int | None, tz: str) -> pd.DataFrame:
-    """The incidents without a card (info ones, resolved ones), one row each, in :func:`data.incidents` order."""
-    rows = []
-    for i in incidents:
+                 world_size: int | None, tz: str, limit: int = OTHERS_ROWS) -> str:
+    """The incidents without a card (info ones, resolved ones) as a markdown table, one row each in
+    :func:`data.incidents` order (``limit`` rows, then a line counting the rest); columns :data:`OTHERS_COLUMNS`,
+    onset in ``tz``.
+
+    A markdown table, not ``st.dataframe``: the page's first chart waits for whatever JavaScript the elements before
+    it need, and Streamlit's data grid (its Arrow and canvas code) delayed it by ~0.3 s in headless Chromium even
+    inside a collapsed expander (``bench/dashboard_scale.py``; BENCHMARKS.md, issue 16)."""
+    lines = ["| " + " | ".join(OTHERS_COLUMNS) + " |", "|" + "---|" * len(OTHERS_COLUMNS)]
+    for i in incidents[:limit]:
         rec = recs.get(i.get("recommendation") or "")
         lo, hi = i.get("onset_step"), i.get("end_step")
-        rows.append({
-            "status": i.get("status"), "severity": i.get("severity"), "incident": i.get("title") or i.get("id"),
-            "where": where_text(i),
-            "steps": (f"{fmt_int(lo)}–{fmt_int(hi)}" if hi is not None and hi != lo else fmt_int(lo))
-            if lo is not None else "",
-            "badput": fmt_duration(i["badput_s"]) if i.get("badput_s") is not None else "",
-            "GPU-h": (i["badput_s"] * world_size / 3600.0) if i.get("badput_s") is not None and world_size else None,
-            "advice": (f"{cards.ACTIONS.get(str(rec.get('action')), (rec.get('action'),))[0]} · {rec.get('status')}"
-                       if rec else ""),
-            "onset": to_datetime(i["onset_t"], tz) if i.get("onset_t") is not None else None,
-        })
-    return pd.DataFrame(rows, columns=["status", "severity", "incident", "where", "steps", "badput", "GPU-h",
-                                       "advice", "onset"])
+        badput = i.get("badput_s")
+        advice = f"{cards.ACTIONS.get(str(rec.get('action')), (rec.get('action'),))[0]} · {rec.get('status')}" \
+            if rec else ""
+        cells = (
+            i.get("status") or "", i.get("severity") or "", i.get("title") or i.get("id") or "", where_text(i),
+            (f"{fmt_int(lo)}–{fmt_int(hi)}" if hi is not None and hi != lo else fmt_int(lo)) if lo is not None else "",
+            fmt_duration(badput) if badput is not None else "",
+            fmt_gpu_hours(badput * world_size / 3600.0) if badput is not None and world_size else "",
+            advice,
+            f"{to_datetime(float(i['onset_t']), tz):%m-%d %H:%M:%S}" if i.get("onset_t") is not None else "",
+        )
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    more = len(incidents) - limit
+    if more > 0:
+        lines.append(f"\n{plural(more, 'more incident')}: the Anomalies page lists every anomaly.")
+    return "\n".join(lines)
 
 
 def render(incidents: list[dict[str, Any]], recs: list[dict[str, Any]], state: JobState | None,
@@ -463,10 +482,7 @@ def render(incidents: list[dict[str, Any]], recs: list[dict[str, Any]], state: J
     others = [i for i in incidents if i not in carded]
     if others:
         with st.expander(f"Other incidents ({len(others)}: minor or resolved)", icon=":material/history:"):
-            st.dataframe(others_table(others, by_id, meta.get("world_size"), tz), hide_index=True,
-                         key=f"inc-others-{where}", column_config={
-                             "GPU-h": st.column_config.NumberColumn("GPU-h", format="%.3f"),
-                             "onset": st.column_config.DatetimeColumn("onset", format="MM-DD HH:mm:ss")})
+            st.markdown(others_table(others, by_id, meta.get("world_size"), tz))
 
 
 @st.fragment(run_every=DASHBOARD_REFRESH_S)
