@@ -48,7 +48,9 @@ its own, ``bench/service_throughput.py``; the collectors need as much again). So
 Then the ranks stop without closing (SIGKILL: no ``run_end``, so the run stays ``running``), the service stops its
 loop and only its heartbeat goes on (``DetectorService.beat`` every 2 s, as its heartbeat thread does), so the
 pages show a live service and nothing but the dashboard reads Redis while it is measured: a frozen moment of a
-live run (a refresh finds no new step; the newest step ended a few minutes before).
+live run (a refresh finds no new step; the newest step ended a few minutes before). Before measuring, it waits
+until fewer than half a core is busy for 6 s (:func:`wait_quiet`, at most 5 minutes): the load's aftermath
+otherwise slowed the first pages measured.
 
 **What it measures, per page** (Runs, Overview, Goodput, Ranks, Anomalies, Alerts) **and for the one-chart page**
 (a temp script: one ``st.plotly_chart`` of a 2,000-point line):
@@ -75,6 +77,15 @@ live run (a refresh finds no new step; the newest step ended a few minutes befor
   message, recorded in the page); *app refresh* = server time of the fragment runs over ``--observe`` seconds of
   the last load, per 2 s (``DASHBOARD_REFRESH_S``) cycle, and the Redis bytes read over the same seconds per
   cycle. Chromium, the server and Redis share the 2 cores, as on a laptop.
+- The running app's server time without a browser: the browser's *app cold* and *app refresh* are timed by the
+  page as its messages arrive, so they include whatever else Chromium's main thread was doing then (compiling
+  Streamlit's JavaScript chunks on the same 2 cores delays the arrival events). So each page is also driven by a
+  plain websocket client speaking Streamlit's protocol (:func:`server_page`, the ``websockets`` package Streamlit
+  itself depends on): *server cold* = a ``clear_cache`` request (both caches, as AppTest's cold run) then a full
+  run of the page, ``new_session`` to ``script_finished`` as the client receives them (median of ``--repeats``
+  fresh sessions); *server refresh* = each live fragment the run scheduled (its ``auto_rerun`` message) re-run as
+  the browser's timer does (``is_auto_rerun``), the median of three runs of each, summed per 2 s by its interval
+  (a fragment every 10 s counts a fifth).
 - App memory: RSS of the ``streamlit run`` process after each page's loads (psutil), so the last is after every
   page was loaded once or more.
 
@@ -86,7 +97,9 @@ show the growth).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib
@@ -618,6 +631,32 @@ def load_run(rp: RedisProc, plan: Plan, procs: int | None) -> tuple[DetectorServ
     return svc, stats
 
 
+def _cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of all CPUs since boot (``/proc/stat``)."""
+    values = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return values[3] + values[4], sum(values)  # idle + iowait
+
+
+def wait_quiet(busy_cores: float = 0.5, window_s: float = 2.0, streak: int = 3, limit_s: float = 300.0) -> float:
+    """Wait until the machine is quiet: fewer than ``busy_cores`` cores busy over ``streak`` windows of
+    ``window_s`` seconds in a row (``/proc/stat``), at most ``limit_s`` s. Returns the seconds waited.
+
+    The load can leave the cores busy for a while after it (the killed Monitors' processes exiting, the
+    collector threads' backlog); the load average, which takes minutes to decay, is not the test. Runs after it
+    was added still saw AppTest's one-chart page at 2x its quiet-machine time: what remains is not the CPU."""
+    t0 = time.monotonic()
+    cores = os.cpu_count() or 1
+    quiet = 0
+    idle0, total0 = _cpu_times()
+    while quiet < streak and time.monotonic() - t0 < limit_s:
+        time.sleep(window_s)
+        idle1, total1 = _cpu_times()
+        busy = cores * (1.0 - (idle1 - idle0) / max(1, total1 - total0))
+        quiet = quiet + 1 if busy < busy_cores else 0
+        idle0, total0 = idle1, total1
+    return time.monotonic() - t0
+
+
 class Heartbeat(threading.Thread):
     """The detector service's heartbeat alone (``DetectorService.beat`` every 2 s, as its heartbeat thread does)."""
 
@@ -846,6 +885,77 @@ def open_page(browser: Any, url: str, selector: str, observe_s: float = 0.0,
         ctx.close()
 
 
+async def _server_runs(base: str, page: str, query: str, repeats: int) -> dict[str, Any]:
+    import websockets
+    from streamlit.proto.BackMsg_pb2 import BackMsg
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    url = "ws" + base.removeprefix("http") + "/_stcore/stream"
+
+    def quick_ack(ws: Any) -> None:
+        # Linux delays a receiver's ACK up to 40 ms and the server holds its next small message until the ACK of the
+        # last (Nagle): ~40 ms between two messages, which Chromium's own traffic does not show. Re-armed after
+        # every read, as the kernel drops back to delayed ACKs by itself.
+        with contextlib.suppress(AttributeError, OSError):
+            ws.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+
+    async def run(ws: Any, fragment: str = "", clear: bool = False) -> tuple[float, int, dict[str, float]]:
+        quick_ack(ws)
+        if clear:
+            msg = BackMsg()
+            msg.clear_cache = True
+            await ws.send(msg.SerializeToString())
+        msg = BackMsg()
+        msg.rerun_script.query_string = query
+        msg.rerun_script.page_name = page
+        msg.rerun_script.context_info.timezone = "UTC"
+        if fragment:
+            msg.rerun_script.fragment_id = fragment
+            msg.rerun_script.is_auto_rerun = True
+        await ws.send(msg.SerializeToString())
+        start, autos = None, {}
+        while True:
+            fm = ForwardMsg.FromString(await asyncio.wait_for(ws.recv(), LOAD_TIMEOUT_MS / 1e3))
+            quick_ack(ws)
+            kind = fm.WhichOneof("type")
+            if kind == "new_session" and start is None:
+                start = time.perf_counter()
+            elif kind == "auto_rerun":
+                autos[fm.auto_rerun.fragment_id] = fm.auto_rerun.interval
+            elif kind == "script_finished" and start is not None and fm.script_finished != 2:  # 2: restarted
+                return (time.perf_counter() - start) * 1e3, fm.script_finished, autos
+
+    cold: list[float] = []
+    refresh: dict[str, list[float]] = {}
+    autos: dict[str, float] = {}
+    for i in range(repeats):
+        async with websockets.connect(url, subprotocols=["streamlit"], max_size=None,
+                                      additional_headers={"Origin": base}) as ws:
+            ms, status, autos = await run(ws, clear=True)
+            if status != 0:
+                return {"error": f"full run of {page or 'the default page'} finished with status {status}"}
+            cold.append(ms)
+            if i == repeats - 1:
+                for fragment in autos:
+                    refresh[fragment] = [(await run(ws, fragment))[0] for _ in range(3)]
+    per_cycle = sum(statistics.median(v) * defaults.DASHBOARD_REFRESH_S / autos[f] for f, v in refresh.items())
+    return {"cold_ms": [round(x, 1) for x in cold], "cold": round(statistics.median(cold), 1),
+            "fragments": {f"{i}: every {autos[f]:g} s": [round(x, 1) for x in v]
+                          for i, (f, v) in enumerate(refresh.items())},
+            "refresh": round(per_cycle, 1)}
+
+
+def server_page(base: str, page: str, query: str, repeats: int) -> dict[str, Any]:
+    """The running app's server time for one page, without a browser: ``cold`` = median ms of ``repeats`` fresh
+    sessions' full runs after clearing both caches (``new_session`` to ``script_finished`` at the client),
+    ``refresh`` = ms of fragment runs per ``DASHBOARD_REFRESH_S`` (each live fragment re-run three times, the
+    median weighted by its interval). ``page`` is the URL path (``""``: the default page), ``query`` the query
+    string. Returns ``{"error": ...}`` when a run does not finish cleanly."""
+    # In a thread of its own: Playwright's sync API keeps an event loop running in this one.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, _server_runs(base, page, query, repeats)).result()
+
+
 def rss_mb(pid: int) -> float:
     """Resident memory of process ``pid`` (MB)."""
     try:
@@ -860,8 +970,9 @@ def rss_mb(pid: int) -> float:
 
 
 def browser_pages(rp: RedisProc, plan: Plan, baseline: Path, loads: int, observe_s: float,
-                  tmp: Path) -> dict[str, dict[str, Any]]:
-    """Every page (and the one-chart page) in Chromium against a running ``streamlit run``."""
+                  tmp: Path, repeats: int = 3) -> dict[str, dict[str, Any]]:
+    """Every page (and the one-chart page) against a running ``streamlit run``: in Chromium, then its server times
+    without a browser (:func:`server_page`, ``repeats`` cold runs)."""
     from playwright.sync_api import sync_playwright
 
     out: dict[str, dict[str, Any]] = {}
@@ -892,6 +1003,14 @@ def browser_pages(rp: RedisProc, plan: Plan, baseline: Path, loads: int, observe
                       f"{_num(b['app_refresh_bytes'])} B / Redis {_num(b['app_refresh_redis_ms'], '{:,.1f}')} ms per "
                       f"2 s, RSS {b['rss_mb']:,.0f} MB"
                       + (f"; errors: {b['errors']}" if b["errors"] else ""), flush=True)
+            # After the browser's loads, which it would otherwise find with both caches cleared.
+            for name, _, path, _ in [(BASELINE, None, None, None), *PAGES]:
+                srv = server_page(base_b, "", "", repeats) if name == BASELINE else \
+                    server_page(base, path, f"run={plan.run}", repeats)
+                out[name]["server"] = srv
+                print(f"  server  {name:<15} cold {_num(srv.get('cold'))} ms {srv.get('cold_ms')}, refresh "
+                      f"{_num(srv.get('refresh'))} ms per 2 s {srv.get('fragments')}"
+                      + (f"; error: {srv['error']}" if "error" in srv else ""), flush=True)
         finally:
             browser.close()
     return out
@@ -932,6 +1051,9 @@ def measure_size(world: int, args: argparse.Namespace, baseline: Path, tmp: Path
                   f"{loaded['gens']} generations", flush=True)
         beat = Heartbeat(svc)
         beat.start()
+        waited = wait_quiet()
+        result["quiet_wait_s"] = round(waited, 1)
+        print(f"  waited {waited:.0f} s for the machine to settle (load average {os.getloadavg()[0]:.2f})", flush=True)
         os.environ["TRAINHEALTH_REDIS_URL"] = rp.url
         pages: dict[str, dict[str, Any]] = {}
         if not args.skip_apptest:
@@ -945,7 +1067,7 @@ def measure_size(world: int, args: argparse.Namespace, baseline: Path, tmp: Path
                       f"{a['cold_bytes_redis_ms']:,.1f} / {a['refresh_bytes_redis_ms']:,.1f} ms"
                       + (f"; errors: {a['errors']}" if a["errors"] else ""), flush=True)
         if not args.skip_browser:
-            for name, got in browser_pages(rp, plan, baseline, args.loads, args.observe, tmp).items():
+            for name, got in browser_pages(rp, plan, baseline, args.loads, args.observe, tmp, args.repeats).items():
                 pages.setdefault(name, {})["browser"] = got
         result["pages"] = pages
     finally:
@@ -974,12 +1096,14 @@ def table(result: dict[str, Any]) -> str:
     """The Markdown table of one size; ✓/✗ = the issue's target met/missed."""
     pages = result["pages"]
     base = pages.get(BASELINE, {}).get("browser", {})
-    head = ["page", "AppTest cold ms", "AppTest refresh ms", "app cold ms", "app refresh ms / 2 s",
+    head = ["page", "AppTest cold ms", "AppTest refresh ms", "app server cold ms", "app server refresh ms / 2 s",
+            "app cold ms (browser)", "app refresh ms / 2 s (browser)",
             "first drawn ms (first load · warm)", "x one-chart (first · warm)", "cold bytes", "refresh bytes",
             "app bytes / 2 s", "Redis ms (cold · refresh · app / 2 s)", "app RSS MB"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in [BASELINE, *(p[0] for p in PAGES)]:
         a, b = pages.get(name, {}).get("apptest", {}), pages.get(name, {}).get("browser", {})
+        srv = b.get("server", {})
         drawn = {"chart": "", "table": " (table)", "metric": " (metric)"}.get(b.get("drawn", ""), "")
         ratio_first = _ratio(b.get("first_load_ms"), base.get("first_load_ms"))
         ratio_warm = _ratio(b.get("warm_ms"), base.get("warm_ms"))
@@ -988,6 +1112,8 @@ def table(result: dict[str, Any]) -> str:
             name,
             _num(a.get("cold")) + ("" if baseline else _mark(a.get("cold"), lambda v: v <= COLD_MS)),
             _num(a.get("refresh")) + ("" if baseline else _mark(a.get("refresh"), lambda v: v <= REFRESH_MS)),
+            _num(srv.get("cold")) + ("" if baseline else _mark(srv.get("cold"), lambda v: v <= COLD_MS)),
+            _num(srv.get("refresh")) + ("" if baseline else _mark(srv.get("refresh"), lambda v: v <= REFRESH_MS)),
             _num(b.get("app_cold_ms")) + ("" if baseline else _mark(b.get("app_cold_ms"), lambda v: v <= COLD_MS)),
             _num(b.get("app_refresh_ms")) + ("" if baseline else
                                              _mark(b.get("app_refresh_ms"), lambda v: v <= REFRESH_MS)),
