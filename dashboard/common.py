@@ -6,7 +6,7 @@ import getpass
 import math
 import os
 import re
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -184,10 +184,11 @@ TOKEN_GAP_NOTE = ("Shaded gap = tokens recomputed or discarded (redone, rolled-b
 
 RATE_ROWS = {"throughput": "throughput_tok_s", "goodput": "goodput_tok_s"}
 RATE_HEADERS = {"60s": "last 1 min", "600s": "last 10 min", "3600s": "last 1 h"}
-#: Marks a window longer than the run so far (its figure covers the whole run); a long header is cut in the
-#: table's 96 px columns, so the mark is one character and :data:`RATE_YOUNGER_HELP` says what it means.
+#: Marks a window longer than the run so far (its figure covers the whole run): one character in the header, and
+#: :data:`RATE_YOUNGER_HELP` under the table says what it means.
 RATE_YOUNGER = "*"
-RATE_YOUNGER_HELP = "* The run is younger than this window: the figure covers the whole run."
+#: Markdown (the mark escaped: a leading "*" would make a bullet list of the caption).
+RATE_YOUNGER_HELP = "\\* The run is younger than this window: the figure covers the whole run."
 
 
 def rates_table(snap: dict) -> pd.DataFrame:
@@ -203,6 +204,32 @@ def rates_table(snap: dict) -> pd.DataFrame:
             row[header] = fmt_rate((rates.get(w) or {}).get(key))
         rows[label] = row
     return pd.DataFrame.from_dict(rows, orient="index")
+
+
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|])")
+
+
+def markdown_table(header: Sequence[Any], rows: Iterable[Sequence[Any]], right: Sequence[bool] = ()) -> str:
+    """A GitHub-flavoured markdown table for ``st.markdown``: ``header`` and each row's cells as text, markdown's
+    special characters escaped (a title with ``|`` or ``*`` stays one cell, as written) and line breaks flattened;
+    ``right[i]`` right-aligns column ``i`` (figures).
+
+    For small tables that need no sorting or selection: ``st.dataframe`` loads Streamlit's data-grid JavaScript
+    (Arrow, the canvas grid) as soon as its element arrives, even inside a collapsed expander, and a page's first
+    chart waited ~0.3 s behind it in headless Chromium (BENCHMARKS.md, issue 16).
+
+    >>> print(markdown_table(["kind", "tokens/s"], [["a | b", "1,024"]], right=[False, True]))
+    | kind | tokens/s |
+    |---|---:|
+    | a \\| b | 1,024 |
+    """
+    def cell(value: Any) -> str:
+        return _MD_SPECIAL.sub(r"\\\1", str(value)).replace("\r", " ").replace("\n", " ")
+
+    aligns = ["---:" if i < len(right) and right[i] else "---" for i in range(len(header))]
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "|".join(aligns) + "|"]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def status_moved(seen: tuple[str, str] | None, run: str, status: str) -> bool:

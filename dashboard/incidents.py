@@ -41,6 +41,7 @@ from trainhealth.dashboard.common import (
     client,
     get_client,
     kind_words,
+    markdown_table,
     show_problems,
     to_datetime,
     viewer_tz,
@@ -423,21 +424,14 @@ OTHERS_ROWS = 50
 OTHERS_COLUMNS = ("status", "severity", "incident", "where", "steps", "badput", "GPU-h", "advice", "onset")
 
 
-def _cell(text: Any) -> str:
-    """One markdown table cell: pipes escaped, line breaks flattened."""
-    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
-
-
 def others_table(incidents: Sequence[Mapping[str, Any]], recs: Mapping[str, Mapping[str, Any]],
                  world_size: int | None, tz: str, limit: int = OTHERS_ROWS) -> str:
     """The incidents without a card (info ones, resolved ones) as a markdown table, one row each in
     :func:`data.incidents` order (``limit`` rows, then a line counting the rest); columns :data:`OTHERS_COLUMNS`,
     onset in ``tz``.
 
-    A markdown table, not ``st.dataframe``: the page's first chart waits for whatever JavaScript the elements before
-    it need, and Streamlit's data grid (its Arrow and canvas code) delayed it by ~0.3 s in headless Chromium even
-    inside a collapsed expander (``bench/dashboard_scale.py``; BENCHMARKS.md, issue 16)."""
-    lines = ["| " + " | ".join(OTHERS_COLUMNS) + " |", "|" + "---|" * len(OTHERS_COLUMNS)]
+    A markdown table, not ``st.dataframe``: see :func:`~trainhealth.dashboard.common.markdown_table`."""
+    rows = []
     for i in incidents[:limit]:
         rec = recs.get(i.get("recommendation") or "")
         lo, hi = i.get("onset_step"), i.get("end_step")
@@ -452,11 +446,10 @@ def others_table(incidents: Sequence[Mapping[str, Any]], recs: Mapping[str, Mapp
             advice,
             f"{to_datetime(float(i['onset_t']), tz):%m-%d %H:%M:%S}" if i.get("onset_t") is not None else "",
         )
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        rows.append(cells)
+    text = markdown_table(OTHERS_COLUMNS, rows, right=[c in ("steps", "badput", "GPU-h") for c in OTHERS_COLUMNS])
     more = len(incidents) - limit
-    if more > 0:
-        lines.append(f"\n{plural(more, 'more incident')}: the Anomalies page lists every anomaly.")
-    return "\n".join(lines)
+    return text + (f"\n\n{plural(more, 'more incident')}: the Anomalies page lists every anomaly." if more > 0 else "")
 
 
 def render(incidents: list[dict[str, Any]], recs: list[dict[str, Any]], state: JobState | None,

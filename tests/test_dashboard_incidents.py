@@ -116,7 +116,7 @@ STATE = (":red-badge[:material/error: critical] · running · 2 active incidents
          "that became a divergence; Rank 5 (node-1) is a straggler, costing throughput · 1 minor (info) · 1 resolved")
 OTHERS_TABLE = """\
 | status | severity | incident | where | steps | badput | GPU-h | advice | onset |
-|---|---|---|---|---|---|---|---|---|
+|---|---|---|---|---:|---:|---:|---|---|
 | active | info | Loss plateau from step 150 | the whole job | 150 |  |  |  | 12-01 00:02:30 |
 | resolved | warning | Run restarted at step 100 | the whole job | 100 | 5 s | 0.01 |  | 12-01 00:01:40 |"""
 SPIKE_HEAD = ":red-badge[critical] :gray-badge[Loss spike] **Loss spike at step 450 that became a divergence**"
@@ -171,7 +171,7 @@ def test_the_other_incidents_table_escapes_its_cells_and_counts_what_it_leaves_o
     text = incidents.others_table(rows, {}, 2, "Europe/Paris", limit=2)
     assert text.splitlines() == [
         "| status | severity | incident | where | steps | badput | GPU-h | advice | onset |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---:|---:|---:|---|---|",
         "| resolved | info | a \\| b 1 | the whole job | 1–6 | 2.0 h | 4.00 |  | 12-01 01:00:01 |",
         "| resolved | info | a \\| b 2 | the whole job | 2–7 | 2.0 h | 4.00 |  | 12-01 01:00:02 |",
         "",

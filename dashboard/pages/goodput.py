@@ -31,6 +31,7 @@ from trainhealth.dashboard.common import (
     client,
     current_focus,
     get_client,
+    markdown_table,
     rates_table,
     redis_trouble,
     reuse,
@@ -269,12 +270,12 @@ def live(run: str) -> None:
         st.info(gap, icon=":material/visibility_off:")
     kpis(snap, meta)
     if data.has_token_counts(snap):
+        # A markdown table: the data grid's JavaScript would hold back the charts below (common.markdown_table).
         rates = rates_table(snap)
-        st.dataframe(rates, key="rates", width="content", column_config={
-            "_index": st.column_config.TextColumn("tokens/s", width=150),
-            **{c: st.column_config.TextColumn(c, alignment="right", width=96,
-                                              help=RATE_YOUNGER_HELP if c.endswith(RATE_YOUNGER) else None)
-               for c in rates.columns}})
+        rows = ([label, *row] for label, row in zip(rates.index, rates.itertuples(index=False, name=None), strict=True))
+        st.markdown(markdown_table(["tokens/s", *rates.columns], rows, right=[False, *[True] * len(rates.columns)]))
+        if any(c.endswith(RATE_YOUNGER) for c in rates.columns):
+            st.caption(RATE_YOUNGER_HELP)
     head, pick = st.columns([3, 1.4], vertical_alignment="bottom")
     span = (f"the whole run (up to {MAX_POINTS} ledger snapshots, evenly spaced in time)" if window == WHOLE_RUN
             else f"the last {window} of ledger snapshots")
