@@ -436,6 +436,7 @@ def others_table(incidents: Sequence[Mapping[str, Any]], recs: Mapping[str, Mapp
         rec = recs.get(i.get("recommendation") or "")
         lo, hi = i.get("onset_step"), i.get("end_step")
         badput = i.get("badput_s")
+        onset = to_datetime(float(i["onset_t"]), tz) if i.get("onset_t") is not None else None  # None for NaN
         advice = f"{cards.ACTIONS.get(str(rec.get('action')), (rec.get('action'),))[0]} · {rec.get('status')}" \
             if rec else ""
         cells = (
@@ -444,7 +445,7 @@ def others_table(incidents: Sequence[Mapping[str, Any]], recs: Mapping[str, Mapp
             fmt_duration(badput) if badput is not None else "",
             fmt_gpu_hours(badput * world_size / 3600.0) if badput is not None and world_size else "",
             advice,
-            f"{to_datetime(float(i['onset_t']), tz):%m-%d %H:%M:%S}" if i.get("onset_t") is not None else "",
+            f"{onset:%m-%d %H:%M:%S}" if onset is not None else "",
         )
         rows.append(cells)
     text = markdown_table(OTHERS_COLUMNS, rows, right=[c in ("steps", "badput", "GPU-h") for c in OTHERS_COLUMNS])

@@ -168,6 +168,7 @@ def test_every_page_opens_with_the_state_line_and_the_incident_cards(seeded: dic
 def test_the_other_incidents_table_escapes_its_cells_and_counts_what_it_leaves_out() -> None:
     rows = [{"status": "resolved", "severity": "info", "title": f"a | b {n}", "id": f"inc:{n}", "onset_step": n,
              "end_step": n + 5, "badput_s": 7200.0, "onset_t": T0 + n} for n in (1, 2, 3)]
+    rows[2]["onset_t"] = float("nan")  # unknown: a blank cell, not an error
     text = incidents.others_table(rows, {}, 2, "Europe/Paris", limit=2)
     assert text.splitlines() == [
         "| status | severity | incident | where | steps | badput | GPU-h | advice | onset |",
@@ -176,6 +177,8 @@ def test_the_other_incidents_table_escapes_its_cells_and_counts_what_it_leaves_o
         "| resolved | info | a \\| b 2 | the whole job | 2–7 | 2.0 h | 4.00 |  | 12-01 01:00:02 |",
         "",
         "1 more incident: the Anomalies page lists every anomaly."]
+    assert incidents.others_table(rows[2:], {}, None, "UTC").splitlines()[2] == (
+        "| resolved | info | a \\| b 3 | the whole job | 3–8 | 2.0 h |  |  |  |")
 
 
 def test_acknowledge_then_dismiss_inside_the_incident_card(seeded: dict, r: redis.Redis) -> None:
