@@ -18,8 +18,9 @@ def register(sub: Any) -> None:
     s.add_argument("--hang-floor", type=float, default=defaults.HANG_FLOOR_S,
                    help=f"minimum seconds without progress before a hang (default {defaults.HANG_FLOOR_S:.0f})")
     s.add_argument("--linger", type=_linger, default=defaults.READ_LINGER_S, metavar="SECONDS",
-                   help="seconds (0 to 10) to wait after catching up before reading again, so the next read takes "
-                        f"the records written meanwhile in one batch (default {defaults.READ_LINGER_S}; 0: at once)")
+                   help=f"seconds (0 to {defaults.MAX_READ_LINGER_S:g}) to wait after catching up before reading "
+                        "again, so the next read takes the records written meanwhile in one batch "
+                        f"(default {defaults.READ_LINGER_S}; 0: at once)")
     s.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="also serve the Prometheus metrics (docs/metrics.md) on this port, as `trainhealth "
                         "exporter` does (default: not served)")
@@ -31,13 +32,14 @@ def register(sub: Any) -> None:
 
 
 def _linger(text: str) -> float:
-    """``--linger``'s value: seconds from 0 to 10 (argparse names the flag and exits 2 otherwise)."""
+    """``--linger``'s value: seconds from 0 to ``defaults.MAX_READ_LINGER_S`` (argparse names the flag and exits 2
+    otherwise)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 <= value <= 10:
-        raise argparse.ArgumentTypeError(f"{text} must be seconds between 0 and 10")
+    if not 0 <= value <= defaults.MAX_READ_LINGER_S:
+        raise argparse.ArgumentTypeError(f"{text} must be seconds between 0 and {defaults.MAX_READ_LINGER_S:g}")
     return value
 
 

@@ -260,8 +260,9 @@ class DetectorService:
         linger_s: float = defaults.READ_LINGER_S,
     ) -> None:
         self.client = client
-        if isinstance(linger_s, bool) or not (isinstance(linger_s, (int, float)) and 0 <= linger_s <= 10):
-            raise ConfigError(f"linger_s={linger_s!r} must be seconds between 0 and 10")
+        if isinstance(linger_s, bool) or not (isinstance(linger_s, (int, float))
+                                              and 0 <= linger_s <= defaults.MAX_READ_LINGER_S):
+            raise ConfigError(f"linger_s={linger_s!r} must be seconds between 0 and {defaults.MAX_READ_LINGER_S:g}")
         self.linger_s = float(linger_s)
         #: The newest read got fewer entries than it asked for from every stream: nothing was left behind.
         self.caught_up = True

@@ -129,6 +129,8 @@ READ_BLOCK_MS = 1_000
 #: record at 1,024 ranks stepping once a second). What it adds to a detection's latency, at most; a read that did
 #: not catch up (a backlog) is followed by the next at once. As Kafka's producer ``linger.ms``.
 READ_LINGER_S = 0.1
+#: The largest linger accepted (s), by the service and by ``trainhealth serve --linger``.
+MAX_READ_LINGER_S = 10.0
 #: On Redis Cluster, where one blocking read cannot span the runs' slots: seconds between the non-blocking reads
 #: of every run's streams while nothing comes (trainhealth.connection.read_groups); the latency it adds, at most.
 CLUSTER_POLL_S = 0.05
